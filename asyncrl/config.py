@@ -1,0 +1,314 @@
+"""The one configuration schema of asyncrl.
+
+Typed dataclasses turned into an OmegaConf structured config. Every field carries its documentation
+and its allowed range in ``field(metadata=...)`` so that ``asyncrl config --explain`` can print it and
+``load_config`` can reject a bad value at start-up with the full key path and what is allowed.
+
+Invariant: this module imports neither torch, vllm nor ray (the CLI and the buffer read it in
+processes that must start fast and that may not have those installed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names the full key path."""
+
+
+def F(default: Any, doc: str, *, choices: tuple | None = None, ge=None, gt=None, le=None, lt=None) -> Any:
+    """A documented, validated dataclass field (doc = meaning, unit, trade-off)."""
+    meta = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if isinstance(default, list | dict) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: _copy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _copy(v: Any) -> Any:
+    if dataclasses.is_dataclass(v):
+        return dataclasses.replace(v)
+    return type(v)(v)
+
+
+@dataclass
+class RunConfig:
+    name: str = F("demo", "Run name; namespaces every Redis key and names the run directory.")
+    dir: str = F("", "Run directory (config, metrics.jsonl, weights/, checkpoints/). Empty = runs/<name>.")
+    seed: int = F(0, "Seed for model init, prompt order, sampling and the learner.", ge=0)
+    max_steps: int = F(60, "Learner optimizer steps before the run ends (0 = unlimited).", ge=0)
+    max_wall_s: float = F(0.0, "Wall-clock budget in seconds for `asyncrl run` (0 = unlimited).", ge=0)
+    progress: bool = F(True, "Show a live progress line on the terminal.")
+
+
+@dataclass
+class RedisConfig:
+    url: str = F("", "redis:// or rediss:// URL of a shared Redis. Empty = start an embedded redis-server in the run dir.")
+    password: str = F("", "Redis AUTH password (empty = none). Also set on the embedded server when given.")
+    tls: bool = F(False, "Use TLS to reach Redis (same as a rediss:// URL).")
+    tls_ca_certs: str = F("", "CA bundle path for TLS (empty = system default).")
+    appendfsync: str = F(
+        "everysec",
+        "AOF fsync policy of the embedded server: always is safest, everysec loses at most 1 s on a crash.",
+        choices=("always", "everysec", "no"),
+    )
+
+
+@dataclass
+class RayConfig:
+    address: str = F("", "Ray cluster address (e.g. ray://host:10001 or auto). Empty = start a local Ray.")
+    num_cpus: int = F(0, "CPUs for a local Ray (0 = let Ray decide).", ge=0)
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = F(128, "Hidden size of the built-in tiny Qwen2-style model.", ge=32)
+    num_layers: int = F(2, "Transformer layers of the tiny model.", ge=1)
+    num_heads: int = F(2, "Attention heads; head_dim = hidden_size / num_heads must be >= 32 (vLLM CPU).", ge=1)
+    num_kv_heads: int = F(1, "Key/value heads (grouped-query attention).", ge=1)
+    intermediate_size: int = F(256, "MLP width of the tiny model.", ge=8)
+    max_position_embeddings: int = F(256, "Longest sequence the tiny model supports (prompt + completion).", ge=16)
+
+
+@dataclass
+class ModelConfig:
+    path: str = F("", "Local Hugging Face model directory. Empty = build the tiny model into <run_dir>/model.")
+    tiny: TinyModelConfig = F(TinyModelConfig(), "Spec of the built-in tiny model (used when path is empty).")
+    dtype: str = F(
+        "float32",
+        "Weights/compute dtype for actors and learner. bfloat16 keeps fp32 master weights in the learner.",
+        choices=("float32", "bfloat16"),
+    )
+    max_model_len: int = F(256, "Longest prompt + completion the engines accept, in tokens.", ge=16)
+
+
+@dataclass
+class TaskConfig:
+    name: str = F(
+        "copy",
+        "Built-in task: copy/reverse/count/addition (tiny, dense reward in [0,1]) or gsm8k (JSONL math).",
+        choices=("copy", "reverse", "count", "addition", "gsm8k"),
+    )
+    data_path: str = F("", "GSM8K-format JSONL (question, answer with '#### n'). Empty = shipped examples.")
+    num_prompts: int = F(4096, "Size of the generated prompt set for the tiny tasks.", ge=1)
+    min_len: int = F(2, "Shortest generated string for tiny tasks, in characters.", ge=1)
+    max_len: int = F(5, "Longest generated string for tiny tasks, in characters.", ge=1)
+    alphabet: str = F("abcd", "Characters the tiny tasks draw from.")
+
+
+@dataclass
+class ActorsConfig:
+    num_actors: int = F(1, "Ray actors, each with its own vLLM engine.", ge=1)
+    groups_in_flight: int = F(4, "Groups each actor keeps in flight (continuous batching depth).", ge=1)
+    group_size: int = F(8, "Completions per prompt (G); the unit of GRPO advantages.", ge=1)
+    temperature: float = F(1.0, "Sampling temperature; the learner divides logits by the same value.", gt=0)
+    top_p: float = F(1.0, "Nucleus sampling mass (1 = off; <1 makes behaviour logprobs a truncated law).", gt=0, le=1)
+    max_tokens: int = F(16, "Longest completion, in tokens.", ge=1)
+    swap_mode: str = F(
+        "in_flight",
+        "in_flight = pause, reload and resume under running requests; between_groups = drain first.",
+        choices=("in_flight", "between_groups"),
+    )
+    gpu_memory_utilization: float = F(0.1, "vLLM KV-cache share (of host RAM on CPU, of GPU memory on GPU).", gt=0, le=1)
+    enforce_eager: bool = F(True, "Disable CUDA graphs / compilation (faster start, fine for tiny models).")
+    num_cpus_per_actor: float = F(1.0, "Ray CPUs reserved per actor.", gt=0)
+    max_restarts: int = F(3, "Ray restarts of a crashed actor before the pool gives up.", ge=0)
+    heartbeat_s: float = F(2.0, "Seconds between actor heartbeats in Redis.", gt=0)
+    admission_poll_s: float = F(0.05, "Seconds between admission retries while the bound is reached.", gt=0)
+
+
+@dataclass
+class BufferConfig:
+    max_staleness: int = F(
+        1,
+        "eta: admission bound and hard drop bound on V - v_t. 0 = synchronous on-policy; larger = more "
+        "overlap and throughput, more off-policy correction needed.",
+        ge=0,
+    )
+    groups_per_step: int = F(4, "Groups the learner consumes per optimizer step.", ge=1)
+    maxlen: int = F(100000, "Approximate cap on the rollouts stream length (admission is the real bound).", ge=1)
+
+
+@dataclass
+class LossConfig:
+    anchor: str = F(
+        "prox",
+        "Trust-region anchor: prox = proximal policy (exact recompute or A-3PO log-linear), behaviour = mu.",
+        choices=("prox", "behaviour"),
+    )
+    policy_loss: str = F("dppo", "dppo = DPPO keep mask; ppo_clip = decoupled PPO clip.", choices=("dppo", "ppo_clip"))
+    divergence: str = F("tv", "DPPO divergence between policy and anchor probabilities.", choices=("tv", "kl"))
+    dppo_low: float = F(0.2, "DPPO threshold for tokens with A < 0.", gt=0)
+    dppo_high: float = F(0.2, "DPPO threshold for tokens with A > 0.", gt=0)
+    eps_low: float = F(0.2, "PPO clip lower epsilon.", gt=0, lt=1)
+    eps_high: float = F(0.28, "PPO clip upper epsilon.", gt=0)
+    dual_clip: float = F(0.0, "PPO dual-clip constant c > 1 (0 = off).", ge=0)
+    is_mode: str = F("tis", "Importance correction anchor vs behaviour.", choices=("tis", "icepop", "none"))
+    is_level: str = F("token", "Importance weight per token or per sequence.", choices=("token", "sequence"))
+    is_cap: float = F(2.0, "Upper cap of importance weights.", gt=0)
+    is_low: float = F(0.5, "IcePop lower bound; ratios below are zeroed.", ge=0)
+    beta_rollout_kl: float = F(1e-3, "Coefficient of the k2 KL between policy and behaviour (trust region).", ge=0)
+    rollout_kl_kind: str = F("k2", "Estimator of the rollout KL term.", choices=("k1", "abs", "k2", "k3"))
+    entropy_coef: float = F(0.0, "Entropy bonus coefficient.", ge=0)
+    ref_kl_coef: float = F(0.0, "KL to a frozen reference model (0 = no reference model is loaded).", ge=0)
+    ref_kl_kind: str = F("k3", "Estimator of the reference KL.", choices=("k1", "abs", "k2", "k3"))
+    reduction: str = F(
+        "token_mean",
+        "Loss reduction with global denominators over the whole optimizer step.",
+        choices=("token_mean", "sequence_mean", "seq_mean_token_sum_norm"),
+    )
+    normalize_adv_std: bool = F(True, "Divide group advantages by the group std (False = Dr.GRPO).")
+
+
+@dataclass
+class LearnerConfig:
+    lr: float = F(1e-5, "AdamW learning rate.", gt=0)
+    weight_decay: float = F(0.0, "AdamW weight decay.", ge=0)
+    grad_clip: float = F(1.0, "Global gradient-norm clip (0 = off).", ge=0)
+    warmup_steps: int = F(0, "Linear learning-rate warm-up, in optimizer steps.", ge=0)
+    zero_stage: int = F(0, "DeepSpeed ZeRO stage.", choices=(0, 1, 2, 3))
+    micro_batch_tokens: int = F(4096, "Token budget of one micro-batch (prompt + completion, padded).", ge=1)
+    mini_batches: int = F(1, "Optimizer steps per consumed batch (the batch is split into this many).", ge=1)
+    epochs: int = F(1, "Passes over each consumed batch.", ge=1)
+    exact_prox: bool = F(False, "Recompute proximal logprobs with a no-grad forward at step start (else A-3PO).")
+    dynamic_sampling: bool = F(False, "Drop groups whose rewards have zero variance (credit returned).")
+    overlong_mask: bool = F(False, "Mask the loss of completions that ended by length.")
+    publish_every: int = F(1, "Publish weights (bump the policy version) every N optimizer steps.", ge=1)
+    keep_versions: int = F(3, "Published weight versions kept on disk.", ge=1)
+    checkpoint_every: int = F(10, "Checkpoint (and acknowledge consumed groups) every N steps.", ge=1)
+    read_block_ms: int = F(500, "Longest single blocking read on the buffer, in ms.", ge=1)
+    consumer: str = F("learner-0", "Consumer name in the Redis consumer group (stable across restarts).")
+    loss: LossConfig = F(LossConfig(), "Objective options (asyncrl.learner.objectives).")
+
+
+@dataclass
+class MetricsConfig:
+    host: str = F("127.0.0.1", "Bind address of /metrics endpoints (0.0.0.0 exposes them to the network).")
+    port: int = F(0, "Learner /metrics port (0 = pick a free port); actors use free ports too.", ge=0, le=65535)
+    enabled: bool = F(True, "Serve Prometheus metrics.")
+
+
+@dataclass
+class Config:
+    run: RunConfig = F(RunConfig(), "Run identity and budget.")
+    redis: RedisConfig = F(RedisConfig(), "Where the replay buffer lives.")
+    ray: RayConfig = F(RayConfig(), "Where the actors run.")
+    model: ModelConfig = F(ModelConfig(), "Policy model.")
+    task: TaskConfig = F(TaskConfig(), "Prompts and reward.")
+    actors: ActorsConfig = F(ActorsConfig(), "vLLM actor pool.")
+    buffer: BufferConfig = F(BufferConfig(), "Replay buffer and staleness bound.")
+    learner: LearnerConfig = F(LearnerConfig(), "DeepSpeed learner.")
+    metrics: MetricsConfig = F(MetricsConfig(), "Prometheus endpoints.")
+
+
+def _validate(obj: Any, prefix: str) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _validate(value, key + ".")
+            continue
+        m = f.metadata
+        if m.get("choices") is not None and value not in m["choices"]:
+            raise ConfigError(f"{key}={value!r} is not allowed; allowed values: {', '.join(map(repr, m['choices']))}")
+        for op, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                             ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):  # fmt: skip
+            bound = m.get(op)
+            if bound is not None and not ok(value, bound):
+                raise ConfigError(f"{key}={value!r} is out of range; must be {word} {bound}")
+    if isinstance(obj, TinyModelConfig):
+        if obj.hidden_size % obj.num_heads or obj.hidden_size // obj.num_heads < 32:
+            raise ConfigError(
+                f"{prefix}hidden_size / {prefix}num_heads must be an integer >= 32 "
+                f"(vLLM CPU attention); got {obj.hidden_size}/{obj.num_heads}"
+            )
+        if obj.num_heads % obj.num_kv_heads:
+            raise ConfigError(f"{prefix}num_heads must be a multiple of {prefix}num_kv_heads")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load ``path`` (default ``configs/default.yaml`` when it exists) merged with dotlist overrides.
+
+    Raises ``ConfigError`` naming the full key path for unknown keys, wrong types and out-of-range values.
+    """
+    schema = OmegaConf.structured(Config)
+    layers: list[DictConfig] = []
+    if path is None and (CONFIG_DIR / "default.yaml").exists():
+        path = CONFIG_DIR / "default.yaml"
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        layers.append(OmegaConf.load(p))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+    if overrides:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        merged = OmegaConf.merge(schema, *layers)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = getattr(e, "full_key", None) or str(e)
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        allowed = _allowed_keys(parent)
+        raise ConfigError(f"unknown config key {key!r}; allowed keys here: {', '.join(allowed)}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{getattr(e, 'full_key', '?')}: {e.msg if hasattr(e, 'msg') else e}") from None
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    _validate(cfg, "")
+    return cfg
+
+
+def _allowed_keys(parent: str) -> list[str]:
+    node: Any = Config()
+    for part in [p for p in parent.split(".") if p]:
+        node = getattr(node, part, None)
+        if not dataclasses.is_dataclass(node):
+            node = Config()
+            break
+    return [f.name for f in dataclasses.fields(node)]
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_yaml(text: str) -> Config:
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    _validate(cfg, "")
+    return cfg
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.run.dir) if cfg.run.dir else Path("runs") / cfg.run.name
+
+
+def explain(obj: Any = None, prefix: str = "") -> list[str]:
+    """One line per field: key, default, allowed values and documentation."""
+    obj = obj if obj is not None else Config()
+    lines = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{key}: {f.metadata['doc']}")
+            lines.extend(explain(value, key + "."))
+            continue
+        m = f.metadata
+        rng = ""
+        if m.get("choices"):
+            rng = " {" + "|".join(map(str, m["choices"])) + "}"
+        for op, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if m.get(op) is not None:
+                rng += f" {word}{m[op]}"
+        lines.append(f"  {key} = {value!r}{rng}  # {m['doc']}")
+    return lines
