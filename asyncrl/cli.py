@@ -1,0 +1,105 @@
+"""`asyncrl` command line: parse, load the config, lazy-import the role, run it.
+
+Kept thin on purpose: importing this module must not import torch, vllm or ray, so `asyncrl status`,
+`asyncrl config` and bad-config errors answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.config import ConfigError, explain, load_config, run_dir, to_yaml
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=None, help="YAML config (default: configs/default.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. learner.lr=1e-5 buffer.max_staleness=2")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", help="all-in-one: embedded Redis, local Ray, actor pool and learner")
+    _add_config_args(p)
+    p = sub.add_parser("serve-actors", help="run the vLLM actor pool (needs redis.url)")
+    _add_config_args(p)
+    p = sub.add_parser("learn", help="run the DeepSpeed learner (needs redis.url)")
+    p.add_argument("--resume", action="store_true", help="restore the latest checkpoint of the run dir")
+    _add_config_args(p)
+    p = sub.add_parser("status", help="one-screen summary of a run's buffer, actors and learner")
+    _add_config_args(p)
+    p = sub.add_parser("plot", help="reward/staleness curves of a run dir as a PNG")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curve.png)")
+    p = sub.add_parser("sweep", help="staleness x objective sweep")
+    _add_config_args(p)
+    p = sub.add_parser("config", help="print the resolved config, or every field with --explain")
+    p.add_argument("--explain", action="store_true")
+    _add_config_args(p)
+    return ap
+
+
+def _redis_url(cfg, rdir: Path) -> str:
+    """The Redis URL a role connects to: the configured one, or the one a running `asyncrl run` wrote."""
+    if cfg.redis.url:
+        return cfg.redis.url
+    url_file = rdir / "redis.url"
+    if url_file.exists():
+        return url_file.read_text().strip()
+    raise ConfigError(
+        "redis.url is empty and no embedded Redis of this run is up "
+        f"({url_file} missing): start a Redis (e.g. `redis-server --port 6379 --appendonly yes`) "
+        "and pass redis.url=redis://127.0.0.1:6379/0, or use `asyncrl run`"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.cmd == "plot":
+            from asyncrl.plot import plot_run
+
+            out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+            print(out)
+            return 0
+        cfg = load_config(args.config, args.overrides)
+        rdir = run_dir(cfg)
+        if args.cmd == "config":
+            print("\n".join(explain()) if args.explain else to_yaml(cfg), end="\n")
+            return 0
+        if args.cmd == "run":
+            from asyncrl.orchestrator import run_all
+
+            return run_all(cfg, config_path=args.config)
+        if args.cmd == "sweep":
+            from asyncrl.sweep import run_sweep
+
+            return run_sweep(args.config, args.overrides)
+        if args.cmd == "status":
+            from asyncrl.status import print_status
+
+            return print_status(cfg, _redis_url(cfg, rdir))
+        cfg.redis.url = _redis_url(cfg, rdir)
+        if args.cmd == "serve-actors":
+            from asyncrl.actors.pool import serve_actors
+
+            serve_actors(cfg, rdir)
+            return 0
+        if args.cmd == "learn":
+            from asyncrl.learner.loop import learn
+
+            start = float(os.environ.get("ASYNCRL_START_TIME", time.time()))
+            learn(cfg, rdir, resume=args.resume, start_time=start)
+            return 0
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"asyncrl: error: {e}", file=sys.stderr)
+        return 2
+    raise AssertionError(args.cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

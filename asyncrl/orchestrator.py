@@ -1,0 +1,186 @@
+"""`asyncrl run`: the embedded default, all roles on one machine.
+
+Starts an embedded redis-server inside the run dir (unless redis.url is set), builds or resolves the
+model, starts the learner as its own OS process (`asyncrl learn`), runs the actor pool on a local Ray
+in this process, shows a live progress line, and tears everything down on completion, on the wall
+budget, or on Ctrl-C/SIGTERM.
+
+Invariant: whatever happens, the finally-block stops the pool (engines + Ray), the learner process
+and the embedded Redis in that order, so no redis-server, Ray or vLLM process outlives the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from asyncrl.config import Config, run_dir, to_yaml
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read_records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line being written right now; it is complete on the next read
+    return out
+
+
+def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, resume: bool = False,
+                          log_path: Path | None = None) -> subprocess.Popen:  # fmt: skip
+    """The learner as its own process group (so Ctrl-C reaches it only through us, in order)."""
+    env = dict(os.environ)
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), ASYNCRL_START_TIME=repr(start_time))  # fmt: skip
+    cmd = [sys.executable, "-m", "asyncrl.cli", "learn", "--config", str(cfg_path), f"redis.url={redis_url}"]
+    if resume:
+        cmd.insert(4, "--resume")
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)  # fmt: skip
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 60.0) -> int:
+    """SIGTERM (the learner finishes its step and checkpoints), then SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode
+
+
+class Progress:
+    """A live one-line view: step, version, reward, staleness, tokens/s (a plain line when not a tty)."""
+
+    def __init__(self, enabled: bool, max_steps: int):
+        self.enabled = enabled
+        self.max_steps = max_steps
+        self.tty = sys.stdout.isatty()
+        self.last_print = 0.0
+
+    def update(self, records: list[dict], elapsed: float) -> None:
+        if not self.enabled:
+            return
+        if records:
+            r = records[-1]
+            toks = sum(x.get("tokens", 0) for x in records)
+            line = (f"step {r['step']}/{self.max_steps or '-'}  v{r['version']}  reward {r['reward_mean']:.3f}  "
+                    f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']}  "
+                    f"{toks / max(elapsed, 1e-9):.0f} tok/s  {elapsed:.0f}s")  # fmt: skip
+        else:
+            line = f"waiting for the first step ...  {elapsed:.0f}s"
+        if self.tty:
+            sys.stdout.write("\r\033[K" + line)
+            sys.stdout.flush()
+        elif time.time() - self.last_print > 10:
+            print(line, flush=True)
+            self.last_print = time.time()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stdout.write("\n")
+
+
+def write_summary(rdir: Path, records: list[dict], start: float, end: float, extra: dict) -> dict:
+    k = min(3, len(records))
+    summary = {
+        "steps": records[-1]["step"] if records else 0,
+        "final_version": records[-1]["version"] if records else 0,
+        "start_reward": sum(r["reward_mean"] for r in records[:k]) / k if k else None,
+        "end_reward": sum(r["reward_mean"] for r in records[-k:]) / k if k else None,
+        "wall_s": end - start,
+        "trained_tokens": sum(r.get("tokens", 0) for r in records),
+        "trained_tokens_per_s": sum(r.get("tokens", 0) for r in records) / max(end - start, 1e-9),
+        "staleness_max": max((r["staleness_max"] for r in records), default=0),
+        **extra,
+    }
+    (rdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def run_all(cfg: Config, config_path: str | None = None) -> int:
+    from asyncrl.buffer import ReplayBuffer
+    from asyncrl.buffer.embedded import EmbeddedRedis
+    from asyncrl.tinymodel import resolve_model_path
+
+    start = time.time()
+    rdir = run_dir(cfg).resolve()
+    rdir.mkdir(parents=True, exist_ok=True)
+    resume = (rdir / "checkpoints").exists() and any((rdir / "checkpoints").iterdir())
+    cfg_path = rdir / "config.yaml"
+    cfg_path.write_text(to_yaml(cfg))
+    resolve_model_path(cfg, rdir)  # build once here, before two roles race to build it
+    stop = threading.Event()
+    prev_handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    redis_srv = None
+    learner = None
+    pool = None
+    progress = Progress(cfg.run.progress, cfg.run.max_steps)
+    extra: dict = {}
+    try:
+        if cfg.redis.url:
+            url = cfg.redis.url
+        else:
+            redis_srv = EmbeddedRedis(rdir / "redis", password=cfg.redis.password or None,
+                                      appendfsync=cfg.redis.appendfsync)  # fmt: skip
+            url = redis_srv.url
+            (rdir / "redis.url").write_text(url)
+        cfg.redis.url = url
+        learner = start_learner_process(cfg_path, url, start, resume=resume, log_path=rdir / "learner.log")
+        from asyncrl.actors.pool import ActorPool
+
+        pool = ActorPool(cfg, rdir)
+        pool.start()
+        buf = ReplayBuffer.connect(url, cfg.run.name, password=cfg.redis.password or None, tls=cfg.redis.tls)
+        metrics_path = rdir / "metrics.jsonl"
+        while not stop.is_set():
+            if learner.poll() is not None:
+                break
+            if cfg.run.max_wall_s and time.time() - start > cfg.run.max_wall_s:
+                break
+            progress.update(_read_records(metrics_path), time.time() - start)
+            stop.wait(1.0)
+        extra["actors"] = {k: {kk: vv for kk, vv in v.items() if isinstance(vv, int | float | str)}
+                           for k, v in buf.actors().items()}  # fmt: skip
+        extra["buffer"] = buf.stats()
+        buf.close()
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.stop()
+        rc = stop_process(learner) if learner is not None else 0
+        if redis_srv is not None:
+            redis_srv.stop()
+            (rdir / "redis.url").unlink(missing_ok=True)
+        for s, h in prev_handlers.items():
+            signal.signal(s, h)
+    end = time.time()
+    records = _read_records(rdir / "metrics.jsonl")
+    extra["learner_exit_code"] = rc
+    summary = write_summary(rdir, records, start, end, extra)
+    print(f"run dir: {rdir}\nsteps {summary['steps']}  reward {summary['start_reward']} -> {summary['end_reward']}  "
+          f"wall {summary['wall_s']:.0f}s")  # fmt: skip
+    if rc not in (0, -signal.SIGTERM):
+        print(f"learner exited with code {rc}; see {rdir / 'learner.log'}", file=sys.stderr)
+        return 1
+    return 0

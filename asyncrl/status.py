@@ -1,0 +1,50 @@
+"""`asyncrl status`: a one-screen summary of a run, read from its Redis only."""
+
+from __future__ import annotations
+
+import time
+
+from asyncrl.config import Config
+
+
+def collect_status(cfg: Config, url: str) -> dict:
+    from asyncrl.buffer import ReplayBuffer
+
+    buf = ReplayBuffer.connect(url, cfg.run.name, password=cfg.redis.password or None, tls=cfg.redis.tls)
+    try:
+        stats = buf.stats()
+        stats["bound"] = buf.admission_bound(cfg.buffer.max_staleness, cfg.buffer.groups_per_step)
+        return {"buffer": stats, "actors": buf.actors(), "learner": buf.learner_status()}
+    finally:
+        buf.close()
+
+
+def format_status(cfg: Config, st: dict, now: float | None = None) -> str:
+    now = now or time.time()
+    b = st["buffer"]
+    lines = [
+        f"run {cfg.run.name}   policy version v{b.get('version', 0)}",
+        f"buffer   depth {b.get('depth', 0)}   pending {b.get('pending', 0)}   dead letters {b.get('dead', 0)}",
+        f"admission admitted {b.get('admitted', 0)} / bound {b.get('bound', 0)}   credits {b.get('credits', 0)}"
+        f"   (max_staleness {cfg.buffer.max_staleness}, groups_per_step {cfg.buffer.groups_per_step})",
+    ]
+    ln = st["learner"] or {}
+    if ln:
+        age = now - float(ln.get("time", now))
+        lines.append(f"learner  step {ln.get('step', '?')}   version v{ln.get('version', '?')}   last seen {age:.0f}s ago")
+    else:
+        lines.append("learner  not seen")
+    actors = st["actors"] or {}
+    lines.append(f"actors   {len(actors)}")
+    for aid, info in sorted(actors.items()):
+        age = now - float(info.get("time", now))
+        lines.append(
+            f"  {aid:<12} v{info.get('version', '?')}  groups {info.get('groups', info.get('groups_written', '?'))}"
+            f"  in flight {info.get('in_flight', '?')}  last seen {age:.0f}s ago"
+        )
+    return "\n".join(lines)
+
+
+def print_status(cfg: Config, url: str) -> int:
+    print(format_status(cfg, collect_status(cfg, url)))
+    return 0
