@@ -17,7 +17,9 @@ from asyncrl.config import ConfigError, explain, load_config, run_dir, to_yaml
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None, help="YAML config (default: configs/default.yaml)")
-    p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. learner.lr=1e-5 buffer.max_staleness=2")
+    p.add_argument(
+        "overrides", nargs="*", help="dotlist overrides, e.g. learner.lr=1e-5 buffer.max_staleness=2"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

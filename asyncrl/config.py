@@ -51,7 +51,10 @@ class RunConfig:
 
 @dataclass
 class RedisConfig:
-    url: str = F("", "redis:// or rediss:// URL of a shared Redis. Empty = start an embedded redis-server in the run dir.")
+    url: str = F(
+        "",
+        "redis:// or rediss:// URL of a shared Redis. Empty = start an embedded redis-server in the run dir.",
+    )
     password: str = F("", "Redis AUTH password (empty = none). Also set on the embedded server when given.")
     tls: bool = F(False, "Use TLS to reach Redis (same as a rediss:// URL).")
     tls_ca_certs: str = F("", "CA bundle path for TLS (empty = system default).")
@@ -72,15 +75,21 @@ class RayConfig:
 class TinyModelConfig:
     hidden_size: int = F(128, "Hidden size of the built-in tiny Qwen2-style model.", ge=32)
     num_layers: int = F(2, "Transformer layers of the tiny model.", ge=1)
-    num_heads: int = F(2, "Attention heads; head_dim = hidden_size / num_heads must be >= 32 (vLLM CPU).", ge=1)
+    num_heads: int = F(
+        2, "Attention heads; head_dim = hidden_size / num_heads must be >= 32 (vLLM CPU).", ge=1
+    )
     num_kv_heads: int = F(1, "Key/value heads (grouped-query attention).", ge=1)
     intermediate_size: int = F(256, "MLP width of the tiny model.", ge=8)
-    max_position_embeddings: int = F(256, "Longest sequence the tiny model supports (prompt + completion).", ge=16)
+    max_position_embeddings: int = F(
+        256, "Longest sequence the tiny model supports (prompt + completion).", ge=16
+    )
 
 
 @dataclass
 class ModelConfig:
-    path: str = F("", "Local Hugging Face model directory. Empty = build the tiny model into <run_dir>/model.")
+    path: str = F(
+        "", "Local Hugging Face model directory. Empty = build the tiny model into <run_dir>/model."
+    )
     tiny: TinyModelConfig = F(TinyModelConfig(), "Spec of the built-in tiny model (used when path is empty).")
     dtype: str = F(
         "float32",
@@ -110,14 +119,18 @@ class ActorsConfig:
     groups_in_flight: int = F(4, "Groups each actor keeps in flight (continuous batching depth).", ge=1)
     group_size: int = F(8, "Completions per prompt (G); the unit of GRPO advantages.", ge=1)
     temperature: float = F(1.0, "Sampling temperature; the learner divides logits by the same value.", gt=0)
-    top_p: float = F(1.0, "Nucleus sampling mass (1 = off; <1 makes behaviour logprobs a truncated law).", gt=0, le=1)
+    top_p: float = F(
+        1.0, "Nucleus sampling mass (1 = off; <1 makes behaviour logprobs a truncated law).", gt=0, le=1
+    )
     max_tokens: int = F(16, "Longest completion, in tokens.", ge=1)
     swap_mode: str = F(
         "in_flight",
         "in_flight = pause, reload and resume under running requests; between_groups = drain first.",
         choices=("in_flight", "between_groups"),
     )
-    gpu_memory_utilization: float = F(0.1, "vLLM KV-cache share (of host RAM on CPU, of GPU memory on GPU).", gt=0, le=1)
+    gpu_memory_utilization: float = F(
+        0.1, "vLLM KV-cache share (of host RAM on CPU, of GPU memory on GPU).", gt=0, le=1
+    )
     enforce_eager: bool = F(True, "Disable CUDA graphs / compilation (faster start, fine for tiny models).")
     num_cpus_per_actor: float = F(1.0, "Ray CPUs reserved per actor.", gt=0)
     max_restarts: int = F(3, "Ray restarts of a crashed actor before the pool gives up.", ge=0)
@@ -134,7 +147,9 @@ class BufferConfig:
         ge=0,
     )
     groups_per_step: int = F(4, "Groups the learner consumes per optimizer step.", ge=1)
-    maxlen: int = F(100000, "Approximate cap on the rollouts stream length (admission is the real bound).", ge=1)
+    maxlen: int = F(
+        100000, "Approximate cap on the rollouts stream length (admission is the real bound).", ge=1
+    )
 
 
 @dataclass
@@ -144,8 +159,12 @@ class LossConfig:
         "Trust-region anchor: prox = proximal policy (exact recompute or A-3PO log-linear), behaviour = mu.",
         choices=("prox", "behaviour"),
     )
-    policy_loss: str = F("dppo", "dppo = DPPO keep mask; ppo_clip = decoupled PPO clip.", choices=("dppo", "ppo_clip"))
-    divergence: str = F("tv", "DPPO divergence between policy and anchor probabilities.", choices=("tv", "kl"))
+    policy_loss: str = F(
+        "dppo", "dppo = DPPO keep mask; ppo_clip = decoupled PPO clip.", choices=("dppo", "ppo_clip")
+    )
+    divergence: str = F(
+        "tv", "DPPO divergence between policy and anchor probabilities.", choices=("tv", "kl")
+    )
     dppo_low: float = F(0.2, "DPPO threshold for tokens with A < 0.", gt=0)
     dppo_high: float = F(0.2, "DPPO threshold for tokens with A > 0.", gt=0)
     eps_low: float = F(0.2, "PPO clip lower epsilon.", gt=0, lt=1)
@@ -155,7 +174,9 @@ class LossConfig:
     is_level: str = F("token", "Importance weight per token or per sequence.", choices=("token", "sequence"))
     is_cap: float = F(2.0, "Upper cap of importance weights.", gt=0)
     is_low: float = F(0.5, "IcePop lower bound; ratios below are zeroed.", ge=0)
-    beta_rollout_kl: float = F(1e-3, "Coefficient of the k2 KL between policy and behaviour (trust region).", ge=0)
+    beta_rollout_kl: float = F(
+        1e-3, "Coefficient of the k2 KL between policy and behaviour (trust region).", ge=0
+    )
     rollout_kl_kind: str = F("k2", "Estimator of the rollout KL term.", choices=("k1", "abs", "k2", "k3"))
     entropy_coef: float = F(0.0, "Entropy bonus coefficient.", ge=0)
     ref_kl_coef: float = F(0.0, "KL to a frozen reference model (0 = no reference model is loaded).", ge=0)
@@ -178,7 +199,9 @@ class LearnerConfig:
     micro_batch_tokens: int = F(4096, "Token budget of one micro-batch (prompt + completion, padded).", ge=1)
     mini_batches: int = F(1, "Optimizer steps per consumed batch (the batch is split into this many).", ge=1)
     epochs: int = F(1, "Passes over each consumed batch.", ge=1)
-    exact_prox: bool = F(False, "Recompute proximal logprobs with a no-grad forward at step start (else A-3PO).")
+    exact_prox: bool = F(
+        False, "Recompute proximal logprobs with a no-grad forward at step start (else A-3PO)."
+    )
     dynamic_sampling: bool = F(False, "Drop groups whose rewards have zero variance (credit returned).")
     overlong_mask: bool = F(False, "Mask the loss of completions that ended by length.")
     publish_every: int = F(1, "Publish weights (bump the policy version) every N optimizer steps.", ge=1)
@@ -192,7 +215,9 @@ class LearnerConfig:
 @dataclass
 class MetricsConfig:
     host: str = F("127.0.0.1", "Bind address of /metrics endpoints (0.0.0.0 exposes them to the network).")
-    port: int = F(0, "Learner /metrics port (0 = pick a free port); actors use free ports too.", ge=0, le=65535)
+    port: int = F(
+        0, "Learner /metrics port (0 = pick a free port); actors use free ports too.", ge=0, le=65535
+    )
     enabled: bool = F(True, "Serve Prometheus metrics.")
 
 
@@ -218,7 +243,9 @@ def _validate(obj: Any, prefix: str) -> None:
             continue
         m = f.metadata
         if m.get("choices") is not None and value not in m["choices"]:
-            raise ConfigError(f"{key}={value!r} is not allowed; allowed values: {', '.join(map(repr, m['choices']))}")
+            raise ConfigError(
+                f"{key}={value!r} is not allowed; allowed values: {', '.join(map(repr, m['choices']))}"
+            )
         for op, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
                              ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):  # fmt: skip
             bound = m.get(op)

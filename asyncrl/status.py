@@ -31,7 +31,9 @@ def format_status(cfg: Config, st: dict, now: float | None = None) -> str:
     ln = st["learner"] or {}
     if ln:
         age = now - float(ln.get("time", now))
-        lines.append(f"learner  step {ln.get('step', '?')}   version v{ln.get('version', '?')}   last seen {age:.0f}s ago")
+        lines.append(
+            f"learner  step {ln.get('step', '?')}   version v{ln.get('version', '?')}   last seen {age:.0f}s ago"
+        )
     else:
         lines.append("learner  not seen")
     actors = st["actors"] or {}

@@ -1,0 +1,247 @@
+"""Every Prometheus metric of asyncrl, in one place, and the /metrics server.
+
+Names follow ``asyncrl_<component>_<quantity>_<unit>``. Roles do not create Prometheus objects: they
+keep plain counters in a stats dict (the actor's ``stats()``, the learner's step record, the buffer's
+``stats()``), and a collector here turns a snapshot of that dict into metric families at scrape time.
+That keeps the roles free of metrics plumbing and makes a scrape consistent (one snapshot).
+
+Invariant: a declared series is always exported (0 when its source key is missing), so dashboard
+queries and alerts never miss a series at start; labelled series (e.g. loss terms) are enumerated here.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: str  # counter | gauge | histogram
+    doc: str
+    key: str  # key in the role's stats snapshot
+    buckets: tuple[float, ...] = ()
+    # For a labelled gauge: label name and {label value: snapshot key}.
+    label: str = ""
+    series: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+
+SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+ACTOR_METRICS: tuple[Metric, ...] = (
+    Metric(
+        "asyncrl_actor_generated_tokens_total", "counter", "Completion tokens sampled.", "generated_tokens"
+    ),
+    Metric(
+        "asyncrl_actor_groups_written_total", "counter", "Groups written to the buffer.", "groups_written"
+    ),
+    Metric("asyncrl_actor_inflight_requests", "gauge", "Groups being generated now.", "in_flight"),
+    Metric(
+        "asyncrl_actor_admission_wait_seconds_total",
+        "counter",
+        "Time spent waiting for admission (the staleness bound).",
+        "admission_wait_s",
+    ),  # fmt: skip
+    Metric("asyncrl_actor_policy_version", "gauge", "Policy version the engine samples with.", "version"),
+    Metric(
+        "asyncrl_actor_swap_pause_seconds",
+        "histogram",
+        "Generation pause per weight swap.",
+        "swap_pause_s",
+        buckets=SECONDS_BUCKETS,
+    ),  # fmt: skip
+    Metric("asyncrl_actor_weight_swaps_total", "counter", "Weight swaps applied.", "swaps"),
+    Metric(
+        "asyncrl_actor_engine_errors_total", "counter", "Engine errors (failed requests).", "engine_errors"
+    ),
+)
+
+BUFFER_METRICS: tuple[Metric, ...] = (
+    Metric("asyncrl_buffer_depth_groups", "gauge", "Groups in the rollouts stream.", "depth"),
+    Metric(
+        "asyncrl_buffer_pending_groups",
+        "gauge",
+        "Groups read by the learner, not yet acknowledged.",
+        "pending",
+    ),
+    Metric(
+        "asyncrl_buffer_dead_letters_groups", "gauge", "Malformed records in the dead-letter stream.", "dead"
+    ),
+    Metric(
+        "asyncrl_buffer_admitted_groups", "gauge", "Groups admitted so far (admission counter).", "admitted"
+    ),
+    Metric(
+        "asyncrl_buffer_credits_groups", "gauge", "Admission credits returned for dropped groups.", "credits"
+    ),
+    Metric("asyncrl_buffer_admission_bound_groups", "gauge", "Current admission bound.", "bound"),
+)
+
+LOSS_TERMS = (("policy", "loss_policy"), ("rollout_kl", "loss_rollout_kl"), ("entropy", "loss_entropy"),
+              ("ref_kl", "loss_ref_kl"), ("total", "loss"))  # fmt: skip
+
+LEARNER_METRICS: tuple[Metric, ...] = (
+    Metric("asyncrl_learner_steps_total", "counter", "Learner steps taken (incl. skipped).", "step"),
+    Metric(
+        "asyncrl_learner_trained_tokens_total", "counter", "Completion tokens trained on.", "tokens_total"
+    ),
+    Metric("asyncrl_learner_trained_groups_total", "counter", "Groups trained on.", "groups_total"),
+    Metric(
+        "asyncrl_learner_step_seconds",
+        "histogram",
+        "Wall time of one learner step.",
+        "step_s",
+        buckets=SECONDS_BUCKETS,
+    ),  # fmt: skip
+    Metric("asyncrl_learner_wait_seconds_total", "counter", "Time blocked waiting for data.", "wait_s_total"),
+    Metric(
+        "asyncrl_learner_loss", "gauge", "Loss terms of the last step.", "", label="term", series=LOSS_TERMS
+    ),
+    Metric("asyncrl_learner_reward_mean", "gauge", "Mean reward of the last step's groups.", "reward_mean"),
+    Metric("asyncrl_learner_ratio_mean", "gauge", "Mean policy/anchor ratio.", "ratio_mean"),
+    Metric(
+        "asyncrl_learner_dppo_masked_ratio", "gauge", "Fraction of tokens DPPO masked.", "dppo_masked_frac"
+    ),
+    Metric("asyncrl_learner_is_weight_mean", "gauge", "Mean importance weight.", "is_weight_mean"),
+    Metric("asyncrl_learner_is_ess_ratio", "gauge", "Normalised effective sample size of IS weights.", "ess"),
+    Metric("asyncrl_learner_rollout_kl", "gauge", "KL(policy || behaviour) on trained tokens.", "rollout_kl"),
+    Metric(
+        "asyncrl_learner_mismatch_kl", "gauge", "Learner vs engine logprob KL at staleness 0.", "mismatch_kl"
+    ),
+    Metric("asyncrl_learner_entropy_nats", "gauge", "Mean token entropy.", "entropy"),
+    Metric(
+        "asyncrl_learner_staleness_steps",
+        "histogram",
+        "Per-token staleness V - v_t of trained tokens.",
+        "staleness_hist",
+        buckets=STALENESS_BUCKETS,
+    ),  # fmt: skip
+    Metric(
+        "asyncrl_learner_staleness_max_steps",
+        "gauge",
+        "Max token staleness of the last step.",
+        "staleness_max",
+    ),
+    Metric(
+        "asyncrl_learner_dropped_stale_total",
+        "counter",
+        "Groups dropped as too stale.",
+        "dropped_stale_total",
+    ),
+    Metric("asyncrl_learner_grad_norm", "gauge", "Gradient norm of the last step.", "grad_norm"),
+    Metric(
+        "asyncrl_learner_nonfinite_skips_total",
+        "counter",
+        "Steps skipped for a non-finite loss/grad.",
+        "skipped_nonfinite",
+    ),  # fmt: skip
+    Metric("asyncrl_learner_policy_version", "gauge", "Latest published policy version.", "version"),
+    Metric(
+        "asyncrl_learner_publish_seconds",
+        "histogram",
+        "Time to gather and publish weights.",
+        "publish_s",
+        buckets=SECONDS_BUCKETS,
+    ),  # fmt: skip
+    Metric(
+        "asyncrl_learner_last_step_timestamp_seconds", "gauge", "Unix time of the last step.", "step_time"
+    ),
+)
+
+ALL_METRICS: tuple[Metric, ...] = ACTOR_METRICS + BUFFER_METRICS + LEARNER_METRICS
+
+
+def metric_names() -> set[str]:
+    """Names as exposed on /metrics (histograms add _bucket/_sum/_count)."""
+    return {m.name for m in ALL_METRICS}
+
+
+def _hist(values: Any, buckets: tuple[float, ...]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative buckets from raw observations (list) or a {value: count} map."""
+    if isinstance(values, dict):
+        items = [(float(k), float(c)) for k, c in values.items()]
+    else:
+        items = [(float(v), 1.0) for v in (values or [])]
+    out = []
+    for b in buckets:
+        out.append((repr(float(b)), sum(c for v, c in items if v <= b)))
+    out.append(("+Inf", sum(c for _, c in items)))
+    return out, sum(v * c for v, c in items)
+
+
+class SnapshotCollector:
+    """Exports ``metrics`` from ``snapshot()`` (a dict) at scrape time, with constant labels."""
+
+    def __init__(
+        self, metrics: Iterable[Metric], snapshot: Callable[[], dict], labels: dict[str, str] | None = None
+    ):
+        self.metrics = tuple(metrics)
+        self.snapshot = snapshot
+        self.labels = dict(labels or {})
+
+    def collect(self):
+        snap = self.snapshot() or {}
+        names, values = list(self.labels), list(self.labels.values())
+        for m in self.metrics:
+            if m.kind == "counter":
+                fam = CounterMetricFamily(m.name, m.doc, labels=names)
+                fam.add_metric(values, float(snap.get(m.key, 0) or 0))
+            elif m.kind == "gauge" and m.label:
+                fam = GaugeMetricFamily(m.name, m.doc, labels=[*names, m.label])
+                for lv, key in m.series:
+                    fam.add_metric([*values, lv], float(snap.get(key, 0) or 0))
+            elif m.kind == "gauge":
+                fam = GaugeMetricFamily(m.name, m.doc, labels=names)
+                fam.add_metric(values, float(snap.get(m.key, 0) or 0))
+            else:
+                fam = HistogramMetricFamily(m.name, m.doc, labels=names)
+                buckets, total = _hist(snap.get(m.key), m.buckets)
+                fam.add_metric(values, buckets, total)
+            yield fam
+
+
+def serve(
+    collectors: Iterable[SnapshotCollector], host: str = "127.0.0.1", port: int = 0
+) -> tuple[int, Callable]:
+    """Serve /metrics for ``collectors`` on (host, port); port 0 picks a free one. Returns (port, stop)."""
+    from prometheus_client import start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    for c in collectors:
+        registry.register(c)
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    server, thread = start_http_server(port, addr=host, registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return port, stop
+
+
+class ThreadSafeStats(dict):
+    """A dict a role updates from its loop while the scrape thread snapshots it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.lock = threading.Lock()
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+                    for k, v in self.items()}  # fmt: skip
