@@ -59,6 +59,17 @@ def _redis_url(cfg, rdir: Path) -> str:
     )
 
 
+def _check_model_path(cfg) -> None:
+    """Fail before any role starts (and before minutes of engine start-up) when the model is missing."""
+    if cfg.model.path:
+        p = Path(cfg.model.path).expanduser()
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(
+                f"model.path={cfg.model.path!r}: no Hugging Face model directory at {p} "
+                "(config.json missing); models are never downloaded at run time"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -73,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "config":
             print("\n".join(explain()) if args.explain else to_yaml(cfg), end="\n")
             return 0
+        if args.cmd in ("run", "learn", "serve-actors", "sweep"):
+            _check_model_path(cfg)
         if args.cmd == "run":
             from asyncrl.orchestrator import run_all
 

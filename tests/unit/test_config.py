@@ -1,0 +1,89 @@
+"""Config schema: defaults load, overrides apply, bad keys/values fail naming the key path."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.config import Config, ConfigError, explain, from_yaml, load_config, to_yaml
+
+
+def test_default_yaml_loads_and_overrides_apply():
+    cfg = load_config(overrides=["learner.lr=1e-5", "buffer.max_staleness=3", "learner.loss.beta_rollout_kl=0.01"])
+    assert cfg.learner.lr == pytest.approx(1e-5)
+    assert cfg.buffer.max_staleness == 3
+    assert cfg.learner.loss.beta_rollout_kl == pytest.approx(0.01)
+    assert from_yaml(to_yaml(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("learner.lrr=1", "learner.lrr"),
+        ("nosection.x=1", "nosection"),
+        ("learner.zero_stage=5", "learner.zero_stage"),
+        ("actors.temperature=0", "actors.temperature"),
+        ("actors.top_p=1.5", "actors.top_p"),
+        ("buffer.max_staleness=-1", "buffer.max_staleness"),
+        ("task.name=chess", "task.name"),
+        ("learner.loss.is_mode=magic", "learner.loss.is_mode"),
+        ("model.tiny.num_heads=8", "model.tiny.num_heads"),
+        ("learner.lr=abc", "learner.lr"),
+    ],
+)
+def test_bad_values_fail_with_key_path(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    assert needle in str(e.value)
+
+
+def test_choice_errors_list_allowed_values():
+    with pytest.raises(ConfigError, match="allowed values: 'copy', 'reverse'"):
+        load_config(overrides=["task.name=chess"])
+
+
+def test_every_field_is_documented_and_typed():
+    def walk(obj):
+        for f in dataclasses.fields(obj):
+            assert f.metadata.get("doc"), f"{type(obj).__name__}.{f.name} has no doc"
+            assert f.type is not None
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                walk(v)
+
+    walk(Config())
+    lines = explain()
+    assert any(line.strip().startswith("buffer.max_staleness = 1") for line in lines)
+
+
+def test_missing_config_file_names_the_path(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_light_modules_import_without_torch_vllm_ray():
+    code = (
+        "import sys, asyncrl.config, asyncrl.buffer, asyncrl.tasks, asyncrl.cli, asyncrl.metrics\n"
+        "bad = [m for m in ('torch', 'vllm', 'ray', 'deepspeed') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_bad_config_fails_fast_with_key(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", "buffer.groups_per_step=0"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2
+    assert "buffer.groups_per_step" in r.stderr and ">= 1" in r.stderr
+
+
+def test_cli_missing_model_path_names_the_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    r = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "learn", f"model.path={missing}", "redis.url=redis://127.0.0.1:1/0",
+         f"run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert str(missing) in r.stderr
