@@ -147,6 +147,7 @@ LEARNER_METRICS: tuple[Metric, ...] = (
         "skipped_nonfinite",
     ),  # fmt: skip
     Metric("asyncrl_learner_policy_version", "gauge", "Latest published policy version.", "version"),
+    Metric("asyncrl_learner_max_staleness_steps", "gauge", "Configured staleness bound (eta).", "max_staleness"),
     Metric(
         "asyncrl_learner_publish_seconds",
         "histogram",

@@ -10,7 +10,9 @@ from asyncrl.config import Config, ConfigError, explain, from_yaml, load_config,
 
 
 def test_default_yaml_loads_and_overrides_apply():
-    cfg = load_config(overrides=["learner.lr=1e-5", "buffer.max_staleness=3", "learner.loss.beta_rollout_kl=0.01"])
+    cfg = load_config(
+        overrides=["learner.lr=1e-5", "buffer.max_staleness=3", "learner.loss.beta_rollout_kl=0.01"]
+    )
     assert cfg.learner.lr == pytest.approx(1e-5)
     assert cfg.buffer.max_staleness == 3
     assert cfg.learner.loss.beta_rollout_kl == pytest.approx(0.01)

@@ -1,0 +1,129 @@
+"""Generate dashboards/asyncrl.json (Grafana) from the panel list below.
+
+The JSON is committed; re-run this after changing a panel: `.venv/bin/python scripts/make_dashboard.py`.
+Every query uses only names declared in asyncrl/metrics.py (tests/unit/test_dashboards.py checks it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DS = {"type": "prometheus", "uid": "asyncrl-prometheus"}
+
+ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
+    ("Throughput", [
+        ("Tokens / s", "short", [
+            ("generated", "sum(rate(asyncrl_actor_generated_tokens_total[1m]))"),
+            ("trained", "sum(rate(asyncrl_learner_trained_tokens_total[1m]))"),
+        ]),
+        ("Groups / s", "short", [
+            ("written {{actor}}", "rate(asyncrl_actor_groups_written_total[1m])"),
+            ("trained", "sum(rate(asyncrl_learner_trained_groups_total[1m]))"),
+        ]),
+        ("Learner step time", "s", [
+            ("p50", "histogram_quantile(0.5, sum by (le) (rate(asyncrl_learner_step_seconds_bucket[5m])))"),
+            ("p90", "histogram_quantile(0.9, sum by (le) (rate(asyncrl_learner_step_seconds_bucket[5m])))"),
+            ("steps/min", "sum(rate(asyncrl_learner_steps_total[5m])) * 60"),
+        ]),
+        ("Learner wait fraction", "percentunit", [
+            ("waiting for data", "sum(rate(asyncrl_learner_wait_seconds_total[1m]))"),
+        ]),
+        ("Reward", "short", [("mean reward", "asyncrl_learner_reward_mean")]),
+        ("Actors", "short", [
+            ("in flight {{actor}}", "asyncrl_actor_inflight_requests"),
+            ("engine errors/s {{actor}}", "rate(asyncrl_actor_engine_errors_total[5m])"),
+        ]),
+    ]),
+    ("Staleness", [
+        ("Token staleness V - v_t", "short", [
+            ("p50", "histogram_quantile(0.5, sum by (le) (rate(asyncrl_learner_staleness_steps_bucket[5m])))"),
+            ("p99", "histogram_quantile(0.99, sum by (le) (rate(asyncrl_learner_staleness_steps_bucket[5m])))"),
+            ("max", "asyncrl_learner_staleness_max_steps"),
+            ("bound", "asyncrl_learner_max_staleness_steps"),
+        ]),
+        ("Dropped stale groups / min", "short", [
+            ("dropped", "sum(rate(asyncrl_learner_dropped_stale_total[5m])) * 60"),
+        ]),
+        ("Admission wait fraction", "percentunit", [
+            ("{{actor}}", "rate(asyncrl_actor_admission_wait_seconds_total[1m])"),
+        ]),
+    ]),
+    ("Off-policy health", [
+        ("Ratio and IS weights", "short", [
+            ("ratio mean", "asyncrl_learner_ratio_mean"),
+            ("IS weight mean", "asyncrl_learner_is_weight_mean"),
+            ("ESS", "asyncrl_learner_is_ess_ratio"),
+        ]),
+        ("DPPO masked fraction", "percentunit", [("masked", "asyncrl_learner_dppo_masked_ratio")]),
+        ("KL", "short", [
+            ("rollout KL", "asyncrl_learner_rollout_kl"),
+            ("mismatch KL", "asyncrl_learner_mismatch_kl"),
+        ]),
+        ("Loss terms", "short", [("{{term}}", "asyncrl_learner_loss")]),
+        ("Entropy and grad norm", "short", [
+            ("entropy", "asyncrl_learner_entropy_nats"),
+            ("grad norm", "asyncrl_learner_grad_norm"),
+        ]),
+        ("Non-finite skips", "short", [("skips", "asyncrl_learner_nonfinite_skips_total")]),
+    ]),
+    ("Buffer", [
+        ("Depth and pending", "short", [
+            ("depth", "asyncrl_buffer_depth_groups"),
+            ("pending", "asyncrl_buffer_pending_groups"),
+        ]),
+        ("Admission", "short", [
+            ("admitted", "asyncrl_buffer_admitted_groups"),
+            ("bound", "asyncrl_buffer_admission_bound_groups"),
+            ("credits", "asyncrl_buffer_credits_groups"),
+        ]),
+        ("Dead letters", "short", [("dead letters", "asyncrl_buffer_dead_letters_groups")]),
+    ]),
+    ("Weight sync", [
+        ("Policy version", "short", [
+            ("learner", "asyncrl_learner_policy_version"),
+            ("actor {{actor}}", "asyncrl_actor_policy_version"),
+        ]),
+        ("Publish time", "s", [
+            ("p90", "histogram_quantile(0.9, sum by (le) (rate(asyncrl_learner_publish_seconds_bucket[5m])))"),
+        ]),
+        ("Swap pause", "s", [
+            ("p90", "histogram_quantile(0.9, sum by (le) (rate(asyncrl_actor_swap_pause_seconds_bucket[5m])))"),
+            ("swaps/min {{actor}}", "rate(asyncrl_actor_weight_swaps_total[5m]) * 60"),
+        ]),
+        ("Since last learner step", "s", [
+            ("seconds", "time() - asyncrl_learner_last_step_timestamp_seconds"),
+        ]),
+    ]),
+]  # fmt: skip
+
+
+def build() -> dict:
+    panels, pid, y = [], 1, 0
+    for row_title, row_panels in ROWS:
+        panels.append({"type": "row", "title": row_title, "id": pid, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})  # fmt: skip
+        pid += 1
+        y += 1
+        for i, (title, unit, targets) in enumerate(row_panels):
+            panels.append({
+                "type": "timeseries", "title": title, "id": pid, "datasource": DS,
+                "gridPos": {"h": 8, "w": 8, "x": 8 * (i % 3), "y": y + 8 * (i // 3)},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "targets": [{"refId": chr(65 + k), "expr": expr, "legendFormat": legend, "datasource": DS}
+                            for k, (legend, expr) in enumerate(targets)],
+            })  # fmt: skip
+            pid += 1
+        y += 8 * ((len(row_panels) + 2) // 3)
+    return {
+        "uid": "asyncrl-overview", "title": "asyncrl", "schemaVersion": 39, "version": 1,
+        "tags": ["asyncrl", "rl"], "timezone": "browser", "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"}, "panels": panels,
+        "templating": {"list": []}, "annotations": {"list": []},
+    }  # fmt: skip
+
+
+if __name__ == "__main__":
+    out = Path(__file__).resolve().parent.parent / "dashboards" / "asyncrl.json"
+    out.write_text(json.dumps(build(), indent=2) + "\n")
+    print(out)
