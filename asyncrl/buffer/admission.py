@@ -1,0 +1,91 @@
+"""Staleness admission: the one function that bounds how far actors may run ahead.
+
+Invariant (DESIGN.md, "Staleness control"): an actor may start a new group only while
+
+    admitted < (V + max_staleness + 1) * groups_per_step + credits
+
+where V is the learner's current policy version. The check and the increment of
+``admitted`` happen in one Lua script, so concurrent actors can never overshoot the bound:
+Redis runs scripts atomically, and V is read inside the script rather than passed in, so a
+stale V cached by an actor cannot widen the bound either.
+
+Every group the learner drops (too stale, filtered, malformed) must return one credit;
+otherwise dropped groups would permanently use up admission and the pipeline would
+deadlock waiting for groups that will never arrive. With ``max_staleness = 0`` the bound
+is ``(V + 1) * groups_per_step`` (+ credits): actors produce exactly one step's worth of
+groups per version, i.e. synchronous on-policy training.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from asyncrl.buffer.layout import Keys
+
+__all__ = ["ADMIT_LUA", "admission_bound_formula", "check_admission_args", "Admission"]
+
+# KEYS: admitted, credits, version.  ARGV: max_staleness, groups_per_step.
+# Returns {admitted_flag, admitted_after, bound}. Missing keys count as 0.
+ADMIT_LUA = """
+local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
+local credits = tonumber(redis.call('GET', KEYS[2]) or '0')
+local version = tonumber(redis.call('GET', KEYS[3]) or '0')
+local bound = (version + tonumber(ARGV[1]) + 1) * tonumber(ARGV[2]) + credits
+if admitted < bound then
+  admitted = redis.call('INCR', KEYS[1])
+  return {1, admitted, bound}
+end
+return {0, admitted, bound}
+"""
+
+
+def check_admission_args(max_staleness: int, groups_per_step: int) -> None:
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
+    if isinstance(groups_per_step, bool) or not isinstance(groups_per_step, int) or groups_per_step < 1:
+        raise ValueError(f"groups_per_step must be an int >= 1, got {groups_per_step!r}")
+
+
+def admission_bound_formula(version: int, max_staleness: int, groups_per_step: int, credits: int) -> int:
+    """The bound the Lua script enforces, in Python (for stats and tests)."""
+    return (version + max_staleness + 1) * groups_per_step + credits
+
+
+class Admission:
+    """Redis-side admission for one run. Thread-safe (stateless apart from the script)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self._client = client
+        self._keys = keys
+        # redis-py's Script uses EVALSHA and reloads on NOSCRIPT, so a Redis restart
+        # (which empties the script cache) is handled transparently.
+        self._script = client.register_script(ADMIT_LUA)
+
+    def try_admit(self, max_staleness: int, groups_per_step: int) -> bool:
+        """Atomically admit one group if under the bound; True if the caller may start it."""
+        check_admission_args(max_staleness, groups_per_step)
+        k = self._keys
+        ok, _admitted, _bound = self._script(
+            keys=[k.admitted, k.credits, k.version], args=[max_staleness, groups_per_step]
+        )
+        return bool(ok)
+
+    def credit(self, n: int = 1) -> int:
+        """Return ``n`` admission slots (one per dropped group). Returns total credits."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"credit count must be an int >= 0, got {n!r}")
+        if n == 0:
+            return int(self._client.get(self._keys.credits) or 0)
+        return int(self._client.incrby(self._keys.credits, n))
+
+    def counters(self) -> tuple[int, int, int]:
+        """(version, admitted, credits), read in one round trip (MGET is atomic)."""
+        k = self._keys
+        version, admitted, credits = self._client.mget([k.version, k.admitted, k.credits])
+        return int(version or 0), int(admitted or 0), int(credits or 0)
+
+    def bound(self, max_staleness: int, groups_per_step: int) -> int:
+        """Current admission bound for these settings."""
+        check_admission_args(max_staleness, groups_per_step)
+        version, _admitted, credits = self.counters()
+        return admission_bound_formula(version, max_staleness, groups_per_step, credits)

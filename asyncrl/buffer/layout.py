@@ -1,0 +1,113 @@
+"""Redis key layout: the one place that names every key and channel of a run.
+
+Every key of run ``R`` starts with ``asyncrl:{R}:``. The braces are literal: they make
+``{R}`` a Redis Cluster hash tag, so all keys of one run live in the same slot and the
+admission script (which touches the version, admitted and credits keys) stays a single
+atomic operation on a cluster as well as on a single server.
+
+==================================  ======  ================================================
+key                                 type    contents
+==================================  ======  ================================================
+``asyncrl:{R}:rollouts``            stream  field ``g`` = msgpack :class:`Group` (records.py)
+``asyncrl:{R}:dead``                stream  dead letters: ``id``, ``reason``, ``data``, ``time``
+``asyncrl:{R}:version``             string  current learner policy version V (int, unset = 0)
+``asyncrl:{R}:admitted``            string  groups admitted since the run started (int)
+``asyncrl:{R}:credits``             string  groups the learner dropped, returned to admission
+``asyncrl:{R}:weights``             hash    version (decimal) -> msgpack weight manifest
+``asyncrl:{R}:actors``              hash    actor_id -> msgpack {version, time, groups, ...}
+``asyncrl:{R}:learner``             hash    status field -> msgpack value
+``asyncrl:{R}:versions``            pubsub  msgpack {schema, version, path, sha256} per publish
+==================================  ======  ================================================
+
+The consumer group on the rollouts stream is ``learner`` unless configured otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["KEY_PREFIX", "ROLLOUT_FIELD", "DEFAULT_CONSUMER_GROUP", "Keys", "validate_run_name"]
+
+KEY_PREFIX = "asyncrl"
+#: Field of a rollouts stream entry that holds the encoded group.
+ROLLOUT_FIELD = b"g"
+DEFAULT_CONSUMER_GROUP = "learner"
+
+# Run names end up in key names, file paths and metric labels: keep them boring.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_run_name(run: str) -> str:
+    """Return ``run`` if it is a usable run name, else raise ValueError saying why."""
+    if not isinstance(run, str) or not _RUN_NAME.match(run):
+        raise ValueError(
+            f"run name {run!r}: use 1-128 characters from [A-Za-z0-9._-], starting with a letter or digit"
+        )
+    return run
+
+
+@dataclass(frozen=True)
+class Keys:
+    """All Redis key and channel names of one run."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        validate_run_name(self.run)
+
+    @property
+    def prefix(self) -> str:
+        return f"{KEY_PREFIX}:{{{self.run}}}"
+
+    def _k(self, name: str) -> str:
+        return f"{self.prefix}:{name}"
+
+    @property
+    def rollouts(self) -> str:
+        return self._k("rollouts")
+
+    @property
+    def dead(self) -> str:
+        return self._k("dead")
+
+    @property
+    def version(self) -> str:
+        return self._k("version")
+
+    @property
+    def admitted(self) -> str:
+        return self._k("admitted")
+
+    @property
+    def credits(self) -> str:
+        return self._k("credits")
+
+    @property
+    def weights(self) -> str:
+        return self._k("weights")
+
+    @property
+    def actors(self) -> str:
+        return self._k("actors")
+
+    @property
+    def learner(self) -> str:
+        return self._k("learner")
+
+    @property
+    def versions_channel(self) -> str:
+        return self._k("versions")
+
+    def all_keys(self) -> list[str]:
+        """Every data key of the run (not the channel), e.g. to delete a run."""
+        return [
+            self.rollouts,
+            self.dead,
+            self.version,
+            self.admitted,
+            self.credits,
+            self.weights,
+            self.actors,
+            self.learner,
+        ]

@@ -1,0 +1,116 @@
+"""Run registry: weight manifests, version notifications, actor heartbeats, learner status.
+
+A mixin of :class:`asyncrl.buffer.replay.ReplayBuffer` (it uses ``self._client`` and
+``self.keys``), kept apart because it is control-plane state, not the data path.
+All values are msgpack; the version key is shared with admission (layout.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import msgpack
+import redis
+
+from asyncrl.buffer.layout import Keys
+from asyncrl.buffer.subscription import NOTIFICATION_SCHEMA, VersionSubscription
+from asyncrl.buffer.weights import WeightManifest
+
+__all__ = ["RunRegistry"]
+
+
+def _s(b: bytes | str) -> str:
+    return b.decode() if isinstance(b, bytes) else b
+
+
+class RunRegistry:
+    """Weights registry and liveness records of one run (mixin; see module docstring)."""
+
+    _client: redis.Redis
+    keys: Keys
+
+    # ------------------------------------------------------------------ weights registry
+
+    def publish_weights(self, manifest: WeightManifest) -> int:
+        """Store the manifest, set V = manifest.version and notify, in one MULTI.
+
+        Returns the number of subscribers that received the notification. Subscribers can
+        miss notifications while disconnected, so they should also poll :meth:`version`.
+        """
+        k = self.keys
+        note = {
+            "schema": NOTIFICATION_SCHEMA,
+            "version": manifest.version,
+            "path": manifest.path,
+            "sha256": manifest.sha256,
+        }
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hset(k.weights, str(manifest.version), manifest.to_bytes())
+        pipe.set(k.version, manifest.version)
+        pipe.publish(k.versions_channel, msgpack.packb(note, use_bin_type=True))
+        return int(pipe.execute()[-1])
+
+    def manifest(self, version: int) -> WeightManifest | None:
+        data = self._client.hget(self.keys.weights, str(version))
+        return None if data is None else WeightManifest.from_bytes(data)
+
+    def manifest_versions(self) -> list[int]:
+        return sorted(int(v) for v in self._client.hkeys(self.keys.weights))
+
+    def latest_manifest(self) -> WeightManifest | None:
+        """The manifest with the highest version, or None if none was published."""
+        versions = self.manifest_versions()
+        return self.manifest(versions[-1]) if versions else None
+
+    def prune_manifests(self, keep_versions: int | Iterable[int]) -> list[int]:
+        """Delete manifests: an int keeps the newest N, an iterable keeps exactly those.
+
+        Returns the deleted versions (so the caller can free them in its transport).
+        """
+        versions = self.manifest_versions()
+        if isinstance(keep_versions, int):
+            if keep_versions < 0:
+                raise ValueError("keep_versions must be >= 0")
+            drop = versions[: max(len(versions) - keep_versions, 0)]
+        else:
+            keep = {int(v) for v in keep_versions}
+            drop = [v for v in versions if v not in keep]
+        if drop:
+            self._client.hdel(self.keys.weights, *[str(v) for v in drop])
+        return drop
+
+    def subscribe_versions(self, confirm_timeout: float = 5.0) -> VersionSubscription:
+        """Subscribe to version notifications; returns once the subscription is active."""
+        return VersionSubscription(self._client, self.keys.versions_channel, confirm_timeout)
+
+    # ------------------------------------------------------------------ heartbeats and status
+
+    def heartbeat(self, actor_id: str, info: Mapping[str, Any]) -> None:
+        """Record ``info`` (msgpack-able) for ``actor_id``; ``time`` defaults to now."""
+        payload = {"time": time.time(), **info}
+        self._client.hset(self.keys.actors, actor_id, msgpack.packb(payload, use_bin_type=True))
+
+    def actors(self) -> dict[str, dict[str, Any]]:
+        """actor_id -> last heartbeat info. Unreadable entries are reported, not raised."""
+        out: dict[str, dict[str, Any]] = {}
+        for actor_id, data in self._client.hgetall(self.keys.actors).items():
+            try:
+                out[_s(actor_id)] = dict(msgpack.unpackb(data, raw=False))
+            except Exception as exc:
+                out[_s(actor_id)] = {"error": f"unreadable heartbeat: {exc}"}
+        return out
+
+    def remove_actor(self, actor_id: str) -> None:
+        self._client.hdel(self.keys.actors, actor_id)
+
+    def set_learner_status(self, status: Mapping[str, Any]) -> None:
+        """Update (merge) learner status fields; values are msgpack-encoded."""
+        if status:
+            mapping = {str(k): msgpack.packb(v, use_bin_type=True) for k, v in status.items()}
+            self._client.hset(self.keys.learner, mapping=mapping)
+
+    def learner_status(self) -> dict[str, Any]:
+        raw = self._client.hgetall(self.keys.learner)
+        return {_s(k): msgpack.unpackb(v, raw=False) for k, v in raw.items()}

@@ -1,0 +1,383 @@
+"""ReplayBuffer against a real redis-server: delivery, dead letters, admission, registry."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+from asyncrl.buffer import (
+    EmbeddedRedis,
+    ReplayBuffer,
+    WeightIntegrityError,
+    build_manifest,
+    encode,
+    verify,
+)
+from asyncrl.buffer.connection import redis_options as _redis_options
+from tests.conftest import small_group
+
+
+def _new(redis_server: EmbeddedRedis, run: str, **kw) -> ReplayBuffer:
+    """A second, independent instance (own connection pool), as another process would have."""
+    return ReplayBuffer(redis_server.client(socket_timeout=30.0), run, owns_client=True, **kw)
+
+
+def _corrupt(**changes) -> bytes:
+    doc = msgpack.unpackb(encode(small_group()), raw=False)
+    for path, value in changes.items():
+        target = doc
+        *parents, last = path.split("__")
+        for p in parents:
+            target = target[int(p)] if p.isdigit() else target[p]
+        target[last] = value
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def test_put_read_ack_and_stats(buffer: ReplayBuffer) -> None:
+    groups = [small_group() for _ in range(5)]
+    ids = [buffer.put(g) for g in groups]
+    assert len(set(ids)) == 5
+    s = buffer.stats()
+    assert (s["depth"], s["pending"], s["dead"], s["admitted"], s["credits"], s["version"]) == (
+        5,
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
+    assert s["bound"] is None
+    got = buffer.read("c", 3, block_ms=0)
+    assert [e.entry_id for e in got] == ids[:3]
+    assert [e.group for e in got] == groups[:3]
+    assert buffer.stats()["pending"] == 3
+    assert buffer.ack([e.entry_id for e in got]) == 3
+    assert buffer.ack([got[0].entry_id]) == 0  # already acknowledged
+    s = buffer.stats()
+    assert (s["depth"], s["pending"]) == (2, 0)  # acked entries are deleted from the stream
+    assert [e.group for e in buffer.read("c", 10, block_ms=0)] == groups[3:]
+
+
+def test_read_blocks_until_timeout_or_put(buffer: ReplayBuffer) -> None:
+    t0 = time.monotonic()
+    assert buffer.read("c", 4, block_ms=300) == []
+    assert 0.25 <= time.monotonic() - t0 < 3.0
+    g = small_group()
+    timer = threading.Timer(0.2, buffer.put, args=(g,))
+    timer.start()
+    t0 = time.monotonic()
+    got = buffer.read("c", 4, block_ms=5000)
+    timer.join()
+    assert [e.group for e in got] == [g]
+    assert time.monotonic() - t0 < 3.0
+
+
+# --------------------------------------------------------------------------- dead letters
+
+
+def test_malformed_entries_dead_lettered(buffer: ReplayBuffer, redis_client: redis.Redis) -> None:
+    f32 = np.dtype("<f4")
+    bad = {
+        "garbage": (b"\x00not msgpack", "record: not valid msgpack"),
+        "nan": (
+            _corrupt(completions__1__logprobs=np.array([-1, -1, np.nan, -1], f32).tobytes()),
+            "completions[1].logprobs: non-finite value at 2",
+        ),
+        "schema": (_corrupt(schema=99), "schema: unsupported schema version 99"),
+        "finish": (_corrupt(completions__0__finish="eos"), "completions[0].finish_reason"),
+    }
+    good, bad_ids, expected_reasons = [], {}, {}
+    for name, (data, reason) in bad.items():
+        g = small_group()
+        good.append((buffer.put(g), g))
+        bad_ids[name] = buffer.put_raw(data)
+        expected_reasons[bad_ids[name]] = reason
+    # An entry without the group field at all (a foreign producer writing the wrong field).
+    no_field = redis_client.xadd(buffer.keys.rollouts, {b"x": b"1"}).decode()
+    expected_reasons[no_field] = "entry: no 'g' field"
+    g = small_group()
+    good.append((buffer.put(g), g))
+
+    got = buffer.read("c", 100, block_ms=0)
+    assert [(e.entry_id, e.group) for e in got] == good
+    dead = buffer.dead_letters()
+    assert len(dead) == 5
+    for d in dead:
+        assert expected_reasons[d["original_id"]] in d["reason"], d
+    garbage = next(d for d in dead if d["original_id"] == bad_ids["garbage"])
+    assert garbage["data"] == b"\x00not msgpack" and garbage["size"] == 12 and garbage["time"] > 0
+    s = buffer.stats()
+    assert (s["dead"], s["credits"], s["pending"], s["depth"]) == (5, 5, len(good), len(good))
+    assert buffer.read("c", 100, block_ms=0) == []
+    # A fresh instance with the same consumer must not see dead letters in its pending list.
+    again = ReplayBuffer(redis_client, buffer.run)
+    assert [e.entry_id for e in again.read("c", 100, block_ms=0)] == [i for i, _ in good]
+
+
+def test_pending_entry_deleted_before_ack_is_dead_lettered(buffer: ReplayBuffer, redis_client) -> None:
+    ids = [buffer.put(small_group()) for _ in range(3)]
+    assert len(buffer.read("c", 3, block_ms=0)) == 3
+    redis_client.xdel(buffer.keys.rollouts, ids[1])  # e.g. trimmed by maxlen while pending
+    restarted = ReplayBuffer(redis_client, buffer.run)
+    assert [e.entry_id for e in restarted.read("c", 10, block_ms=0)] == [ids[0], ids[2]]
+    (dead,) = buffer.dead_letters()
+    assert dead["original_id"] == ids[1] and "deleted" in dead["reason"]
+    assert buffer.stats()["credits"] == 1 and buffer.stats()["pending"] == 2
+
+
+# --------------------------------------------------------------------------- delivery
+
+
+def test_concurrent_producers_consumers_exactly_once(
+    redis_server: EmbeddedRedis, buffer: ReplayBuffer
+) -> None:
+    per_producer, n_producers = 1000, 2
+    total = per_producer * n_producers
+    received: list[list[str]] = [[], []]
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def produce(p: int) -> None:
+        try:
+            buf = _new(redis_server, buffer.run)
+            for i in range(per_producer):
+                buf.put(small_group(group_id=f"p{p}-{i}", n_completions=1, n_tokens=2))
+            buf.close()
+        except BaseException as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    def consume(c: int) -> None:
+        try:
+            buf = _new(redis_server, buffer.run)
+            while not done.is_set():
+                entries = buf.read(f"consumer-{c}", 50, block_ms=100)
+                received[c].extend(e.group.group_id for e in entries)
+                buf.ack([e.entry_id for e in entries])
+                if sum(map(len, received)) >= total:
+                    done.set()
+            buf.close()
+        except BaseException as exc:
+            errors.append(exc)
+            done.set()
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(n_producers)]
+    threads += [threading.Thread(target=consume, args=(c,)) for c in range(2)]
+    for t in threads:
+        t.start()
+    done.wait(timeout=25)
+    done.set()
+    for t in threads:
+        t.join(timeout=10)
+    assert not errors, errors
+    counts = Counter(received[0] + received[1])
+    expected = {f"p{p}-{i}" for p in range(n_producers) for i in range(per_producer)}
+    assert set(counts) == expected
+    assert max(counts.values()) == 1, [k for k, v in counts.items() if v > 1][:5]
+    s = buffer.stats()
+    assert (s["pending"], s["depth"], s["dead"]) == (0, 0, 0)
+
+
+def test_restarted_consumer_rereads_unacked(redis_client: redis.Redis, buffer: ReplayBuffer) -> None:
+    ids = [buffer.put(small_group()) for _ in range(10)]
+    first = buffer.read("learner-0", 4, block_ms=0)
+    second = buffer.read("learner-0", 3, block_ms=0)
+    # A live instance never re-delivers what it returned, acked or not.
+    assert [e.entry_id for e in first + second] == ids[:7]
+    buffer.ack([first[0].entry_id])
+    # The consumer "dies"; a new instance with the same consumer name takes over.
+    restarted = ReplayBuffer(redis_client, buffer.run)
+    a = restarted.read("learner-0", 4, block_ms=0)
+    assert [e.entry_id for e in a] == ids[1:5]  # pending first, in order
+    b = restarted.read("learner-0", 4, block_ms=0)
+    assert [e.entry_id for e in b] == ids[5:9]  # rest of pending (2), then new ones (2)
+    c = restarted.read("learner-0", 4, block_ms=0)
+    assert [e.entry_id for e in c] == ids[9:]
+    assert restarted.read("learner-0", 4, block_ms=0) == []  # no re-delivery in this instance
+    # Another consumer never gets learner-0's pending entries.
+    assert ReplayBuffer(redis_client, buffer.run).read("other", 10, block_ms=0) == []
+    assert restarted.ack([e.entry_id for e in a + b + c]) == 9
+    assert buffer.stats()["pending"] == 0
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def test_admission_bound_under_concurrency(buffer: ReplayBuffer) -> None:
+    s, g = 2, 4
+
+    def hammer(n_threads: int = 8, tries: int = 60) -> int:
+        wins = [0] * n_threads
+
+        def run(i: int) -> None:
+            for _ in range(tries):
+                wins[i] += buffer.try_admit(s, g)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(wins)
+
+    assert buffer.admission_bound(s, g) == 12  # (0 + 2 + 1) * 4
+    assert hammer() == 12
+    assert buffer.stats()["admitted"] == 12
+    assert buffer.credit(3) == 3
+    assert hammer() == 3  # credits unblock exactly as many groups
+    buffer.set_version(2)
+    assert buffer.admission_bound(s, g) == (2 + 2 + 1) * 4 + 3
+    assert hammer() == 8  # raising V raises the bound by groups_per_step per version
+    assert buffer.stats()["admitted"] == 23
+    assert buffer.try_admit(0, g) is False  # max_staleness 0: (2 + 1) * 4 + 3 = 15 < 23
+    with pytest.raises(ValueError, match="groups_per_step"):
+        buffer.try_admit(1, 0)
+
+
+@pytest.mark.parametrize("give_credits", [True, False])
+def test_admission_with_drops_progresses_only_with_credits(
+    redis_client, run_name, give_credits: bool
+) -> None:
+    """A small actor/learner loop that drops every third group: credits keep it alive,
+    and no trained group is ever staler than max_staleness."""
+    s, g, target = 1, 4, 12
+    buf = ReplayBuffer(redis_client, run_name, max_staleness=s, groups_per_step=g)
+    try:
+        trained_in_step, n_seen, max_seen_staleness = 0, 0, 0
+        for _ in range(200):
+            v = buf.version()
+            while buf.try_admit():
+                buf.put(small_group(n_completions=1, n_tokens=2, version=v))
+            entries = buf.read("learner", 100, block_ms=0)
+            if not entries:
+                break  # stalled: nothing admitted, nothing to train
+            for e in entries:
+                n_seen += 1
+                if n_seen % 3 == 0:
+                    if give_credits:
+                        buf.credit()
+                    continue
+                max_seen_staleness = max(max_seen_staleness, e.group.staleness(v))
+                trained_in_step += 1
+                if trained_in_step == g:
+                    trained_in_step, v = 0, v + 1
+                    buf.set_version(v)
+            buf.ack([e.entry_id for e in entries])
+            if v >= target:
+                break
+        stats = buf.stats()
+        assert stats["admitted"] <= stats["bound"]
+        if give_credits:
+            assert buf.version() == target
+            assert max_seen_staleness <= s
+        else:
+            assert buf.version() < 4  # deadlocks early without credits
+    finally:
+        buf.delete_run()
+
+
+# --------------------------------------------------------------------------- weights registry
+
+
+def test_weights_registry_and_notifications(buffer: ReplayBuffer, tmp_path) -> None:
+    sub = buffer.subscribe_versions()
+    manifests = {}
+    for v in (1, 2, 3):
+        d = tmp_path / f"v{v}"
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(bytes([v]) * (1000 + v))
+        (d / "config.json").write_text("{}")
+        manifests[v] = build_manifest(v, d, "bfloat16")
+        assert buffer.publish_weights(manifests[v]) == 1
+    assert [sub.get(timeout=2.0) for _ in range(3)] == [1, 2, 3]
+    assert sub.get(timeout=0.05) is None
+    buffer.publish_weights(manifests[3])
+    assert sub.get_notification(timeout=2.0) == {
+        "version": 3,
+        "path": manifests[3].path,
+        "sha256": manifests[3].sha256,
+    }
+    sub.close()
+    assert buffer.version() == 3
+    assert buffer.manifest(2) == manifests[2]
+    assert buffer.manifest(7) is None
+    assert buffer.latest_manifest() == manifests[3]
+    assert buffer.manifest(1).files["model.safetensors"].size == 1001
+    assert buffer.prune_manifests(2) == [1]
+    assert buffer.manifest_versions() == [2, 3]
+    assert buffer.prune_manifests([3]) == [2]
+    assert buffer.latest_manifest() == manifests[3]
+
+    verify(manifests[3])
+    (tmp_path / "v3" / "model.safetensors").write_bytes(b"\x03" * 1003)  # same size, same bytes
+    verify(manifests[3])
+    (tmp_path / "v3" / "model.safetensors").write_bytes(b"\x04" * 1003)
+    with pytest.raises(WeightIntegrityError, match="model.safetensors sha256 .* != expected"):
+        verify(manifests[3])
+    (tmp_path / "v3" / "model.safetensors").write_bytes(b"\x03" * 10)
+    with pytest.raises(WeightIntegrityError, match="model.safetensors size 10 != expected 1003"):
+        verify(manifests[3])
+    single = tmp_path / "w.bin"
+    single.write_bytes(b"abc")
+    m = build_manifest(9, single, "float32")
+    assert m.sha256 == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    verify(m)
+    single.write_bytes(b"abd")
+    with pytest.raises(WeightIntegrityError, match="sha256"):
+        verify(m)
+
+
+def test_heartbeats_and_learner_status(buffer: ReplayBuffer) -> None:
+    buffer.heartbeat("actor-0", {"version": 3, "groups": 10})
+    buffer.heartbeat("actor-1", {"version": 2, "groups": 4, "time": 5.0})
+    actors = buffer.actors()
+    assert set(actors) == {"actor-0", "actor-1"}
+    assert actors["actor-0"]["groups"] == 10 and actors["actor-0"]["time"] > 1e9
+    assert actors["actor-1"] == {"version": 2, "groups": 4, "time": 5.0}
+    buffer.remove_actor("actor-1")
+    assert set(buffer.actors()) == {"actor-0"}
+    buffer.set_learner_status({"step": 7, "loss": 0.25, "state": "training"})
+    buffer.set_learner_status({"step": 8})
+    assert buffer.learner_status() == {"step": 8, "loss": 0.25, "state": "training"}
+
+
+# --------------------------------------------------------------------------- connection
+
+
+def test_connect_with_password(tmp_path, run_name: str) -> None:
+    with EmbeddedRedis(tmp_path / "auth", password="s3cret") as server:
+        assert server.url.startswith("redis://:s3cret@127.0.0.1:")
+        url = f"redis://127.0.0.1:{server.port}/0"
+        with pytest.raises(redis.AuthenticationError):
+            ReplayBuffer.connect(url, run_name)
+        with ReplayBuffer.connect(url, run_name, password="s3cret") as buf:
+            buf.put(small_group())
+            assert buf.stats()["depth"] == 1
+
+
+def test_tls_options() -> None:
+    url, opts = _redis_options("redis://h:1/0", "pw", None, True, "/ca.pem", None, None, None, {})
+    assert url == "rediss://h:1/0" and opts["ssl_ca_certs"] == "/ca.pem" and opts["password"] == "pw"
+    client = redis.Redis.from_url(url, **opts)
+    assert client.connection_pool.connection_class is redis.SSLConnection
+    url, opts = _redis_options("rediss://h:1/0", None, None, False, None, None, None, None, {})
+    assert url == "rediss://h:1/0"
+    with pytest.raises(ValueError, match="tls_ca"):
+        _redis_options("redis://h:1/0", None, None, False, "/ca.pem", None, None, None, {})
+    with pytest.raises(ValueError, match="redis url"):
+        _redis_options("http://h:1/0", None, None, False, None, None, None, None, {})
+
+
+def test_rejects_decode_responses_and_bad_run_name(redis_server: EmbeddedRedis) -> None:
+    with pytest.raises(ValueError, match="decode_responses"):
+        ReplayBuffer(redis_server.client(decode_responses=True), "r")
+    with pytest.raises(ValueError, match="run name"):
+        ReplayBuffer(redis_server.client(), "bad name!")
