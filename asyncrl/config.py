@@ -131,6 +131,18 @@ class ActorsConfig:
     gpu_memory_utilization: float = F(
         0.1, "vLLM KV-cache share (of host RAM on CPU, of GPU memory on GPU).", gt=0, le=1
     )
+    kv_cache_mib: int = F(
+        0,
+        "Explicit KV-cache size per engine in MiB (0 = derive it from gpu_memory_utilization). On CPU a "
+        "small explicit size (e.g. 64 for the tiny model) starts faster and skips vLLM's free-memory check.",
+        ge=0,
+    )
+    swap_recompute_kv: bool = F(
+        True,
+        "On an in-flight swap, drop the KV cache of running requests and re-prefill them with the new "
+        "weights, so every token is sampled by exactly one published version (False = keep the old-weight "
+        "KV: faster, but post-swap tokens come from a mixture the learner cannot recompute).",
+    )
     enforce_eager: bool = F(True, "Disable CUDA graphs / compilation (faster start, fine for tiny models).")
     num_cpus_per_actor: float = F(1.0, "Ray CPUs reserved per actor.", gt=0)
     max_restarts: int = F(3, "Ray restarts of a crashed actor before the pool gives up.", ge=0)
