@@ -220,6 +220,11 @@ class LearnerConfig:
     keep_versions: int = F(3, "Published weight versions kept on disk.", ge=1)
     checkpoint_every: int = F(10, "Checkpoint (and acknowledge consumed groups) every N steps.", ge=1)
     read_block_ms: int = F(500, "Longest single blocking read on the buffer, in ms.", ge=1)
+    fill_window: bool = F(
+        False,
+        "Experiment knob: before each step wait until the buffer holds a full admission window "
+        "((max_staleness + 1) * groups_per_step groups), so trained data is as stale as the bound allows.",
+    )
     consumer: str = F("learner-0", "Consumer name in the Redis consumer group (stable across restarts).")
     loss: LossConfig = F(LossConfig(), "Objective options (asyncrl.learner.objectives).")
 
