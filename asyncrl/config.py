@@ -204,7 +204,10 @@ class LossConfig:
 @dataclass
 class LearnerConfig:
     lr: float = F(1e-5, "AdamW learning rate.", gt=0)
-    weight_decay: float = F(0.0, "AdamW weight decay.", ge=0)
+    weight_decay: float = F(0.0, "AdamW weight decay (matrices only; norms and biases are not decayed).", ge=0)
+    adam_beta1: float = F(0.9, "AdamW beta1 (first-moment decay).", ge=0, lt=1)
+    adam_beta2: float = F(0.999, "AdamW beta2 (second-moment decay).", ge=0, lt=1)
+    adam_eps: float = F(1e-8, "AdamW epsilon added to sqrt(v).", gt=0)
     grad_clip: float = F(1.0, "Global gradient-norm clip (0 = off).", ge=0)
     warmup_steps: int = F(0, "Linear learning-rate warm-up, in optimizer steps.", ge=0)
     zero_stage: int = F(0, "DeepSpeed ZeRO stage.", choices=(0, 1, 2, 3))

@@ -1,0 +1,228 @@
+"""DeepSpeed setup: process group, the guarded AdamW, the engine, one optimizer step, full weights.
+
+Choices and why:
+
+* The optimizer is a client ``torch.optim.AdamW`` subclass passed to ``deepspeed.initialize``, so no
+  DeepSpeed op is JIT-built for it (FusedAdam / CPUAdam would be). On CPU DeepSpeed still JIT-builds
+  its small shared-memory comm op once (cached in ~/.cache/torch_extensions).
+* Gradient accumulation is driven explicitly: ``gradient_accumulation_steps = 1`` in the config,
+  ``engine.set_gradient_accumulation_boundary(k == last)`` before each micro-batch and
+  ``engine.backward(loss, scale_wrt_gas=False)``. A step can then have any number of micro-batches
+  (it varies with the data); the loss is scaled by ``deepspeed_loss_scale(1, world_size)`` to undo
+  DeepSpeed's data-parallel gradient averaging (see asyncrl.learner.reduction).
+* Non-finite skip, one rule for every ZeRO stage and dtype: before ``engine.step()`` every rank
+  all-reduces (MAX) its "saw a non-finite loss" flag and sets :attr:`GuardedAdamW.veto`; the base
+  optimizer's ``step`` then returns without touching weights or optimizer state. Non-finite
+  *gradients* are caught by DeepSpeed's own global overflow check where it has one (ZeRO 1-3, bf16)
+  and by the guard itself for ZeRO-0 fp32, where DeepSpeed hands it the full (all-reduced,
+  identical on every rank) gradients. In all cases every rank decides the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.learner.logprobs import DTYPES, load_hf_model
+
+__all__ = ["init_distributed", "GuardedAdamW", "LearnerEngine", "build_engine", "ds_config", "StepOutcome"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(timeout_s: float = 7200.0) -> tuple[int, int]:
+    """Initialise torch.distributed via DeepSpeed (gloo on CPU, nccl on CUDA); returns (rank, world).
+
+    A process started without launcher variables becomes a single rank (RANK=0, WORLD_SIZE=1 on a
+    free local port). Already initialised (tests, an embedding program): reused as is. The long
+    timeout covers data-parallel ranks waiting in a broadcast while rank 0 waits for rollouts.
+    """
+    import deepspeed
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW whose ``step`` can be vetoed, and which guards/clips full gradients when asked.
+
+    ``veto`` (set by :meth:`LearnerEngine.optimizer_step` from an all-reduced flag) makes ``step``
+    a no-op: weights and optimizer state (moments, step counts) stay bitwise unchanged.
+    ``check_grads`` (only where this optimizer sees full, replicated gradients: ZeRO-0 fp32):
+    computes the global norm, skips on a non-finite one, and clips to ``clip`` (0 = off).
+    ``stepped`` tells the caller whether any update was applied since it was reset.
+    """
+
+    def __init__(self, params: Any, *, check_grads: bool = False, clip: float = 0.0, **kw: Any) -> None:
+        super().__init__(params, **kw)
+        self.veto = False
+        self.check_grads = check_grads
+        self.clip = clip
+        self.stepped = False
+        self.last_grad_norm: float | None = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if self.veto:
+            return None
+        if self.check_grads:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            norm = (
+                float(
+                    torch.linalg.vector_norm(
+                        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+                    )
+                )
+                if grads
+                else 0.0
+            )
+            self.last_grad_norm = norm
+            if not math.isfinite(norm):
+                return None
+            if self.clip > 0 and norm > self.clip:
+                coef = self.clip / (norm + 1e-6)  # same rule as torch.nn.utils.clip_grad_norm_
+                for g in grads:
+                    g.mul_(coef)
+        out = super().step(closure)
+        self.stepped = True
+        return out
+
+
+@dataclass
+class StepOutcome:
+    applied: bool  # the optimizer update happened
+    vetoed: bool  # some rank saw a non-finite loss
+    grad_norm: float  # pre-clip global norm (inf/nan when non-finite; nan if unknown)
+
+
+def ds_config(cfg: Any, guard_clips: bool) -> dict[str, Any]:
+    """The DeepSpeed config of the learner (see the module docstring for why it looks like this)."""
+    lc = cfg.learner
+    conf: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0 if guard_clips else float(lc.grad_clip),
+        "zero_optimization": {"stage": int(lc.zero_stage)},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.model.dtype == "bfloat16":
+        # bf16 compute weights, fp32 master weights and optimizer state; skip steps on overflow.
+        conf["bf16"] = {"enabled": True, "check_grad_overflow": True}
+    return conf
+
+
+class LearnerEngine:
+    """The DeepSpeed engine of the policy plus what the step and the publisher need from it."""
+
+    def __init__(self, engine: Any, optimizer: GuardedAdamW, cfg: Any) -> None:
+        self.engine = engine
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.zero_stage = int(cfg.learner.zero_stage)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.dtype = next(engine.module.parameters()).dtype
+        self.dtype_name = {v: k for k, v in DTYPES.items()}[self.dtype]
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def set_lr(self, lr: float) -> None:
+        # The base optimizer's param_groups are the ones every ZeRO wrapper steps with.
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def optimizer_step(self, local_nonfinite: bool) -> StepOutcome:
+        """End of an accumulation: agree on the veto across ranks, then ``engine.step()``."""
+        flag = torch.tensor([1.0 if local_nonfinite else 0.0])
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        vetoed = bool(flag.item() > 0)
+        self.optimizer.veto = vetoed
+        self.optimizer.stepped = False
+        self.optimizer.last_grad_norm = None
+        try:
+            self.engine.step()
+        finally:
+            self.optimizer.veto = False
+        applied = self.optimizer.stepped
+        if self.optimizer.check_grads:
+            norm = self.optimizer.last_grad_norm
+        else:
+            norm = self.engine.get_global_grad_norm()
+        norm = float("nan") if norm is None else float(norm)
+        return StepOutcome(applied=applied, vetoed=vetoed, grad_norm=norm)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full ``(HF name, CPU tensor)`` pairs of the policy in the module dtype.
+
+        Every rank must iterate it to the end (ZeRO-3 all-gathers one parameter at a time);
+        tensors are only materialised on rank 0 (other ranks get empty tensors).
+        """
+        module = self.module
+        if self.zero_stage < 3:
+            if self.rank == 0:
+                yield from ((k, v.detach().to("cpu").clone()) for k, v in module.state_dict().items())
+            else:
+                yield from ((k, torch.empty(0)) for k in module.state_dict())
+            return
+        import deepspeed
+
+        params = dict(module.named_parameters())
+        for name in module.state_dict():
+            p = params.get(name)
+            if p is None:  # a persistent buffer, or a tied alias of a parameter yielded already
+                continue
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                t = p.detach().to("cpu").clone() if self.rank == 0 else torch.empty(0)
+            yield name, t
+
+
+def build_engine(cfg: Any, model_path: str | Path) -> LearnerEngine:
+    """Load the policy (fp32 from disk; DeepSpeed casts to bf16 when configured) and wrap it."""
+    import deepspeed
+
+    init_distributed()
+    lc = cfg.learner
+    model = load_hf_model(model_path, torch.float32)
+    model.train()
+    # Decay matrices only: decaying norms and biases hurts and is not what AdamW recipes do.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": lc.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    guard_clips = int(lc.zero_stage) == 0 and cfg.model.dtype == "float32"
+    opt = GuardedAdamW(
+        groups,
+        lr=lc.lr,
+        betas=(lc.adam_beta1, lc.adam_beta2),
+        eps=lc.adam_eps,
+        check_grads=guard_clips,
+        clip=float(lc.grad_clip) if guard_clips else 0.0,
+        foreach=False,  # deterministic per-tensor path; the models here are small
+    )
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg, guard_clips))
+    engine.train()
+    return LearnerEngine(engine, opt, cfg)

@@ -1,0 +1,155 @@
+"""The learner's per-step record: the ONE definition of every field it reports.
+
+One :class:`StepRecord` per learner step is appended as a JSON line to ``<run_dir>/metrics.jsonl``,
+handed to every ``on_step`` callback of :func:`asyncrl.learner.loop.learn` (the Prometheus exporter
+mirrors it; its keys are the snapshot keys of ``asyncrl.metrics.LEARNER_METRICS``), and its
+``step``/``version``/``time`` go to the learner status hash in Redis.
+
+Conventions: per-step values describe the step just taken; fields ending in ``_total`` and
+``skipped_nonfinite`` are cumulative since the run started (they survive a resume, restored from
+the checkpoint). Means over tokens are over the loss-mask tokens trained in the step.
+
+A second, append-only file ``<run_dir>/trained.jsonl`` (the ledger) lists the group and entry ids
+each step trained, with the process session id, so delivery (nothing lost, nothing twice) can be
+audited across restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StepRecord", "MetricsWriter", "LEDGER_FILE", "METRICS_FILE", "read_jsonl"]
+
+METRICS_FILE = "metrics.jsonl"
+LEDGER_FILE = "trained.jsonl"
+
+
+@dataclass
+class StepRecord:
+    """Everything the learner reports about one step (see the module docstring for conventions)."""
+
+    step: int = 0  # learner steps completed (1-based after the first step)
+    version: int = 0  # policy version after this step (bumped when the step published)
+    time: float = 0.0  # seconds since the run's start_time
+    step_time: float = 0.0  # unix time at the end of the step
+    step_s: float = 0.0  # wall seconds of the step (wait + train + publish + checkpoint)
+    wait_s: float = 0.0  # seconds blocked on the buffer for this step's groups
+    train_s: float = 0.0  # seconds of forward/backward/optimizer work
+    publish_s: float = 0.0  # seconds to gather and publish weights (0 when not published)
+    # data
+    groups: int = 0  # groups trained this step
+    sequences: int = 0  # completions trained this step
+    tokens: int = 0  # completion tokens in the loss this step
+    reward_mean: float = 0.0  # mean completion reward of the trained groups
+    reward_std: float = 0.0
+    dropped_stale: int = 0  # groups dropped this step as staler than max_staleness (credited)
+    dropped_filtered: int = 0  # groups dropped by dynamic sampling (zero reward variance, credited)
+    overlong_masked: int = 0  # completions masked because they ended by length
+    staleness_mean: float = 0.0  # token staleness V - v_t, mean over trained tokens
+    staleness_max: float = 0.0
+    staleness_hist: dict[str, int] = field(default_factory=dict)  # staleness value -> trained tokens
+    # objective
+    loss: float = 0.0  # total loss (sum of the terms below), mean over optimizer steps
+    loss_policy: float = 0.0  # policy-gradient term (DPPO / PPO) without the rollout KL
+    loss_rollout_kl: float = 0.0  # beta_rollout_kl * rollout-KL term
+    loss_entropy: float = 0.0  # -entropy_coef * entropy term
+    loss_ref_kl: float = 0.0  # ref_kl_coef * reference-KL term
+    ratio_mean: float = 0.0  # pi_theta / pi_anchor on loss tokens
+    mismatch_kl: float = (
+        0.0  # k2: mean 0.5*(log pi_theta - log mu)^2 on staleness-0 tokens, step-start weights
+    )
+    mismatch_tokens: int = 0  # tokens mismatch_kl was measured on
+    rollout_kl: float = 0.0  # k2: mean 0.5*(log pi_theta - log mu)^2 on loss tokens
+    rollout_kl_k3: float = 0.0  # k3 estimator of the same KL
+    ref_kl: float = 0.0  # mean ref-KL estimate (ref_kl_kind) on loss tokens; 0 without a reference
+    dppo_masked_frac: float = 0.0  # fraction of loss tokens the DPPO trust region dropped
+    is_weight_mean: float = 0.0  # mean importance weight (behaviour -> anchor)
+    is_weight_max: float = 0.0
+    ess: float = 0.0  # normalised effective sample size of the IS weights, in (0, 1]
+    entropy: float = 0.0  # mean token entropy (nats) of the temperature-scaled policy
+    grad_norm: float = 0.0  # pre-clip global gradient norm, mean over optimizer steps (inf if non-finite)
+    lr: float = 0.0
+    optimizer_steps: int = 0  # optimizer steps applied this step (mini_batches * epochs when none skipped)
+    micro_batches: int = 0  # micro-batches run by each rank, summed over optimizer steps (incl. padding)
+    padding_micro_batches: int = 0  # padding micro-batches run by this rank (DP balancing)
+    skipped: int = 0  # optimizer steps skipped this step for a non-finite loss or gradient
+    skipped_nonfinite: int = 0  # cumulative skipped optimizer steps
+    published: bool = False  # this step published weights (version bumped)
+    checkpointed: bool = False  # a checkpoint including this step was written (and its groups acked)
+    trained_group_ids: int = 0  # number of group ids trained this step (ids are in trained.jsonl)
+    max_staleness: int = 0  # configured eta
+    # cumulative counters (restored on resume)
+    groups_total: int = 0
+    tokens_total: int = 0
+    wait_s_total: float = 0.0
+    dropped_stale_total: int = 0
+    dropped_filtered_total: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict: non-finite floats become strings ("nan", "inf"), which JSON lacks."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                v = str(v)
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+class MetricsWriter:
+    """Appends records to metrics.jsonl and the trained-groups ledger (rank 0 only)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], session: str) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.session = session
+
+    def write(self, record: StepRecord) -> None:
+        with open(self.dir / METRICS_FILE, "a") as f:
+            f.write(json.dumps(record.to_dict(), sort_keys=True) + "\n")
+
+    def ledger(self, step: int, version: int, group_ids: list[str], entry_ids: list[str]) -> None:
+        line = {"step": step, "version": version, "session": self.session,
+                "group_ids": group_ids, "entry_ids": entry_ids}  # fmt: skip
+        with open(self.dir / LEDGER_FILE, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop metrics records of steps > ``step`` (steps a resume discarded), atomically.
+
+        After a crash the steps after the restored checkpoint are redone; keeping their old records
+        would show two histories in one file. The ledger is NOT truncated: it is the audit trail.
+        """
+        path = self.dir / METRICS_FILE
+        if not path.exists():
+            return
+        kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w") as f:
+            for r in kept:
+                f.write(json.dumps(r, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete JSON lines of ``path`` (a torn last line from a kill is skipped)."""
+    out = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
