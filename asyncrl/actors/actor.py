@@ -1,0 +1,418 @@
+"""The rollout actor: prompts in, scored groups with per-token logprobs and versions out to Redis.
+
+One :class:`RolloutActor` owns one vLLM engine and runs one asyncio loop with
+
+* ``groups_in_flight`` group workers: admission (``try_admit``, waiting while the staleness bound
+  is reached) -> next prompt -> ``G`` completions -> rewards -> ``ReplayBuffer.put``;
+* a version watcher: on a newer manifest (pub/sub hint + poll of the registry), verify the sha256
+  and swap per ``actors.swap_mode``; a manifest that fails verification is refused and logged and
+  the actor keeps generating on the weights it has;
+* a heartbeat writer (every ``actors.heartbeat_s``).
+
+Invariants:
+* no token is generated before a published version is loaded (a (re)started actor waits for v0);
+* a group that was admitted but not written (aborted at stop, or finished by an engine abort)
+  returns its admission credit, so admission cannot leak;
+* the actor never imports the learner; it meets it only through ``asyncrl.buffer``.
+
+:class:`RolloutActor` works without Ray (tests, scripts); :class:`RayRolloutActor` is the thin
+wrapper the pool turns into a Ray actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncrl.buffer import Completion, Group, ReplayBuffer, WeightIntegrityError, WeightManifest, verify
+from asyncrl.tasks import Prompt, make_task
+
+from .engine import Engine, SampledCompletion
+
+__all__ = ["RolloutActor", "RayRolloutActor"]
+
+log = logging.getLogger(__name__)
+
+_MANIFEST_POLL_S = 0.2  # registry poll while waiting for the first version / between hints
+
+
+class RolloutActor:
+    """One actor: engine + group workers + version watcher + heartbeat. See the module doc."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: str | os.PathLike,
+        actor_index: int = 0,
+        *,
+        redis_url: str,
+        redis_password: str | None = None,
+        actor_id: str | None = None,
+        model_path: str | os.PathLike | None = None,
+    ) -> None:
+        from asyncrl.tinymodel import resolve_model_path
+
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.index = actor_index
+        self.actor_id = actor_id or f"actor-{actor_index}"
+        self.model_path = Path(model_path) if model_path else resolve_model_path(cfg, self.run_dir)
+        self.buffer = ReplayBuffer.connect(
+            redis_url,
+            cfg.run.name,
+            password=redis_password or cfg.redis.password or None,
+            tls=cfg.redis.tls,
+            tls_ca=cfg.redis.tls_ca_certs or None,
+            max_staleness=cfg.buffer.max_staleness,
+            groups_per_step=cfg.buffer.groups_per_step,
+        )
+        self.task = make_task(cfg.task, cfg.run.seed)
+        self.engine: Engine | None = None
+        self._tokenizer: Any = None
+        self._prompt_ids: dict[str, list[int]] = {}
+        self._stop_requested = False
+        self._abort = True
+        self._done: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
+        self._started = 0  # groups admitted by this process
+        self._max_groups: int | None = None
+        self._rejected: set[tuple[int, str]] = set()
+        self.counters: dict[str, Any] = {
+            "actor_id": self.actor_id,
+            "pid": os.getpid(),
+            "state": "created",
+            "version": None,
+            "groups_written": 0,
+            "groups_aborted": 0,
+            "generated_tokens": 0,
+            "in_flight": 0,
+            "admission_wait_s": 0.0,
+            "swaps": 0,
+            "swap_pause_s": deque(maxlen=256),  # most recent swap windows, seconds
+            "weight_rejects": 0,
+            "engine_errors": 0,
+            "reconstructed": False,
+        }
+
+    # ------------------------------------------------------------------ public
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the counters (plain types; the swap pauses as a list)."""
+        out = dict(self.counters)
+        out["swap_pause_s"] = list(self.counters["swap_pause_s"])
+        out["in_flight"] = self.engine.in_flight if self.engine else 0
+        return out
+
+    def request_stop(self, abort: bool = True) -> None:
+        """Stop admitting groups; ``abort`` cancels in-flight groups, else they finish and are written."""
+        self._stop_requested = True
+        self._abort = abort
+        if self._wake is not None:
+            self._wake.set()
+
+    async def stop(self, abort: bool = True) -> None:
+        """:meth:`request_stop` and wait until :meth:`run` has shut the engine down."""
+        self.request_stop(abort)
+        if self._done is not None:
+            await self._done.wait()
+
+    async def run(self, max_groups: int | None = None) -> dict[str, Any]:
+        """Generate until stopped (or ``max_groups`` groups were admitted); returns :meth:`stats`."""
+        self._done, self._wake = asyncio.Event(), asyncio.Event()
+        self._max_groups = max_groups
+        tasks: list[asyncio.Task] = []
+        try:
+            self._set_state("starting")
+            cursor = self._resume_cursor()
+            self.source = self.task.source(
+                self.cfg.run.seed, self.index, self.cfg.actors.num_actors, cursor=cursor
+            )
+            self._start_engine()
+            tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+            await self._load_first_version()
+            if self._stop_requested:
+                return self.stats()
+            self._set_state("running")
+            tasks.append(asyncio.create_task(self._watch_versions(), name="versions"))
+            workers = [
+                asyncio.create_task(self._group_worker(), name=f"group-{i}")
+                for i in range(self.cfg.actors.groups_in_flight)
+            ]
+            await self._supervise(workers, tasks)
+            return self.stats()
+        finally:
+            self._set_state("stopping")
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.engine is not None:
+                self.engine.shutdown()
+            self._set_state("stopped")
+            self._heartbeat_now()
+            self.buffer.close()
+            self._done.set()
+
+    # ------------------------------------------------------------------ lifecycle helpers
+
+    def _set_state(self, state: str) -> None:
+        self.counters["state"] = state
+        log.info("%s: %s", self.actor_id, state)
+
+    def _resume_cursor(self) -> tuple[int, int]:
+        """Continue the prompt order where this actor's last heartbeat left it (restart), else start."""
+        info = self.buffer.actors().get(self.actor_id) or {}
+        c = info.get("cursor")
+        if isinstance(c, list | tuple) and len(c) == 2 and all(isinstance(x, int) and x >= 0 for x in c):
+            return int(c[0]), int(c[1])
+        return (0, 0)
+
+    def _start_engine(self) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            import ray
+
+            self.counters["reconstructed"] = bool(
+                ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+            )
+        except ImportError:
+            pass
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        # Blocks the loop for the engine start-up (~25 s on CPU); nothing else runs yet.
+        self.engine = Engine.from_config(self.cfg, self.model_path)
+
+    async def _load_first_version(self) -> None:
+        """Wait for a published, verifiable manifest and load it before any generation."""
+        self._set_state("waiting_for_weights")
+        while not self._stop_requested:
+            if await self._maybe_swap(first=True):
+                return
+            await self._sleep(_MANIFEST_POLL_S)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, waking early on a stop request."""
+        assert self._wake is not None
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _supervise(self, workers: list[asyncio.Task], helpers: list[asyncio.Task]) -> None:
+        """Wait for the workers to finish; a failing task (worker or helper) stops all and raises."""
+        pending = set(workers) | set(helpers)
+        aborting = False
+        while any(not w.done() for w in workers):
+            done, pending = await asyncio.wait(pending, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    for w in workers:
+                        w.cancel()
+                    await asyncio.gather(*workers, return_exceptions=True)
+                    self.counters["engine_errors"] += 1
+                    raise t.exception()  # type: ignore[misc]
+            if self._stop_requested and self._abort and not aborting:
+                aborting = True
+                for w in workers:
+                    w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+
+    # ------------------------------------------------------------------ weights
+
+    async def _maybe_swap(self, first: bool = False) -> bool:
+        """Load the newest manifest if it is newer than the served version; True if loaded."""
+        assert self.engine is not None
+        m: WeightManifest | None = await asyncio.to_thread(self.buffer.latest_manifest)
+        if m is None or (self.engine.version is not None and m.version <= self.engine.version):
+            return False
+        if (m.version, m.sha256) in self._rejected:
+            return False
+        try:
+            await asyncio.to_thread(verify, m)
+        except WeightIntegrityError as e:
+            # Refuse tampered or half-written weights; keep serving the current ones.
+            self._rejected.add((m.version, m.sha256))
+            self.counters["weight_rejects"] += 1
+            log.error("%s: refusing weights v%d: %s", self.actor_id, m.version, e)
+            return False
+        res = await self.engine.swap_weights(
+            m.path, m.version, "in_flight" if first else self.cfg.actors.swap_mode
+        )
+        self.counters["version"] = m.version
+        if not first:
+            self.counters["swaps"] += 1
+            self.counters["swap_pause_s"].append(res.pause_s)
+        log.info("%s: serving v%d (%s, pause %.3fs)", self.actor_id, m.version, res.mode, res.pause_s)
+        self._heartbeat_now()
+        return True
+
+    async def _watch_versions(self) -> None:
+        """Swap on every newer manifest. Pub/sub only wakes us early; the registry is authoritative."""
+        sub = await asyncio.to_thread(self.buffer.subscribe_versions)
+        try:
+            while not self._stop_requested:
+                await asyncio.to_thread(sub.latest, _MANIFEST_POLL_S)
+                await self._maybe_swap()
+        finally:
+            sub.close()
+
+    # ------------------------------------------------------------------ groups
+
+    async def _admit(self) -> bool:
+        """Take one admission slot, waiting while the staleness bound is reached; False on stop."""
+        t0 = time.monotonic()
+        try:
+            while True:
+                if self._stop_requested:
+                    return False
+                if self._max_groups is not None and self._started >= self._max_groups:
+                    return False
+                if await asyncio.to_thread(self.buffer.try_admit):
+                    self._started += 1
+                    return True
+                await self._sleep(self.cfg.actors.admission_poll_s)
+        finally:
+            self.counters["admission_wait_s"] += time.monotonic() - t0
+
+    def _encode_prompt(self, prompt: Prompt) -> list[int]:
+        ids = self._prompt_ids.get(prompt.prompt_id)
+        if ids is None:
+            ids = self._prompt_ids[prompt.prompt_id] = list(self._tokenizer(prompt.text)["input_ids"])
+        return ids
+
+    async def _group_worker(self) -> None:
+        a = self.cfg.actors
+        assert self.engine is not None
+        while await self._admit():
+            prompt = self.source.next()
+            prompt_ids = self._encode_prompt(prompt)
+            group_id = f"{self.actor_id}-{uuid.uuid4().hex[:12]}"
+            v_start, swaps_start = self.engine.version, self.counters["swaps"]
+            try:
+                seqs = await self.engine.generate_group(
+                    prompt_ids, a.group_size, a.temperature, a.top_p, a.max_tokens, group_id
+                )
+            except BaseException:
+                # Cancelled (stop with abort) or failed: nothing is written, the slot goes back.
+                self.buffer.credit(1)
+                self.counters["groups_aborted"] += 1
+                raise
+            self.counters["generated_tokens"] += sum(len(s.token_ids) for s in seqs)
+            if any(s.finish_reason == "abort" for s in seqs):
+                self.buffer.credit(1)
+                self.counters["groups_aborted"] += 1
+                continue
+            group = self._make_group(group_id, prompt, prompt_ids, seqs, v_start, swaps_start)
+            await asyncio.to_thread(self.buffer.put, group)
+            self.counters["groups_written"] += 1
+
+    def _make_group(
+        self,
+        group_id: str,
+        prompt: Prompt,
+        prompt_ids: list[int],
+        seqs: list[SampledCompletion],
+        v_start: int | None,
+        swaps_start: int,
+    ) -> Group:
+        a = self.cfg.actors
+        assert self.engine is not None and v_start is not None and self.engine.version is not None
+        completions = [
+            Completion(
+                token_ids=np.asarray(s.token_ids, dtype=np.uint32),
+                logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                versions=np.asarray(s.versions, dtype=np.uint32),
+                reward=float(self.task.reward(prompt, s.text)),
+                finish_reason=s.finish_reason,
+            )
+            for s in seqs
+        ]
+        meta = {
+            "temperature": float(a.temperature),  # the learner divides logits by it
+            "top_p": float(a.top_p),
+            "max_tokens": int(a.max_tokens),
+            "task": self.task.name,
+            "actor_index": self.index,
+            "version_start": int(v_start),
+            "version_end": int(self.engine.version),
+            "swaps": int(self.counters["swaps"] - swaps_start),
+            "swap_mode": a.swap_mode,
+        }
+        return Group(group_id, prompt.prompt_id, np.asarray(prompt_ids, dtype=np.uint32), completions,
+                     actor_id=self.actor_id, created_at=time.time(), meta=meta)  # fmt: skip
+
+    # ------------------------------------------------------------------ heartbeat
+
+    def _heartbeat_info(self) -> dict[str, Any]:
+        s = self.stats()
+        src = getattr(self, "source", None)
+        return {
+            "actor_id": self.actor_id,
+            "index": self.index,
+            "pid": s["pid"],
+            "state": s["state"],
+            "version": -1 if s["version"] is None else s["version"],
+            "groups": s["groups_written"],
+            "tokens": s["generated_tokens"],
+            "in_flight": s["in_flight"],
+            "swaps": s["swaps"],
+            "weight_rejects": s["weight_rejects"],
+            "admission_wait_s": round(s["admission_wait_s"], 3),
+            "reconstructed": s["reconstructed"],
+            "cursor": list(src.cursor) if src is not None else [0, 0],
+        }
+
+    def _heartbeat_now(self) -> None:
+        self.buffer.heartbeat(self.actor_id, self._heartbeat_info())
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.to_thread(self._heartbeat_now)
+            await asyncio.sleep(self.cfg.actors.heartbeat_s)
+
+
+class RayRolloutActor:
+    """Ray-facing wrapper (the pool applies ``ray.remote``). All methods are async so that
+    ``stats``/``stop`` run concurrently with the long ``run`` call on the actor's event loop."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: str,
+        actor_index: int,
+        redis_url: str,
+        redis_password: str | None,
+        model_path: str | None = None,
+    ) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.actor = RolloutActor(
+            cfg,
+            run_dir,
+            actor_index,
+            redis_url=redis_url,
+            redis_password=redis_password,
+            model_path=model_path,
+        )
+
+    async def run(self, max_groups: int | None = None) -> dict[str, Any]:
+        return await self.actor.run(max_groups)
+
+    async def stop(self, abort: bool = True) -> None:
+        await self.actor.stop(abort)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.actor.stats()
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def crash(self) -> None:
+        """Die at once, as a segfault or OOM kill would (tests)."""
+        os._exit(1)

@@ -1,0 +1,269 @@
+"""The vLLM engine wrapper: group sampling with per-token logprobs and versions, and weight swaps.
+
+Per-token version attribution is exact and comes from the engine itself. vLLM's engine core stamps
+every step's outputs with its current *weight version label*, which only changes while generation
+is paused; the output processor turns the stamps into ``CompletionOutput.weight_versions`` spans
+``[start, end) -> label`` on a request's final output. A swap therefore runs, in the engine's
+input order, with no model step in between:
+
+    pause_generation(mode="keep")          # freeze running requests; the engine goes idle
+    collective_rpc("reload_weights_from")  # new weights, in place
+    reset_prefix_cache(reset_running_requests=True)   # (recompute_kv) drop KV of the old weights
+    update_weight_version(str(v))          # label for every later step
+    resume_generation()
+
+Token ``t`` carries the label of the step that sampled it, whenever its delta reaches us (deltas
+merged across the pause are still split correctly). Labels are ``str(policy version)``.
+
+Why the KV reset: a request frozen in flight holds keys/values computed by the old weights.
+Without a reset the tokens sampled after the swap would come from a mixture (new weights over an
+old-weight cache) that no learner can recompute. With ``recompute_kv`` the running requests are
+preempted and re-prefilled (prompt + tokens so far) with the new weights, so every token's
+behaviour logprob is log_softmax(logits / T) of exactly one published version; the cost is one
+prefill per in-flight sequence per swap.
+
+Logprobs: ``logprobs_mode="processed_logprobs"`` returns the log-probability under the law that
+actually sampled the token (after temperature and top-p/top-k), which equals the learner's
+fp32 ``log_softmax(logits / temperature)`` when top_p == 1. ``raw_logprobs`` would ignore the
+temperature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .worker_ext import EXTENSION_CLS
+
+__all__ = ["Engine", "EngineError", "SampledCompletion", "SwapResult", "LOGPROBS_MODE", "SWAP_MODES"]
+
+LOGPROBS_MODE = "processed_logprobs"
+SWAP_MODES = ("in_flight", "between_groups")
+
+
+class EngineError(RuntimeError):
+    """The engine returned something the actor cannot turn into a valid record."""
+
+
+@dataclass
+class SampledCompletion:
+    """One completion as the engine produced it. Lists are aligned per generated token."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+
+
+@dataclass
+class SwapResult:
+    version: int
+    mode: str
+    pause_s: float  # new tokens could not be sampled for this long (in_flight) / no new groups (between)
+    drain_s: float  # between_groups: waiting for in-flight groups to finish (included in pause_s)
+    reload_s: float  # the in-place reload itself
+
+
+class Engine:
+    """One vLLM ``AsyncLLM`` plus the bookkeeping the actor needs.
+
+    Invariant: ``self.version`` is the version whose weights the engine serves; it is None until
+    :meth:`load_weights` ran, and :meth:`generate_group` refuses to run before that (tokens must
+    never be attributed to unpublished weights).
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        gpu_memory_utilization: float = 0.1,
+        kv_cache_bytes: int = 0,
+        enforce_eager: bool = True,
+        max_model_len: int = 256,
+        seed: int = 0,
+        recompute_kv: bool = True,
+    ) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.model_path = Path(model_path)
+        self.recompute_kv = recompute_kv
+        args = AsyncEngineArgs(
+            model=str(self.model_path),
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_bytes or None,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            seed=seed,
+            worker_extension_cls=EXTENSION_CLS,
+            logprobs_mode=LOGPROBS_MODE,
+            disable_log_stats=True,
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        self.version: int | None = None
+        # request_id -> tokens received so far over all G sequences (progress, for tests/metrics).
+        self.progress: dict[str, int] = {}
+        self._admit = asyncio.Event()  # closed while a between_groups swap drains
+        self._admit.set()
+        self._idle = asyncio.Event()  # set while no group is in flight
+        self._idle.set()
+        self._active = 0
+        self._swap_lock = asyncio.Lock()
+
+    @classmethod
+    def from_config(cls, cfg: Any, model_path: str | os.PathLike) -> Engine:
+        """Build from an :class:`asyncrl.config.Config`."""
+        a = cfg.actors
+        return cls(
+            model_path,
+            dtype=cfg.model.dtype,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            kv_cache_bytes=a.kv_cache_mib * 2**20,
+            enforce_eager=a.enforce_eager,
+            max_model_len=cfg.model.max_model_len,
+            seed=cfg.run.seed,
+            recompute_kv=a.swap_recompute_kv,
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    @property
+    def in_flight(self) -> int:
+        return self._active
+
+    async def generate_group(
+        self,
+        prompt_ids: Sequence[int],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        request_id: str,
+    ) -> list[SampledCompletion]:
+        """Sample ``n`` completions of ``prompt_ids``; returns them in index order.
+
+        Cancelling the calling task aborts the request in the engine (vLLM does that when the
+        stream is closed), so nothing of an aborted group is returned.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        await self._admit.wait()
+        if self.version is None:
+            raise EngineError("generate_group before load_weights: no published version is loaded")
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            logprobs=0,  # only the sampled token's logprob
+            output_kind=RequestOutputKind.DELTA,
+        )
+        seqs = [SampledCompletion() for _ in range(n)]
+        spans: list[Any] = [None] * n
+        self._active += 1
+        self._idle.clear()
+        self.progress[request_id] = 0
+        try:
+            stream = self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id)
+            async for out in stream:
+                for co in out.outputs:
+                    s = seqs[co.index]
+                    ids = list(co.token_ids)
+                    if len(co.logprobs or ()) != len(ids):
+                        raise EngineError(
+                            f"{request_id}[{co.index}]: {len(ids)} tokens, logprobs for {len(co.logprobs or ())}"
+                        )
+                    s.token_ids.extend(ids)
+                    s.logprobs.extend(
+                        float(pos[tid].logprob) for pos, tid in zip(co.logprobs, ids, strict=True)
+                    )
+                    s.text += co.text
+                    self.progress[request_id] += len(ids)
+                    if co.finish_reason is not None:
+                        s.finish_reason = str(co.finish_reason)
+                        spans[co.index] = co.weight_versions
+        finally:
+            self.progress.pop(request_id, None)
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+        for i, s in enumerate(seqs):
+            s.versions = _expand_spans(spans[i], len(s.token_ids), f"{request_id}[{i}]")
+            if s.finish_reason not in ("stop", "length", "abort"):
+                raise EngineError(f"{request_id}[{i}]: finish reason {s.finish_reason!r}")
+        return seqs
+
+    # ------------------------------------------------------------------ weights
+
+    async def load_weights(self, path: str | os.PathLike, version: int) -> float:
+        """Load ``path`` as ``version`` (first load, or a swap with nothing in flight); returns seconds."""
+        res = await self.swap_weights(path, version, "in_flight")
+        return res.reload_s
+
+    async def swap_weights(self, path: str | os.PathLike, version: int, mode: str) -> SwapResult:
+        """Serve the weights in the safetensors file ``path`` as ``version`` from now on.
+
+        ``in_flight``: freeze running requests, reload, resume them (see the module doc).
+        ``between_groups``: hold back new groups, wait until the running ones finish, then reload.
+        """
+        if mode not in SWAP_MODES:
+            raise ValueError(f"swap mode {mode!r}; expected one of {SWAP_MODES}")
+        async with self._swap_lock:
+            t0 = time.perf_counter()
+            drain_s = 0.0
+            if mode == "between_groups":
+                self._admit.clear()
+                await self._idle.wait()
+                drain_s = time.perf_counter() - t0
+            try:
+                await self.llm.pause_generation(mode="keep", clear_cache=False)
+                try:
+                    t1 = time.perf_counter()
+                    await self.llm.collective_rpc("reload_weights_from", args=(str(path),))
+                    reload_s = time.perf_counter() - t1
+                    if self.recompute_kv:
+                        # Preempt running requests: they re-prefill under the new weights.
+                        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
+                            raise EngineError("reset_prefix_cache failed after a weight reload")
+                    await self.llm.update_weight_version(str(version))
+                    self.version = int(version)
+                finally:
+                    # Resume even on failure: the old weights (or a failed reload's error) must not
+                    # leave requests frozen forever; the caller decides what to do with the error.
+                    await self.llm.resume_generation()
+            finally:
+                self._admit.set()
+            return SwapResult(int(version), mode, time.perf_counter() - t0, drain_s, reload_s)
+
+    def shutdown(self) -> None:
+        """Stop the engine core and its worker processes."""
+        self.llm.shutdown()
+
+
+def _expand_spans(spans: Any, num_tokens: int, where: str) -> list[int]:
+    """Per-token versions from vLLM ``WeightVersionSpan`` s; they must tile ``[0, num_tokens)``."""
+    if num_tokens == 0:
+        return []
+    if not spans:
+        raise EngineError(f"{where}: the engine reported no weight-version spans for {num_tokens} tokens")
+    versions: list[int] = []
+    for span in spans:
+        if span.start != len(versions) or span.end < span.start:
+            raise EngineError(f"{where}: weight-version spans do not tile the tokens: {spans}")
+        try:
+            v = int(span.version)
+        except ValueError:
+            raise EngineError(f"{where}: tokens sampled by unlabelled weights ({span.version!r})") from None
+        versions.extend([v] * (span.end - span.start))
+    if len(versions) != num_tokens:
+        raise EngineError(f"{where}: spans cover {len(versions)} of {num_tokens} tokens")
+    return versions

@@ -1,0 +1,203 @@
+"""The actor pool: N rollout actors as Ray actors, supervised, with a clean stop.
+
+    pool = ActorPool(cfg, run_dir, redis_url=url)
+    pool.start()                 # Ray up (or attach), model built once, N actors running
+    pool.wait_written(8)         # e.g. in tests
+    pool.stop()                  # in-flight groups aborted (not written), engines shut down
+
+``serve_actors(cfg, run_dir, stop_event)`` runs a pool until Ctrl-C / SIGTERM / ``stop_event``.
+
+Fault tolerance is Ray's: every actor is created with ``max_restarts`` and ``max_task_retries``,
+so a crashed actor process is restarted and its long-running ``run`` call retried on the new
+instance, which loads the latest published weights before generating and resumes its prompt
+cursor from its last heartbeat. The pool only reports an actor that Ray gave up on (or whose loop
+raised) by raising from :meth:`ActorPool.check`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .actor import RayRolloutActor
+
+__all__ = ["ActorPool", "serve_actors", "actor_runtime_env"]
+
+log = logging.getLogger(__name__)
+
+# Environment the actor processes need: vLLM/HF settings of the launching shell travel with them
+# (a remote Ray cluster does not inherit the driver's environment).
+_ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "OMP_", "KMP_", "LD_PRELOAD")
+
+
+def actor_runtime_env() -> dict[str, Any]:
+    """Ray ``runtime_env`` for the actors."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM's engine runs in child processes; inside a Ray actor it must spawn, never fork.
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    return {"env_vars": env}
+
+
+class ActorPool:
+    """``cfg.actors.num_actors`` Ray rollout actors writing to the buffer at ``redis_url``."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: str | os.PathLike,
+        *,
+        redis_url: str | None = None,
+        redis_password: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.redis_url = redis_url or cfg.redis.url
+        if not self.redis_url:
+            raise ValueError("the actor pool needs a Redis URL (redis.url, or the one `asyncrl run` started)")
+        self.redis_password = redis_password or cfg.redis.password or None
+        self.actors: list[Any] = []
+        self.run_refs: list[Any] = []
+        self._started_ray = False
+        self._stopped = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, max_groups_per_actor: int | None = None) -> ActorPool:
+        """Start (or attach to) Ray and launch every actor's loop; returns without waiting for them."""
+        import ray
+
+        from asyncrl.tinymodel import resolve_model_path
+
+        # Build the tiny model once here: N actors building it concurrently would race on the dir.
+        model_path = resolve_model_path(self.cfg, self.run_dir)
+        if not ray.is_initialized():
+            ray.init(
+                address=self.cfg.ray.address or None,
+                num_cpus=(self.cfg.ray.num_cpus or None) if not self.cfg.ray.address else None,
+                include_dashboard=False,
+                runtime_env=actor_runtime_env(),
+                logging_level=logging.WARNING,
+            )
+            self._started_ray = True
+        a = self.cfg.actors
+        remote_cls = ray.remote(RayRolloutActor)
+        for i in range(a.num_actors):
+            handle = remote_cls.options(
+                name=f"asyncrl-{self.cfg.run.name}-actor-{i}",
+                num_cpus=a.num_cpus_per_actor,
+                num_gpus=a.num_gpus_per_actor,
+                max_restarts=a.max_restarts,
+                max_task_retries=a.max_restarts,
+                max_concurrency=64,
+                runtime_env=actor_runtime_env(),
+            ).remote(self.cfg, str(self.run_dir), i, self.redis_url, self.redis_password, str(model_path))
+            self.actors.append(handle)
+        self.run_refs = [h.run.remote(max_groups_per_actor) for h in self.actors]
+        return self
+
+    def check(self) -> None:
+        """Raise if an actor's loop failed for good (an error, or Ray ran out of restarts)."""
+        import ray
+
+        done, _ = ray.wait(self.run_refs, num_returns=len(self.run_refs), timeout=0)
+        for ref in done:
+            ray.get(ref)  # raises the actor's exception, if any
+
+    def stats(self, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """Each actor's counters (an actor being restarted answers once it is back)."""
+        import ray
+
+        return ray.get([h.stats.remote() for h in self.actors], timeout=timeout)
+
+    def written(self) -> int:
+        """Groups written by the current incarnation of every actor."""
+        return sum(s["groups_written"] for s in self.stats())
+
+    def wait_written(self, n: int, timeout: float = 300.0, poll_s: float = 0.5) -> int:
+        """Block until the actors have written ``n`` groups in total; returns the count."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check()
+            got = self.written()
+            if got >= n:
+                return got
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actors wrote {got} of {n} groups within {timeout}s")
+            time.sleep(poll_s)
+
+    def kill_actor(self, i: int, restart: bool = True) -> None:
+        """Kill actor ``i`` abruptly; with ``restart`` Ray brings it back (its restart budget permitting)."""
+        import ray
+
+        ray.kill(self.actors[i], no_restart=not restart)
+
+    def crash_actor(self, i: int) -> None:
+        """Make actor ``i`` exit its process from inside (``os._exit``), like a crash."""
+        self.actors[i].crash.remote()
+
+    def stop(self, abort: bool = True, timeout: float = 120.0) -> list[dict[str, Any]]:
+        """Stop every actor: ``abort`` cancels in-flight groups (not written, admission credited),
+        else they finish first. Engines shut down inside the actors; then the actors are killed and
+        Ray shut down if this pool started it. Returns the actors' final counters."""
+        import ray
+
+        if self._stopped:
+            return []
+        self._stopped = True
+        results: list[dict[str, Any]] = []
+        errors: list[BaseException] = []
+        try:
+            ray.get([h.stop.remote(abort) for h in self.actors], timeout=timeout)
+            for ref in self.run_refs:
+                try:
+                    results.append(ray.get(ref, timeout=timeout))
+                except Exception as e:  # collected, re-raised after cleanup
+                    errors.append(e)
+        finally:
+            for h in self.actors:
+                ray.kill(h, no_restart=True)
+            if self._started_ray:
+                ray.shutdown()
+        if errors:
+            raise errors[0]
+        return results
+
+
+def serve_actors(
+    cfg: Any,
+    run_dir: str | os.PathLike,
+    stop_event: threading.Event | None = None,
+    *,
+    redis_url: str | None = None,
+    redis_password: str | None = None,
+    poll_s: float = 1.0,
+) -> list[dict[str, Any]]:
+    """Run the actor pool until ``stop_event`` is set or the process gets SIGINT/SIGTERM.
+
+    In-flight groups are aborted on stop (never written; their admission slots are credited back)
+    and every engine is shut down. Raises if an actor fails for good. Returns the final counters.
+    """
+    stop_event = stop_event or threading.Event()
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop_event.set())
+    pool = ActorPool(cfg, run_dir, redis_url=redis_url, redis_password=redis_password)
+    try:
+        pool.start()
+        log.info("actor pool: %d actors writing to run %r", cfg.actors.num_actors, cfg.run.name)
+        while not stop_event.wait(poll_s):
+            pool.check()
+    finally:
+        try:
+            results = pool.stop(abort=True)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return results

@@ -1,0 +1,1 @@
+"""Example data shipped with asyncrl (read through importlib.resources)."""
