@@ -77,7 +77,7 @@ class StepRecord:
     lr: float = 0.0
     optimizer_steps: int = 0  # optimizer steps applied this step (mini_batches * epochs when none skipped)
     micro_batches: int = 0  # micro-batches run by each rank, summed over optimizer steps (incl. padding)
-    padding_micro_batches: int = 0  # padding micro-batches run by this rank (DP balancing)
+    padding_micro_batches: int = 0  # padding micro-batches run, summed over ranks (DP balancing)
     skipped: int = 0  # optimizer steps skipped this step for a non-finite loss or gradient
     skipped_nonfinite: int = 0  # cumulative skipped optimizer steps
     published: bool = False  # this step published weights (version bumped)

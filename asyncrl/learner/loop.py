@@ -1,0 +1,372 @@
+"""The learner process: read groups, train, publish, checkpoint, acknowledge; repeat.
+
+``asyncrl learn`` calls :func:`learn`. It runs as one process (CPU: gloo) or as N data-parallel
+ranks under torchrun / the DeepSpeed launcher (``python -m torch.distributed.run --nproc_per_node 2
+-m asyncrl.learner --config run.yaml``).
+
+Data parallelism: only rank 0 talks to Redis. It reads ``groups_per_step`` groups that survive the
+filters (staleness, dynamic sampling; dropped groups are acknowledged and credited at once), then
+broadcasts them to every rank (``broadcast_object_list`` of msgpack-encoded records, plus the step
+version). Every rank derives the same plan and trains its share (asyncrl.learner.step). While rank
+0 waits for data it broadcasts a keep-alive every ``KEEPALIVE_S`` so the other ranks never hit the
+collective timeout; a stop (SIGTERM / ``stop_event``) is broadcast the same way.
+
+Delivery: entries are acknowledged only after the checkpoint that includes their effect is
+committed. On resume the learner restores that checkpoint, re-acknowledges the entries it lists
+(crash between commit and ack), and then its consumer gets its pending entries first: the groups
+trained after the checkpoint are retrained exactly once relative to the restored weights.
+
+Version on resume (decision): the learner restarts at the checkpoint's version V_c whenever that is
+unambiguous, i.e. nothing newer than V_c was published (clean stop, crash right after a checkpoint,
+Redis lost); it re-publishes the restored weights as V_c when v{V_c} is missing or corrupt. If
+versions > V_c were published before a crash, those numbers already name weights of the discarded
+lineage that actors may hold or have tagged tokens with; re-using them would give one version number
+two meanings and make an in-flight completion's versions go backwards (records reject that). The
+learner then publishes the restored weights as ``max published + 1`` (versions stay monotonic).
+Groups sampled by the discarded lineage are ordinary off-policy data: their behaviour logprobs are
+recorded, their staleness is counted against the new V, and the usual drop bound applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from asyncrl.buffer import ReplayBuffer, decode, encode
+from asyncrl.learner.checkpoint import LearnerState, load_checkpoint, read_latest, save_checkpoint
+from asyncrl.learner.engine import LearnerEngine, build_engine, init_distributed
+from asyncrl.learner.logprobs import ReferenceModel
+from asyncrl.learner.publisher import FilesystemTransport, Publisher, checkpoint_tensor_names
+from asyncrl.learner.records import MetricsWriter, StepRecord
+from asyncrl.learner.step import StepResult, Trainer
+from asyncrl.tinymodel import resolve_model_path
+
+__all__ = ["learn", "KEEPALIVE_S", "COUNTERS"]
+
+log = logging.getLogger(__name__)
+KEEPALIVE_S = 30.0
+#: Cumulative StepRecord fields carried in the checkpoint.
+COUNTERS = ("groups_total", "tokens_total", "wait_s_total", "dropped_stale_total", "dropped_filtered_total",
+            "skipped_nonfinite")  # fmt: skip
+
+
+@dataclass
+class Batch:
+    """What rank 0 gathered for one step."""
+
+    entry_ids: list[str] = field(default_factory=list)
+    groups: list[Any] = field(default_factory=list)
+    wait_s: float = 0.0
+    dropped_stale: int = 0
+    dropped_filtered: int = 0
+
+
+def _bcast(obj: Any, world: int) -> Any:
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class _Rank0:
+    """Rank 0's side: Redis, publisher, records."""
+
+    def __init__(self, cfg: Any, run_dir: Path, model_path: Path, dtype: str) -> None:
+        rc = cfg.redis
+        self.cfg = cfg
+        self.buffer = ReplayBuffer.connect(
+            rc.url, cfg.run.name, password=rc.password or None, tls=rc.tls, tls_ca=rc.tls_ca_certs or None,
+            max_staleness=cfg.buffer.max_staleness, groups_per_step=cfg.buffer.groups_per_step,
+            socket_timeout=max(30.0, cfg.learner.read_block_ms / 1000.0 + 10.0),
+        )  # fmt: skip
+        transport = FilesystemTransport(run_dir / "weights", checkpoint_tensor_names(model_path))
+        self.publisher = Publisher(self.buffer, transport, cfg.learner.keep_versions, dtype)
+        self.writer = MetricsWriter(run_dir, uuid.uuid4().hex[:12])
+
+    def published_max(self) -> int:
+        """Highest version ever published in this run (-1: none)."""
+        latest = self.buffer.latest_manifest()
+        v = self.buffer.version()
+        if latest is None and v == 0:
+            return -1
+        return max(v, latest.version if latest else -1)
+
+    def gather(self, consumer: str, version: int, stop: threading.Event, world: int) -> Batch | None:
+        """Read until ``groups_per_step`` groups survive the filters; None when told to stop."""
+        cfg, buf = self.cfg, self.buffer
+        want, eta = cfg.buffer.groups_per_step, cfg.buffer.max_staleness
+        b = Batch()
+        last_keepalive = time.monotonic()
+        while len(b.groups) < want:
+            if stop.is_set():
+                return None
+            t0 = time.monotonic()
+            entries = buf.read(consumer, want - len(b.groups), block_ms=cfg.learner.read_block_ms)
+            b.wait_s += time.monotonic() - t0
+            drop: list[str] = []
+            for e in entries:
+                g = e.group
+                if g.staleness(version) > eta:
+                    b.dropped_stale += 1
+                    drop.append(e.entry_id)
+                elif cfg.learner.dynamic_sampling and len({float(c.reward) for c in g.completions}) <= 1:
+                    b.dropped_filtered += 1
+                    drop.append(e.entry_id)
+                else:
+                    b.entry_ids.append(e.entry_id)
+                    b.groups.append(g)
+            if drop:
+                # A drop is final and has no effect on the weights: acknowledge now, give the credit back.
+                buf.ack(drop)
+                buf.credit(len(drop))
+            if world > 1 and len(b.groups) < want and time.monotonic() - last_keepalive > KEEPALIVE_S:
+                _bcast({"kind": "wait"}, world)
+                last_keepalive = time.monotonic()
+        return b
+
+
+def _install_signals(stop: threading.Event) -> Callable[[], None]:
+    """SIGTERM/SIGINT set ``stop`` (finish the step, checkpoint, exit); returns the restorer."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, _frame: Any) -> None:
+        log.info("signal %d: stopping after the current step", signum)
+        stop.set()
+
+    for s in old:
+        signal.signal(s, handler)
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return restore
+
+
+def _publish(le: LearnerEngine, r0: _Rank0 | None, version: int) -> float:
+    """Publish the current weights as ``version`` (collective: ZeRO-3 gathers on every rank)."""
+    t0 = time.monotonic()
+    if r0 is not None:
+        r0.publisher.publish(version, le.named_weights)
+    else:
+        for _ in le.named_weights():
+            pass
+    return time.monotonic() - t0
+
+
+def learn(
+    cfg: Any,
+    run_dir: str | Path,
+    resume: bool = False,
+    *,
+    start_time: float | None = None,
+    stop_event: threading.Event | None = None,
+    on_step: Iterable[Callable[[StepRecord], None]] = (),
+) -> LearnerState:
+    """Run the learner until ``run.max_steps`` (0 = forever) or a stop; returns the final state.
+
+    ``start_time``: unix time the record ``time`` counts from (default: now). ``stop_event`` or
+    SIGTERM/SIGINT: finish the current step, checkpoint, acknowledge, return. ``on_step``: callbacks
+    called on rank 0 with every :class:`StepRecord` (after it is written to metrics.jsonl).
+    ``resume``: restore the last checkpoint (a fresh start when there is none); without it the run
+    must have no published weights and no checkpoint.
+    """
+    start_time = time.time() if start_time is None else start_time
+    run_dir = Path(run_dir)
+    stop = stop_event or threading.Event()
+    callbacks = list(on_step)
+    rank, world = init_distributed()
+    torch.manual_seed(cfg.run.seed + rank)
+    np.random.seed(cfg.run.seed + rank)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        model_path = resolve_model_path(cfg, run_dir)  # builds the tiny model once
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        model_path = resolve_model_path(cfg, run_dir)
+    restore_signals = _install_signals(stop)
+    r0: _Rank0 | None = None
+    try:
+        le = build_engine(cfg, model_path)
+        ref = ReferenceModel(model_path, le.dtype) if cfg.learner.loss.ref_kl_coef > 0 else None
+        mc = le.module.config
+        pad_id = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
+        trainer = Trainer(cfg, le, ref, int(pad_id))
+        r0 = _Rank0(cfg, run_dir, model_path, le.dtype_name) if rank == 0 else None
+
+        if not resume and rank == 0 and (r0.published_max() >= 0 or read_latest(run_dir) is not None):
+            raise RuntimeError(
+                f"run {cfg.run.name!r} already has published weights or a checkpoint in {run_dir}; "
+                "resume it (asyncrl learn --resume) or use a new run name and directory"
+            )
+        state = (load_checkpoint(le, run_dir) if resume else None) or LearnerState(
+            consumer=cfg.learner.consumer
+        )
+        trainer.applied_steps = state.applied_steps
+        counters = {k: float(state.counters.get(k, 0.0)) for k in COUNTERS}
+
+        # Version at start (see the module docstring), decided on rank 0, executed by all ranks.
+        action = None
+        if r0 is not None:
+            if state.entry_ids:
+                r0.buffer.ack(state.entry_ids)  # committed but maybe not acknowledged before a crash
+            r0.writer.truncate_after(state.step)
+            pub = r0.published_max()
+            if pub < state.version or (pub == state.version and not r0.publisher.usable(state.version)):
+                action = state.version
+            elif pub > state.version:
+                action = pub + 1
+                log.warning("versions up to %d were published after checkpoint v%d: forking to v%d",
+                            pub, state.version, action)  # fmt: skip
+            else:
+                r0.buffer.set_version(state.version)
+        action = _bcast(action, world)
+        if action is not None:
+            _publish(le, r0, action)
+            state.version = action
+
+        pending_ids: list[str] = []  # consumed since the last checkpoint, acknowledged after the next
+        pending_groups: list[str] = []
+        max_steps = cfg.run.max_steps
+        while not (max_steps and state.step >= max_steps):
+            t_step = time.monotonic()
+            if r0 is not None:
+                r0.buffer.set_learner_status({"step": state.step, "version": state.version,
+                                              "time": time.time() - start_time, "state": "waiting"})  # fmt: skip
+                batch = r0.gather(state.consumer, state.version, stop, world)
+                msg = {"kind": "stop"} if batch is None else {
+                    "kind": "batch", "version": state.version, "groups": [encode(g) for g in batch.groups]}  # fmt: skip
+            else:
+                msg = None
+            while True:
+                msg = _bcast(msg, world)
+                if msg["kind"] != "wait":
+                    break
+                msg = None
+            if msg["kind"] == "stop":
+                break
+            groups = batch.groups if r0 is not None else [decode(d) for d in msg["groups"]]
+            version = int(msg["version"])
+
+            t_train = time.monotonic()
+            res = trainer.train(groups, version)
+            train_s = time.monotonic() - t_train
+            state.step += 1
+            state.applied_steps = trainer.applied_steps
+            published = state.step % cfg.learner.publish_every == 0
+            publish_s = 0.0
+            if published:
+                state.version += 1
+                publish_s = _publish(le, r0, state.version)
+            if r0 is not None:
+                pending_ids += batch.entry_ids
+                pending_groups += [g.group_id for g in groups]
+                r0.writer.ledger(state.step, state.version, [g.group_id for g in groups], batch.entry_ids)
+                counters["groups_total"] += len(groups)
+                counters["tokens_total"] += res.tokens
+                counters["wait_s_total"] += batch.wait_s
+                counters["dropped_stale_total"] += batch.dropped_stale
+                counters["dropped_filtered_total"] += batch.dropped_filtered
+            counters["skipped_nonfinite"] += res.skipped
+            due = state.step % cfg.learner.checkpoint_every == 0 or (max_steps and state.step >= max_steps)
+            if due:
+                _checkpoint(le, r0, run_dir, state, counters, pending_ids, pending_groups)
+            if r0 is not None:
+                rec = _record(cfg, state, res, groups, batch, counters, start_time, t_step, train_s,
+                              publish_s, published, bool(due), trainer.lr_now())  # fmt: skip
+                r0.writer.write(rec)
+                r0.buffer.set_learner_status({"step": rec.step, "version": rec.version, "time": rec.time,
+                                              "state": "training"})  # fmt: skip
+                for cb in callbacks:
+                    cb(rec)
+        if world > 1:
+            # Ranks other than 0 do not know about trained-but-unacked entries; agree on a final save.
+            need = _bcast(bool(pending_ids) if r0 is not None else None, world)
+        else:
+            need = bool(pending_ids)
+        if need:
+            _checkpoint(le, r0, run_dir, state, counters, pending_ids, pending_groups)
+        if r0 is not None:
+            r0.buffer.set_learner_status({"step": state.step, "version": state.version,
+                                          "time": time.time() - start_time, "state": "stopped"})  # fmt: skip
+        return state
+    finally:
+        restore_signals()
+        if r0 is not None:
+            r0.buffer.close()
+
+
+def _checkpoint(
+    le: LearnerEngine,
+    r0: _Rank0 | None,
+    run_dir: Path,
+    state: LearnerState,
+    counters: dict[str, float],
+    pending_ids: list[str],
+    pending_groups: list[str],
+) -> None:
+    """Commit a checkpoint (collective), then acknowledge what it includes (rank 0)."""
+    state.entry_ids = list(pending_ids)
+    state.group_ids = list(pending_groups)
+    state.counters = dict(counters)
+    save_checkpoint(le, run_dir, state)
+    if r0 is not None and pending_ids:
+        r0.buffer.ack(pending_ids)
+    pending_ids.clear()
+    pending_groups.clear()
+
+
+def _record(
+    cfg: Any, state: LearnerState, res: StepResult, groups: list[Any], batch: Batch, counters: dict[str, float],
+    start_time: float, t_step: float, train_s: float, publish_s: float, published: bool, checkpointed: bool,
+    lr: float,
+) -> StepRecord:  # fmt: skip
+    m = res.metrics
+    rewards = [float(c.reward) for g in groups for c in g.completions]
+    hist = {int(k): v for k, v in res.staleness_hist.items()}
+    n_hist = sum(hist.values())
+    finite = [x for x in res.grad_norms if math.isfinite(x)]
+    grad_norm = float(np.mean(finite)) if finite else (res.grad_norms[-1] if res.grad_norms else 0.0)
+    now = time.time()
+    return StepRecord(
+        step=state.step, version=state.version, time=now - start_time, step_time=now,
+        step_s=time.monotonic() - t_step, wait_s=batch.wait_s, train_s=train_s, publish_s=publish_s,
+        groups=len(groups), sequences=res.sequences, tokens=res.tokens,
+        reward_mean=float(np.mean(rewards)) if rewards else 0.0,
+        reward_std=float(np.std(rewards)) if rewards else 0.0,
+        dropped_stale=batch.dropped_stale, dropped_filtered=batch.dropped_filtered,
+        overlong_masked=res.overlong_masked,
+        staleness_mean=sum(k * v for k, v in hist.items()) / n_hist if n_hist else 0.0,
+        staleness_max=float(max(hist)) if hist else 0.0, staleness_hist=res.staleness_hist,
+        loss=m.get("loss", 0.0), loss_policy=m.get("loss_policy", 0.0),
+        loss_rollout_kl=m.get("loss_rollout_kl", 0.0), loss_entropy=m.get("loss_entropy", 0.0),
+        loss_ref_kl=m.get("loss_ref_kl", 0.0), ratio_mean=m.get("ratio_mean", 0.0),
+        mismatch_kl=m.get("mismatch_kl", 0.0), mismatch_tokens=int(m.get("mismatch_tokens", 0)),
+        rollout_kl=m.get("rollout_kl_k2", 0.0), rollout_kl_k3=m.get("rollout_kl_k3", 0.0),
+        ref_kl=m.get("ref_kl", 0.0), dppo_masked_frac=m.get("dppo_masked_frac", 0.0),
+        is_weight_mean=m.get("is_weight_mean", 0.0), is_weight_max=m.get("is_weight_max", 0.0),
+        ess=m.get("ess", 0.0), entropy=m.get("entropy", 0.0), grad_norm=grad_norm, lr=lr,
+        optimizer_steps=res.optimizer_steps, micro_batches=res.micro_batches,
+        padding_micro_batches=res.padding_micro_batches, skipped=res.skipped,
+        skipped_nonfinite=int(counters["skipped_nonfinite"]), published=published, checkpointed=checkpointed,
+        trained_group_ids=len(groups), max_staleness=cfg.buffer.max_staleness,
+        groups_total=int(counters["groups_total"]), tokens_total=int(counters["tokens_total"]),
+        wait_s_total=counters["wait_s_total"], dropped_stale_total=int(counters["dropped_stale_total"]),
+        dropped_filtered_total=int(counters["dropped_filtered_total"]),
+    )  # fmt: skip

@@ -1,0 +1,305 @@
+"""One learner step on a list of groups: advantages, plan, proximal/reference logprobs, updates.
+
+Every rank calls :meth:`Trainer.train` with the SAME groups (the loop broadcasts them) and derives
+the same plan locally; ranks only talk inside DeepSpeed (gradient reduction), in the non-finite
+veto all-reduce and in one all-gather of the step metrics.
+
+Order inside a step (V = the version at step start):
+
+1. GRPO advantages per group; flatten to samples (overlong completions lose their loss mask).
+2. Split into ``mini_batches`` chunks; per chunk, the global loss denominators (tokens / sequences
+   in the loss over ALL ranks, known locally because every rank has all samples) and the per-rank
+   micro-batch plan (token budget; ranks padded to the same micro-batch count).
+3. Before any update: collate this rank's micro-batches and attach the step-start no-grad
+   logprobs (``logp_prox`` when ``exact_prox``, ``logp_ref`` with a reference model).
+4. ``epochs`` x ``mini_batches`` optimizer steps; each accumulates over its micro-batches with the
+   global-denominator reduction and ends in :meth:`LearnerEngine.optimizer_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from asyncrl.learner.batching import (
+    LOSS_MASK,
+    Sample,
+    build_samples,
+    collate,
+    micro_batch_tokens,
+    padding_like,
+    plan_mini_batch,
+    split_mini_batches,
+)
+from asyncrl.learner.engine import LearnerEngine
+from asyncrl.learner.logprobs import ReferenceModel, token_logprobs
+from asyncrl.learner.objectives import (
+    MetricAccumulator,
+    ObjectiveConfig,
+    deepspeed_loss_scale,
+    entropy_bonus,
+    group_advantages,
+    kl_penalty,
+    policy_loss,
+    reduce_loss,
+)
+
+__all__ = ["Trainer", "StepResult", "objective_config", "MicroBatchResult"]
+
+
+def objective_config(cfg: Any) -> ObjectiveConfig:
+    """The objectives' config from ``learner.loss`` (+ the staleness bound from ``buffer``)."""
+    lc = cfg.learner.loss
+    return ObjectiveConfig(
+        anchor=lc.anchor,
+        policy_loss=lc.policy_loss,
+        divergence=lc.divergence,
+        dppo_low=lc.dppo_low,
+        dppo_high=lc.dppo_high,
+        is_mode=lc.is_mode,
+        is_level=lc.is_level,
+        is_cap=lc.is_cap,
+        is_low=lc.is_low,
+        beta_rollout_kl=lc.beta_rollout_kl,
+        rollout_kl_kind=lc.rollout_kl_kind,
+        eps_low=lc.eps_low,
+        eps_high=lc.eps_high,
+        dual_clip=lc.dual_clip if lc.dual_clip > 0 else None,
+        max_staleness=cfg.buffer.max_staleness,
+    )
+
+
+@dataclass
+class MicroBatchResult:
+    """What one micro-batch forward/backward produced (all detached)."""
+
+    loss: Tensor  # the reduced loss as back-propagated, before the DeepSpeed scale
+    terms: dict[str, Tensor]  # loss_policy, loss_rollout_kl, loss_entropy, loss_ref_kl
+    metrics: dict[str, Tensor]  # policy_loss metrics
+    sums: dict[str, Tensor]  # entropy_sum, ref_kl_sum, mismatch_sum, mismatch_n
+
+
+@dataclass
+class StepResult:
+    """Aggregated over every micro-batch, optimizer step and rank of one learner step."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    optimizer_steps: int = 0
+    skipped: int = 0
+    micro_batches: int = 0
+    padding_micro_batches: int = 0  # summed over ranks and epochs
+    sequences: int = 0
+    tokens: int = 0
+    overlong_masked: int = 0
+    staleness_hist: dict[str, int] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    """Runs learner steps on a :class:`LearnerEngine` (see the module docstring)."""
+
+    def __init__(self, cfg: Any, le: LearnerEngine, ref: ReferenceModel | None, pad_id: int) -> None:
+        self.cfg = cfg
+        self.le = le
+        self.ref = ref
+        self.pad_id = pad_id
+        self.ocfg = objective_config(cfg)
+        self.applied_steps = 0  # optimizer updates applied so far (drives the LR warm-up)
+        lc = cfg.learner.loss
+        if lc.ref_kl_coef > 0 and ref is None:
+            raise ValueError("learner.loss.ref_kl_coef > 0 needs a ReferenceModel")
+        if ref is not None and ref.dtype != le.dtype:
+            raise ValueError(f"reference dtype {ref.dtype} != policy dtype {le.dtype} (precision path)")
+
+    # ------------------------------------------------------------------ data
+
+    def samples(self, groups: Sequence) -> tuple[list[Sample], int]:
+        """Advantages (per group, GRPO / Dr.GRPO) and the flattened samples."""
+        advs = []
+        for g in groups:
+            r = torch.tensor([float(c.reward) for c in g.completions], dtype=torch.float32)
+            advs.append(group_advantages(r, self.cfg.learner.loss.normalize_adv_std).tolist())
+        return build_samples(groups, advs, self.cfg.learner.overlong_mask, self.cfg.actors.temperature)
+
+    def _loss_mask_np(self, s: Sample, version: int) -> np.ndarray:
+        """The sample's final loss mask (overlong + staleness), as the objectives will apply it."""
+        return s.loss_mask & ((version - s.versions) <= self.cfg.buffer.max_staleness)
+
+    # ------------------------------------------------------------------ micro-batches
+
+    @torch.no_grad()
+    def prepare(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Attach step-start no-grad logprobs the loss reads (call before any update of the step)."""
+        if self.cfg.learner.exact_prox:
+            mb["logp_prox"], _ = token_logprobs(self.le.engine, mb, entropy=False)
+        if self.ref is not None:
+            mb["logp_ref"] = self.ref.logprobs(mb)
+        return mb
+
+    def micro_batch(
+        self,
+        mb: dict[str, Tensor],
+        version: int,
+        global_tokens: int,
+        global_seqs: int,
+        measure_mismatch: bool,
+    ) -> MicroBatchResult:
+        """Forward + backward of one micro-batch with step-global denominators."""
+        lc = self.cfg.learner.loss
+        mode, max_tokens = lc.reduction, self.cfg.actors.max_tokens
+        logp, ent = token_logprobs(self.le.engine, mb, entropy=True, entropy_grad=lc.entropy_coef > 0)
+        per_token, loss_mask, metrics = policy_loss(
+            logp, mb["logp_behav"], mb["advantages"], mb[LOSS_MASK], mb["token_versions"], version,
+            self.ocfg, logp_prox=mb.get("logp_prox"),
+        )  # fmt: skip
+        terms: dict[str, Tensor] = {}
+        with torch.no_grad():
+            kl = kl_penalty(logp.detach(), mb["logp_behav"], lc.rollout_kl_kind, loss_mask)
+            terms["loss_rollout_kl"] = lc.beta_rollout_kl * reduce_loss(
+                kl, loss_mask, mode, global_tokens, global_seqs, max_tokens
+            )
+        sums: dict[str, Tensor] = {}
+        if self.ref is not None:
+            ref_kl = kl_penalty(logp, mb["logp_ref"], lc.ref_kl_kind, loss_mask)
+            ref_term = lc.ref_kl_coef * reduce_loss(
+                ref_kl, loss_mask, mode, global_tokens, global_seqs, max_tokens
+            )
+            terms["loss_ref_kl"] = ref_term.detach()
+            sums["ref_kl_sum"] = torch.where(loss_mask, ref_kl.detach(), 0.0).sum()
+        else:
+            ref_term = torch.zeros(())
+        policy = reduce_loss(per_token, loss_mask, mode, global_tokens, global_seqs, max_tokens)
+        terms["loss_policy"] = policy.detach() - terms["loss_rollout_kl"]
+        loss = policy + ref_term
+        if lc.entropy_coef > 0:
+            ent_term = entropy_bonus(
+                ent, loss_mask, lc.entropy_coef, mode, global_tokens, global_seqs, max_tokens
+            )
+            terms["loss_entropy"] = ent_term.detach()
+            loss = loss + ent_term
+        self.le.engine.backward(loss * deepspeed_loss_scale(1, self.le.world_size), scale_wrt_gas=False)
+        with torch.no_grad():
+            sums["entropy_sum"] = torch.where(loss_mask, ent.detach(), 0.0).sum()
+            if measure_mismatch:
+                # Learner vs engine at equal weights: only tokens sampled by version V (staleness 0),
+                # and only logprobs from the step-start weights (exact prox, or the first update).
+                start = mb.get("logp_prox", logp.detach())
+                m0 = loss_mask & (mb["token_versions"] == version)
+                d = torch.where(m0, start - mb["logp_behav"], 0.0)
+                sums["mismatch_sum"] = 0.5 * (d * d).sum()
+                sums["mismatch_n"] = m0.sum().to(torch.float32)
+        return MicroBatchResult(loss.detach(), terms, metrics, sums)
+
+    # ------------------------------------------------------------------ the step
+
+    def lr_now(self) -> float:
+        lc = self.cfg.learner
+        if lc.warmup_steps <= 0:
+            return lc.lr
+        return lc.lr * min(1.0, (self.applied_steps + 1) / lc.warmup_steps)
+
+    def train(self, groups: Sequence, version: int) -> StepResult:
+        """One learner step on ``groups`` at version ``version`` (identical call on every rank)."""
+        le, lc = self.le, self.cfg.learner
+        samples, overlong = self.samples(groups)
+        res = StepResult(overlong_masked=overlong, sequences=len(samples))
+        lengths = [s.length for s in samples]
+        masks = [self._loss_mask_np(s, version) for s in samples]
+        res.tokens = int(sum(int(m.sum()) for m in masks))
+        hist: dict[int, int] = {}
+        for s, m in zip(samples, masks, strict=True):
+            vals, counts = np.unique(version - s.versions[m], return_counts=True)
+            for v, c in zip(vals.tolist(), counts.tolist(), strict=True):
+                hist[v] = hist.get(v, 0) + c
+        res.staleness_hist = {str(k): hist[k] for k in sorted(hist)}
+
+        # Plans, denominators and step-start logprobs for every mini-batch, before any update.
+        minis = []
+        for idx in split_mini_batches(len(samples), lc.mini_batches):
+            plan = plan_mini_batch(lengths, idx, le.world_size, lc.micro_batch_tokens)
+            n_tok = sum(int(masks[i].sum()) for i in idx)
+            n_seq = sum(int(masks[i].any()) for i in idx)
+            mbs: list[dict[str, Tensor] | None] = [
+                self.prepare(collate(samples, ix, self.pad_id)) if ix else None for ix in plan[le.rank]
+            ]
+            if any(m is None for m in mbs):
+                # Template = the cheapest real micro-batch of the step (any rank's: all have the data).
+                real = [ix for rank_plan in plan for ix in rank_plan if ix]
+                tmpl = min(real, key=lambda ix: (micro_batch_tokens(ix, lengths), ix))
+                pad = padding_like(self.prepare(collate(samples, tmpl, self.pad_id)))
+                mbs = [m if m is not None else pad for m in mbs]
+                res.padding_micro_batches += sum(1 for ix in plan[le.rank] if not ix)
+            minis.append((mbs, n_tok, n_seq))
+
+        acc = MetricAccumulator()
+        terms: dict[str, float] = {}
+        sums: dict[str, float] = {}
+        for epoch in range(lc.epochs):
+            for mi, (mbs, n_tok, n_seq) in enumerate(minis):
+                # mismatch_kl needs step-start logprobs: the exact prox ones of every mini-batch,
+                # or (without exact prox) the forwards of the first optimizer step only.
+                measure = epoch == 0 and (mi == 0 or lc.exact_prox)
+                nonfinite = False
+                for k, mb in enumerate(mbs):
+                    le.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+                    out = self.micro_batch(mb, version, n_tok, n_seq, measure)
+                    nonfinite |= not bool(torch.isfinite(out.loss))
+                    acc.update(out.metrics)
+                    for key, v in out.terms.items():
+                        terms[key] = terms.get(key, 0.0) + float(v)
+                    for key, v in out.sums.items():
+                        sums[key] = sums.get(key, 0.0) + float(v)
+                res.micro_batches += len(mbs)
+                if not mbs:
+                    continue
+                le.set_lr(self.lr_now())
+                outcome = le.optimizer_step(nonfinite)
+                res.grad_norms.append(outcome.grad_norm)
+                if outcome.applied:
+                    res.optimizer_steps += 1
+                    self.applied_steps += 1
+                else:
+                    res.skipped += 1
+        # Padding micro-batches are reported summed over ranks (rank 0 alone often has none).
+        sums["padding_micro_batches"] = float(res.padding_micro_batches * lc.epochs)
+        res.metrics = self._aggregate(acc, terms, sums, max(1, lc.epochs * len(minis)))
+        res.padding_micro_batches = int(res.metrics["padding_micro_batches"])
+        return res
+
+    def _aggregate(
+        self, acc: MetricAccumulator, terms: dict[str, float], sums: dict[str, float], n_opt: int
+    ) -> dict[str, float]:
+        """Merge this rank's statistics with every other rank's (one all_gather_object)."""
+        mine = {"acc": acc.state(), "terms": terms, "sums": sums}
+        if self.le.world_size > 1:
+            parts: list[Any] = [None] * self.le.world_size
+            dist.all_gather_object(parts, mine)
+        else:
+            parts = [mine]
+        total = MetricAccumulator()
+        t_all: dict[str, float] = {}
+        s_all: dict[str, float] = {}
+        for p in parts:
+            total.merge(p["acc"])
+            for k, v in p["terms"].items():
+                t_all[k] = t_all.get(k, 0.0) + v
+            for k, v in p["sums"].items():
+                s_all[k] = s_all.get(k, 0.0) + v
+        out = total.compute()
+        # Terms summed over micro-batches and ranks are full-batch values per optimizer step.
+        for k in ("loss_policy", "loss_rollout_kl", "loss_entropy", "loss_ref_kl"):
+            out[k] = t_all.get(k, 0.0) / n_opt
+        out["loss"] = sum(out[k] for k in ("loss_policy", "loss_rollout_kl", "loss_entropy", "loss_ref_kl"))
+        n = max(out.get("num_tokens", 0.0), 1.0)
+        out["entropy"] = s_all.get("entropy_sum", 0.0) / n
+        out["ref_kl"] = s_all.get("ref_kl_sum", 0.0) / n
+        out["padding_micro_batches"] = s_all.get("padding_micro_batches", 0.0)
+        out["mismatch_tokens"] = s_all.get("mismatch_n", 0.0)
+        out["mismatch_kl"] = s_all.get("mismatch_sum", 0.0) / max(out["mismatch_tokens"], 1.0)
+        return out
