@@ -1,0 +1,359 @@
+"""`asyncrl sweep`: run the pipeline over a max_staleness x objective grid and report it.
+
+Each cell is a separate ``python -m asyncrl.cli run`` subprocess, so every cell gets fresh Ray, Redis
+and vLLM processes and a crash in one cannot poison the next. Cells share the seed, budget and task
+(the sweep's common overrides) and differ only in ``buffer.max_staleness`` and the objective's
+overrides. The sweep is resumable: a cell whose run dir holds ``summary.json`` and that did not fail is
+not re-run. The sweep file format is documented in ``configs/sweep_staleness.yaml``; the report (csv,
+markdown, plots) is :mod:`asyncrl.sweep_report`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.sweep_report import CellSpec, write_report
+
+SWEEP_KEYS = ("name", "dir", "base_config", "grid", "objectives", "overrides", "marks_s", "cell_timeout_s")
+GRID_KEYS = ("max_staleness", "objective")
+#: Keys the sweep sets per cell; a common or objective override may not fight over them.
+RESERVED = ("run.name", "run.dir", "run.progress", "buffer.max_staleness")
+MARKER = "sweep_cell.json"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+@dataclass
+class SweepSpec:
+    """A validated sweep: the grid, what each objective means, and the settings every cell shares."""
+
+    name: str
+    dir: Path
+    base_config: Path | None
+    max_staleness: list[int]
+    objectives: dict[str, list[str]]  # only the objectives on the grid, in grid order
+    overrides: list[str] = field(default_factory=list)
+    marks_s: list[float] = field(default_factory=list)
+    cell_timeout_s: float = 0.0
+
+    def cells(self) -> list[CellSpec]:
+        """Grid points in run order: staleness outer, objective inner."""
+        return [
+            CellSpec(f"s{s}-{obj}", s, obj, self.dir / f"s{s}-{obj}")
+            for s in self.max_staleness
+            for obj in self.objectives
+        ]
+
+    def cell_overrides(self, cell: CellSpec) -> list[str]:
+        """Dotlist of a cell: common, then objective, then what the sweep owns (last wins)."""
+        return [
+            *self.overrides,
+            *self.objectives[cell.objective],
+            f"buffer.max_staleness={cell.max_staleness}",
+            f"run.name={cell.name}",
+            f"run.dir={cell.dir}",
+            "run.progress=false",
+        ]
+
+    def command(self, cell: CellSpec) -> list[str]:
+        cmd = [sys.executable, "-m", "asyncrl.cli", "run"]
+        if self.base_config is not None:
+            cmd += ["--config", str(self.base_config)]
+        return cmd + self.cell_overrides(cell)
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def _fail(key: str, msg: str) -> ConfigError:
+    return ConfigError(f"sweep config: {key}: {msg}")
+
+
+def _dotlist(value: Any, key: str) -> list[str]:
+    """A list of 'key.path=value' strings that does not touch what the sweep sets per cell."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _fail(key, f"must be a list of 'key.path=value' strings, got {type(value).__name__}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or "=" not in item:
+            raise _fail(f"{key}[{i}]", f"{item!r} must be a 'key.path=value' string")
+        if item.split("=", 1)[0].strip() in RESERVED:
+            raise _fail(f"{key}[{i}]", f"{item!r}: the sweep sets {', '.join(RESERVED)} itself")
+    return list(value)
+
+
+def _unique_list(value: Any, key: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise _fail(key, f"must be a non-empty list, got {value!r}")
+    if len(set(map(str, value))) != len(value):
+        raise _fail(key, f"has duplicate values: {value!r}")
+    return value
+
+
+def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepSpec:
+    """Validate a loaded sweep file (plus ``sweep.*`` dotlist overrides) into a SweepSpec.
+
+    Raises ConfigError naming the offending key for unknown keys, empty or duplicate grid values,
+    undefined objectives, malformed overrides and bad marks.
+    """
+    if not isinstance(raw, dict) or "sweep" not in raw:
+        raise _fail("sweep", "missing: a sweep file is a mapping with one top-level key 'sweep'")
+    if extra := sorted(set(raw) - {"sweep"}):
+        raise _fail(extra[0], "unknown top-level key; the only one allowed is 'sweep'")
+    if cli_sweep_overrides:
+        try:
+            merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(cli_sweep_overrides))
+        except OmegaConfBaseException as e:
+            raise _fail("overrides", str(e)) from None
+        raw = OmegaConf.to_container(merged, resolve=True)
+    s = raw["sweep"]
+    if not isinstance(s, dict):
+        raise _fail("sweep", "must be a mapping")
+    if extra := sorted(set(s) - set(SWEEP_KEYS)):
+        raise _fail(f"sweep.{extra[0]}", f"unknown key; allowed keys: {', '.join(SWEEP_KEYS)}")
+    name = s.get("name", "sweep")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise _fail("sweep.name", f"{name!r}: use 1-64 characters from [A-Za-z0-9_-]")
+    grid = s.get("grid")
+    if not isinstance(grid, dict) or not grid:
+        raise _fail("sweep.grid", f"must be a mapping with keys {', '.join(GRID_KEYS)}")
+    if extra := sorted(set(grid) - set(GRID_KEYS)):
+        raise _fail(f"sweep.grid.{extra[0]}", f"unknown grid axis; allowed axes: {', '.join(GRID_KEYS)}")
+    for axis in GRID_KEYS:
+        if axis not in grid:
+            raise _fail(f"sweep.grid.{axis}", "missing (every grid axis needs a non-empty list)")
+    stale = _unique_list(grid["max_staleness"], "sweep.grid.max_staleness")
+    for v in stale:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise _fail("sweep.grid.max_staleness", f"{v!r} is not an integer >= 0")
+    objs = _unique_list(grid["objective"], "sweep.grid.objective")
+    defined = s.get("objectives") or {}
+    if not isinstance(defined, dict):
+        raise _fail("sweep.objectives", "must be a mapping objective name -> list of overrides")
+    objectives = {}
+    for obj in objs:
+        if not isinstance(obj, str) or not _NAME.match(obj):
+            raise _fail("sweep.grid.objective", f"{obj!r}: use 1-64 characters from [A-Za-z0-9_-]")
+        if obj not in defined:
+            raise _fail(f"sweep.objectives.{obj}", f"not defined (defined: {', '.join(defined) or 'none'})")
+        objectives[obj] = _dotlist(defined[obj], f"sweep.objectives.{obj}")
+    marks = s.get("marks_s") or []
+    if not isinstance(marks, list):
+        raise _fail("sweep.marks_s", f"must be a list of seconds, got {marks!r}")
+    for m in marks:
+        if isinstance(m, bool) or not isinstance(m, int | float) or m <= 0:
+            raise _fail("sweep.marks_s", f"{m!r} is not a number of seconds > 0")
+    timeout = s.get("cell_timeout_s", 0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+        raise _fail("sweep.cell_timeout_s", f"{timeout!r} is not a number of seconds >= 0")
+    for key in ("dir", "base_config"):
+        if not isinstance(s.get(key, ""), str):
+            raise _fail(f"sweep.{key}", f"must be a path string, got {s[key]!r}")
+    base = Path(s["base_config"]).resolve() if s.get("base_config") else None
+    if base is not None and not base.exists():
+        raise _fail("sweep.base_config", f"file not found: {base} (relative paths are from the current dir)")
+    return SweepSpec(
+        name=name,
+        dir=Path(s.get("dir") or f"runs/sweep-{name}").resolve(),
+        base_config=base,
+        max_staleness=stale,
+        objectives=objectives,
+        overrides=_dotlist(s.get("overrides"), "sweep.overrides"),
+        marks_s=sorted({float(m) for m in marks}),
+        cell_timeout_s=float(timeout),
+    )
+
+
+def load_spec(path: str | Path | None, overrides: list[str] | None = None) -> SweepSpec:
+    """Load and validate a sweep file; ``sweep.*`` overrides edit the sweep, the others join every cell.
+
+    Every cell's full run config is resolved here too, so a bad override fails before any cell starts.
+    """
+    if path is None:
+        raise ConfigError("asyncrl sweep needs --config SWEEP_YAML (e.g. configs/sweep_staleness.yaml)")
+    if not Path(path).exists():
+        raise ConfigError(f"sweep config file not found: {path}")
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"sweep config {path}: {e}") from None
+    overrides = list(overrides or [])
+    spec = parse_spec(raw, [o for o in overrides if o.startswith("sweep.")])
+    spec.overrides += _dotlist([o for o in overrides if not o.startswith("sweep.")], "command-line overrides")
+    from asyncrl.cli import _check_model_path
+
+    for cell in spec.cells():
+        try:
+            _check_model_path(load_config(spec.base_config, spec.cell_overrides(cell)))
+        except ConfigError as e:
+            raise ConfigError(f"sweep cell {cell.name}: {e}") from None
+    return spec
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+class _Interrupted(Exception):
+    """SIGINT/SIGTERM reached the sweep; the running cell is stopped and marked for a re-run."""
+
+
+def _raise_interrupt(*_: Any) -> None:
+    raise _Interrupted
+
+
+def read_marker(cell: CellSpec) -> dict[str, Any]:
+    p = cell.dir / MARKER
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def _write_marker(cell: CellSpec, **info: Any) -> None:
+    (cell.dir / MARKER).write_text(json.dumps(info, indent=2))
+
+
+def is_finished(cell: CellSpec) -> bool:
+    """summary.json exists and the sweep did not record a failure or interruption (a run writes its
+    summary even when its learner crashed or it was stopped, so summary.json alone is not success)."""
+    return (cell.dir / "summary.json").exists() and read_marker(cell).get("status", "ok") == "ok"
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
+    """SIGTERM lets the run tear down its Ray/Redis/vLLM processes; SIGKILL the group if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def run_cell(spec: SweepSpec, cell: CellSpec) -> tuple[str, int | None]:
+    """Run one cell to completion; returns (status, exit code). Output goes to <cell>/run.log."""
+    if cell.dir.exists():
+        # A failed or interrupted attempt: keep it for forensics, start clean (the run would otherwise
+        # resume its checkpoints and append to metrics.jsonl with a second clock).
+        aside = cell.dir.with_name(cell.name + ".failed")
+        shutil.rmtree(aside, ignore_errors=True)
+        cell.dir.rename(aside)
+    cell.dir.mkdir(parents=True)
+    cmd = spec.command(cell)
+    started = time.time()
+    _write_marker(cell, status="running", started=started, cmd=cmd)
+    with (cell.dir / "run.log").open("ab") as log:
+        # Own session: a terminal Ctrl-C reaches the sweep only, which then stops the cell in order.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    timed_out = False
+    try:
+        while proc.poll() is None:
+            if spec.cell_timeout_s and time.time() - started > spec.cell_timeout_s:
+                timed_out = True
+                _stop(proc)
+                break
+            time.sleep(0.5)
+    except _Interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abandon the tear-down
+        _stop(proc)
+        _write_marker(
+            cell, status="interrupted", started=started, ended=time.time(), exit_code=proc.returncode, cmd=cmd
+        )
+        raise
+    status = "ok" if proc.returncode == 0 and not timed_out else "failed"
+    _write_marker(
+        cell,
+        status=status,
+        started=started,
+        ended=time.time(),
+        exit_code=proc.returncode,
+        timed_out=timed_out,
+        cmd=cmd,
+    )
+    return status, proc.returncode
+
+
+def _status_line(cell: CellSpec, status: str, code: int | None, elapsed: float | None) -> str:
+    if status != "ok":
+        why = "timed out" if read_marker(cell).get("timed_out") else f"exit {code}"
+        return f"FAILED ({why})  log: {cell.dir / 'run.log'}"
+    summary = json.loads((cell.dir / "summary.json").read_text())
+    from asyncrl.sweep_report import load_metrics
+
+    recs = load_metrics(cell.dir / "metrics.jsonl")
+    smean = sum(r["staleness_mean"] for r in recs) / len(recs) if recs else 0.0
+    smax = max((r["staleness_max"] for r in recs), default=0)
+    dropped = sum(r["dropped_stale"] for r in recs)
+    r0, r1 = summary.get("start_reward"), summary.get("end_reward")
+    rew = f"{r0:.3f}->{r1:.3f}" if r0 is not None and r1 is not None else "-"
+    took = f"{elapsed:.0f}s" if elapsed is not None else "skipped (done)"
+    return (
+        f"ok  {took}  steps {len(recs)}  reward {rew}  staleness {smean:.2f}/{smax} "
+        f"(bound {cell.max_staleness})  dropped {dropped}"
+    )
+
+
+def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None) -> int:
+    """`asyncrl sweep`: run every unfinished cell, then write the report. 0 iff every cell succeeded."""
+    spec = load_spec(config_path, overrides)
+    spec.dir.mkdir(parents=True, exist_ok=True)
+    cells = spec.cells()
+    print(f"sweep {spec.name}: {len(cells)} cells in {spec.dir}", flush=True)
+    statuses: dict[str, tuple[str, int | None]] = {}
+    prev = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    interrupted = False
+    try:
+        for i, cell in enumerate(cells, 1):
+            print(f"[{i}/{len(cells)}] {cell.name:<20} ", end="", flush=True)
+            if is_finished(cell):
+                statuses[cell.name] = ("ok", read_marker(cell).get("exit_code", 0))
+                print(_status_line(cell, "ok", None, None), flush=True)
+                continue
+            t0 = time.time()
+            statuses[cell.name] = run_cell(spec, cell)
+            print(_status_line(cell, *statuses[cell.name], time.time() - t0), flush=True)
+    except _Interrupted:
+        interrupted = True
+        print("interrupted; the cell is marked for a re-run", flush=True)
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
+    for cell in cells:  # cells not reached (interrupt) still get a row, with whatever is on disk
+        if cell.name not in statuses:
+            statuses[cell.name] = ("ok", 0) if is_finished(cell) else ("missing", None)
+    write_report(cells, statuses, spec.marks_s, spec.dir)
+    failed = [n for n, (st, _) in statuses.items() if st != "ok"]
+    print(f"results: {spec.dir / 'results.csv'}  {spec.dir / 'results.md'}  (+ 4 PNGs)")
+    if failed:
+        print(f"not ok: {', '.join(failed)}; re-run the same command to retry them", file=sys.stderr)
+    return 130 if interrupted else (1 if failed else 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m asyncrl.sweep --config SWEEP_YAML [overrides...]` (same as `asyncrl sweep`)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m asyncrl.sweep", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", "-c", required=True)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    try:
+        return run_sweep(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"asyncrl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
