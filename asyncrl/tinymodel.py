@@ -22,6 +22,7 @@ PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 # Printable ASCII without the vertical whitespace; one token per character.
 CHARS = [c for c in string.printable if c not in "\r\x0b\x0c\t"]
 SPEC_FILE = "asyncrl_tiny_spec.json"
+TOKENIZER_FORMAT = 2  # 2 = byte-level spelled vocabulary (see build_tokenizer)
 
 
 def vocab() -> dict[str, int]:
@@ -29,15 +30,55 @@ def vocab() -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens)}
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    # The fixed GPT-2 byte -> printable-unicode table used by every byte-level BPE tokenizer.
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_TO_UNICODE = _bytes_to_unicode()
+# Qwen2's pre-tokenizer regex (transformers' Qwen2Tokenizer), reproduced so that the saved
+# tokenizer.json and the class transformers/vLLM pick for model_type "qwen2" tokenize identically.
+_QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
 def build_tokenizer():
-    """A character-level fast tokenizer (``tokenizers``): every character is one token, no merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A character-level fast tokenizer: every character is one token (ids as in :func:`vocab`).
+
+    Why byte-level BPE without merges rather than a plain word-level split: for ``model_type``
+    "qwen2", transformers (and therefore vLLM) always loads ``Qwen2Tokenizer``, which rebuilds the
+    pipeline as NFC + Qwen2 split regex + byte-level BPE from the saved vocab, whatever
+    tokenizer.json says. A plain vocabulary then silently drops spaces and newlines (byte-level
+    spells them 'Ġ'/'Ċ'). Spelling the vocabulary byte-level and saving that same pipeline makes
+    every loader agree, one token per character.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=UNK))
-    # Split into single characters, keeping every one (spaces included) as its own token.
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    special = {PAD, EOS, UNK}
+    bl_vocab = {(t if t in special else _BYTE_TO_UNICODE[ord(t)]): i for t, i in vocab().items()}
+    tok = Tokenizer(
+        models.BPE(vocab=bl_vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False)
+    )
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
@@ -52,6 +93,7 @@ def _spec_dict(spec: Any, seed: int) -> dict:
     d = {k: getattr(spec, k) for k in (
         "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position_embeddings")}  # fmt: skip
     d["seed"] = seed
+    d["tokenizer"] = TOKENIZER_FORMAT  # a dir built with an older tokenizer layout is rebuilt
     return d
 
 
