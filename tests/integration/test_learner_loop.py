@@ -1,0 +1,220 @@
+"""The learner loop end to end on real Redis + real DeepSpeed (CPU): records, delivery, DP, resume.
+
+- DP 1 (in-process) and DP 2 (torchrun, 2 CPU ranks) train one step on the same groups, with a token
+  budget that forces a padding micro-batch on one rank, and must publish the same v1 weights.
+- kill -9 between checkpoints, then resume: every group is trained exactly once relative to the
+  restored checkpoint (none lost, none twice), and versions stay monotonic.
+- A stop request finishes the step, checkpoints and acknowledges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.buffer import ReplayBuffer
+from asyncrl.config import to_yaml
+from asyncrl.learner.batching import plan_mini_batch
+from asyncrl.learner.checkpoint import read_latest
+from asyncrl.learner.logprobs import load_hf_model
+from asyncrl.learner.loop import learn
+from asyncrl.learner.records import LEDGER_FILE, METRICS_FILE, StepRecord, read_jsonl
+from asyncrl.tinymodel import resolve_model_path
+from tests.integration.learner_helpers import dist_env, free_port, sample_groups, tiny_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sampler(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    d = tmp_path_factory.mktemp("sampler")
+    # Same spec and seed as tiny_config -> the same initial weights as every learner run here.
+    return load_hf_model(resolve_model_path(tiny_config(d), d))
+
+
+def _child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _write_cfg(cfg, path: Path) -> Path:
+    path.write_text(to_yaml(cfg))
+    return path
+
+
+def _weights(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "weights" / f"v{version}" / "model.safetensors"))
+
+
+def _delta(run_dir: Path) -> torch.Tensor:
+    w0, w1 = _weights(run_dir, 0), _weights(run_dir, 1)
+    return torch.cat([(w1[k] - w0[k]).reshape(-1) for k in sorted(w0)])
+
+
+def test_dp1_and_dp2_train_the_same_step(redis_url, redis_client, run_name, sampler, tmp_path) -> None:
+    # 9 sequences over 2 ranks: with this budget one rank runs a padding micro-batch.
+    groups = sample_groups(sampler, 3, group_size=3, max_tokens=8, temperature=0.7, seed=7)
+    lengths = [len(g.prompt_token_ids) + c.num_tokens for g in groups for c in g.completions]
+    budget = next(b for b in range(28, 400, 2)
+                  if any(mb == [] for rp in plan_mini_batch(lengths, range(len(lengths)), 2, b) for mb in rp))  # fmt: skip
+    runs = {}
+    for world in (1, 2):
+        name = f"{run_name}-dp{world}"
+        rdir = tmp_path / name
+        cfg = tiny_config(rdir, redis_url, name, lr=1e-2, grad_clip=0.0, adam_eps=1.0,
+                          micro_batch_tokens=budget, checkpoint_every=5)  # fmt: skip
+        cfg.run.max_steps = 1
+        cfg.buffer.groups_per_step = 3
+        buf = ReplayBuffer(redis_client, name)
+        for g in groups:
+            buf.put(g)
+        if world == 1:
+            dist_env()
+            state = learn(cfg, rdir, start_time=time.time() - 100.0)
+            assert state.step == 1 and state.version == 1
+        else:
+            port = free_port()
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                   "--master_addr", "127.0.0.1", "--master_port", str(port),
+                   "-m", "asyncrl.learner", "--config", str(_write_cfg(cfg, tmp_path / "dp2.yaml"))]  # fmt: skip
+            p = subprocess.run(cmd, env=_child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+        stats = buf.stats()
+        assert stats["pending"] == 0 and stats["depth"] == 0 and stats["version"] == 1
+        recs = read_jsonl(rdir / METRICS_FILE)
+        assert len(recs) == 1
+        runs[world] = (rdir, recs[0])
+        buf.delete_run()
+
+    rec1, rec2 = runs[1][1], runs[2][1]
+    assert set(rec1) == set(StepRecord.field_names())
+    assert rec1["step"] == 1 and rec1["version"] == 1 and rec1["groups"] == 3 and rec1["trained_group_ids"] == 3
+    assert rec1["time"] >= 100.0 and rec1["checkpointed"] and rec1["published"]
+    assert abs(rec1["ratio_mean"] - 1) < 1e-5 and rec1["mismatch_kl"] < 1e-6
+    assert rec1["staleness_max"] == 0 and rec1["dropped_stale"] == 0 and rec1["skipped_nonfinite"] == 0
+    assert rec2["padding_micro_batches"] >= 1  # the padding path ran on some rank
+    assert rec1["tokens"] == rec2["tokens"]
+    assert abs(rec1["loss"] - rec2["loss"]) <= 1e-5 * max(1.0, abs(rec1["loss"]))
+    assert abs(rec1["grad_norm"] - rec2["grad_norm"]) <= 1e-5 * rec1["grad_norm"]
+    d1, d2 = _delta(runs[1][0]), _delta(runs[2][0])
+    assert d1.norm() > 1e-4
+    rel = float((d1 - d2).norm() / d1.norm())
+    assert rel < 1e-5, rel
+    ledger = read_jsonl(runs[2][0] / LEDGER_FILE)
+    assert sorted(ledger[0]["group_ids"]) == sorted(g.group_id for g in groups)
+
+
+def _wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    t0 = time.monotonic()
+    while not pred():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"learner exited ({proc.returncode}) while waiting for {what}")
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_kill9_between_checkpoints_then_resume_trains_each_group_once(
+    redis_url, redis_client, run_name, sampler, tmp_path
+) -> None:
+    rdir = tmp_path / "run"
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=2)
+    cfg.buffer.max_staleness = 100
+    buf = ReplayBuffer(redis_client, run_name)
+    first = sample_groups(sampler, 6, group_size=2, max_tokens=6, seed=11)
+    for g in first:
+        buf.put(g)
+    log = open(tmp_path / "learner.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.learner", "--config", str(_write_cfg(cfg, tmp_path / "c.yaml"))],
+                            env=_child_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        # 6 groups = 3 steps; checkpoints at step 2; then it blocks on the empty buffer.
+        _wait_for(lambda: len(read_jsonl(rdir / LEDGER_FILE)) >= 3, 240, "3 trained steps", proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    tag_dir, ckpt = read_latest(rdir)
+    assert ckpt.step == 2 and ckpt.version == 2 and len(ckpt.group_ids) == 4
+    assert buf.stats()["pending"] == 2  # step 3's groups: trained, never acknowledged
+    second = sample_groups(sampler, 6, group_size=2, max_tokens=6, seed=12)
+    for g in second:
+        buf.put(g)
+
+    cfg.run.max_steps = 6
+    dist_env()
+    state = learn(cfg, rdir, resume=True)
+
+    ledger = read_jsonl(rdir / LEDGER_FILE)
+    sessions = list(dict.fromkeys(line["session"] for line in ledger))
+    assert len(sessions) == 2
+    before = [line for line in ledger if line["session"] == sessions[0]]
+    after = [line for line in ledger if line["session"] == sessions[1]]
+    assert [line["step"] for line in before] == [1, 2, 3] and [line["step"] for line in after] == [3, 4, 5, 6]
+    in_ckpt = {gid for line in before if line["step"] <= ckpt.step for gid in line["group_ids"]}
+    assert in_ckpt == set(ckpt.group_ids)
+    trained_after = [gid for line in after for gid in line["group_ids"]]
+    all_ids = {g.group_id for g in first + second}
+    assert len(trained_after) == len(set(trained_after)), "a group was trained twice after the resume"
+    assert set(trained_after) == all_ids - in_ckpt, "lost or repeated groups relative to the checkpoint"
+    assert set(before[2]["group_ids"]) <= set(trained_after)  # the killed step's groups were redone
+    # v3 was published by the lost lineage -> the resume forks to v4, then 4 steps -> v8.
+    assert state.step == 6 and state.version == 8 and buf.version() == 8
+    assert buf.manifest_versions() == [6, 7, 8]  # keep_versions = 3
+    stats = buf.stats()
+    assert stats["pending"] == 0 and stats["depth"] == 0
+    assert [r["step"] for r in read_jsonl(rdir / METRICS_FILE)] == [1, 2, 3, 4, 5, 6]
+    buf.delete_run()
+
+
+def test_stop_event_finishes_step_checkpoints_and_acks(redis_url, redis_client, run_name, sampler, tmp_path) -> None:
+    rdir = tmp_path / "run"
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=100)
+    buf = ReplayBuffer(redis_client, run_name)
+    for g in sample_groups(sampler, 4, group_size=2, max_tokens=6, seed=21):
+        buf.put(g)
+    stop = threading.Event()
+    seen: list[StepRecord] = []
+    out: dict = {}
+    dist_env()
+
+    def run() -> None:
+        try:
+            out["state"] = learn(cfg, rdir, stop_event=stop, on_step=[seen.append])
+        except BaseException as exc:  # surfaced below
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    _wait_for(lambda: len(seen) >= 2 or "error" in out, 240, "2 steps")
+    assert buf.stats()["pending"] == 4  # trained, not yet checkpointed
+    stop.set()
+    t.join(120)
+    assert not t.is_alive() and "error" not in out, out.get("error")
+    assert [r.step for r in seen] == [1, 2] and not any(r.checkpointed for r in seen)
+    assert out["state"].step == 2 and read_latest(rdir)[1].step == 2
+    stats = buf.stats()
+    assert stats["pending"] == 0 and stats["depth"] == 0
+    status = buf.learner_status()
+    assert status["state"] == "stopped" and status["step"] == 2 and status["version"] == 2
+    assert np.isfinite(seen[-1].loss)
+    with pytest.raises(RuntimeError, match="resume"):
+        learn(cfg, rdir)  # published weights + checkpoint, no resume: refuse to start over
+    buf.delete_run()
