@@ -32,10 +32,17 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.buffer import Completion, Group, ReplayBuffer, WeightIntegrityError, WeightManifest, verify
+from asyncrl.buffer import (
+    Completion,
+    Group,
+    ReplayBuffer,
+    WeightIntegrityError,
+    WeightManifest,
+    verify,
+)
 from asyncrl.tasks import Prompt, make_task
 
-from .engine import Engine, SampledCompletion
+from .engine import SWAP_MODES, Engine, SampledCompletion
 
 __all__ = ["RolloutActor", "RayRolloutActor"]
 
@@ -76,6 +83,7 @@ class RolloutActor:
         )
         self.task = make_task(cfg.task, cfg.run.seed)
         self.engine: Engine | None = None
+        self.swap_mode: str = cfg.actors.swap_mode  # may be changed at run time (set_swap_mode)
         self._tokenizer: Any = None
         self._prompt_ids: dict[str, list[int]] = {}
         self._stop_requested = False
@@ -95,6 +103,7 @@ class RolloutActor:
             "generated_tokens": 0,
             "in_flight": 0,
             "admission_wait_s": 0.0,
+            "admission_blocked": 0,
             "swaps": 0,
             "swap_pause_s": deque(maxlen=256),  # most recent swap windows, seconds
             "weight_rejects": 0,
@@ -109,7 +118,16 @@ class RolloutActor:
         out = dict(self.counters)
         out["swap_pause_s"] = list(self.counters["swap_pause_s"])
         out["in_flight"] = self.engine.in_flight if self.engine else 0
+        # Tokens received so far by the groups in flight (progress inside long generations).
+        out["in_flight_tokens"] = sum(self.engine.progress.values()) if self.engine else 0
+        out["swap_mode"] = self.swap_mode
         return out
+
+    def set_swap_mode(self, mode: str) -> None:
+        """Switch between ``in_flight`` and ``between_groups`` for the following swaps."""
+        if mode not in SWAP_MODES:
+            raise ValueError(f"swap mode {mode!r}; expected one of {SWAP_MODES}")
+        self.swap_mode = mode
 
     def request_stop(self, abort: bool = True) -> None:
         """Stop admitting groups; ``abort`` cancels in-flight groups, else they finish and are written."""
@@ -135,19 +153,11 @@ class RolloutActor:
             self.source = self.task.source(
                 self.cfg.run.seed, self.index, self.cfg.actors.num_actors, cursor=cursor
             )
-            self._start_engine()
+            await self._start_engine()
             tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             await self._load_first_version()
-            if self._stop_requested:
-                return self.stats()
-            self._set_state("running")
-            tasks.append(asyncio.create_task(self._watch_versions(), name="versions"))
-            workers = [
-                asyncio.create_task(self._group_worker(), name=f"group-{i}")
-                for i in range(self.cfg.actors.groups_in_flight)
-            ]
-            await self._supervise(workers, tasks)
-            return self.stats()
+            if not self._stop_requested:
+                await self._generate(tasks)
         finally:
             self._set_state("stopping")
             for t in tasks:
@@ -159,6 +169,16 @@ class RolloutActor:
             self._heartbeat_now()
             self.buffer.close()
             self._done.set()
+        return self.stats()
+
+    async def _generate(self, tasks: list[asyncio.Task]) -> None:
+        self._set_state("running")
+        tasks.append(asyncio.create_task(self._watch_versions(), name="versions"))
+        workers = [
+            asyncio.create_task(self._group_worker(), name=f"group-{i}")
+            for i in range(self.cfg.actors.groups_in_flight)
+        ]
+        await self._supervise(workers, tasks)
 
     # ------------------------------------------------------------------ lifecycle helpers
 
@@ -174,7 +194,7 @@ class RolloutActor:
             return int(c[0]), int(c[1])
         return (0, 0)
 
-    def _start_engine(self) -> None:
+    async def _start_engine(self) -> None:
         from transformers import AutoTokenizer
 
         try:
@@ -186,8 +206,9 @@ class RolloutActor:
         except ImportError:
             pass
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        # Blocks the loop for the engine start-up (~25 s on CPU); nothing else runs yet.
-        self.engine = Engine.from_config(self.cfg, self.model_path)
+        # The start-up takes ~25 s on CPU: build in a thread so that stats/stop stay responsive.
+        # AsyncLLM binds its output handler to the loop lazily, on first use from this loop.
+        self.engine = await asyncio.to_thread(Engine.from_config, self.cfg, self.model_path)
 
     async def _load_first_version(self) -> None:
         """Wait for a published, verifiable manifest and load it before any generation."""
@@ -226,31 +247,44 @@ class RolloutActor:
 
     # ------------------------------------------------------------------ weights
 
-    async def _maybe_swap(self, first: bool = False) -> bool:
-        """Load the newest manifest if it is newer than the served version; True if loaded."""
+    async def _newest_valid_manifest(self) -> WeightManifest | None:
+        """The newest published manifest newer than the served version whose weights verify.
+
+        Manifests that fail verification (tampered, half-written) are refused once, logged and
+        remembered; an older valid one is used instead only if it is still newer than what the
+        engine serves (a restarted actor thus falls back to the newest good version).
+        """
         assert self.engine is not None
-        m: WeightManifest | None = await asyncio.to_thread(self.buffer.latest_manifest)
-        if m is None or (self.engine.version is not None and m.version <= self.engine.version):
+        current = -1 if self.engine.version is None else self.engine.version
+        versions = await asyncio.to_thread(self.buffer.manifest_versions)
+        for v in sorted((v for v in versions if v > current), reverse=True):
+            m = await asyncio.to_thread(self.buffer.manifest, v)
+            if m is None or (m.version, m.sha256) in self._rejected:
+                continue
+            try:
+                await asyncio.to_thread(verify, m)
+            except WeightIntegrityError as e:
+                self._rejected.add((m.version, m.sha256))
+                self.counters["weight_rejects"] += 1
+                log.error("%s: refusing weights v%d: %s", self.actor_id, m.version, e)
+                continue
+            return m
+        return None
+
+    async def _maybe_swap(self, first: bool = False) -> bool:
+        """Serve the newest valid manifest if it is newer than the served version; True if swapped."""
+        assert self.engine is not None
+        m = await self._newest_valid_manifest()
+        if m is None:
             return False
-        if (m.version, m.sha256) in self._rejected:
-            return False
-        try:
-            await asyncio.to_thread(verify, m)
-        except WeightIntegrityError as e:
-            # Refuse tampered or half-written weights; keep serving the current ones.
-            self._rejected.add((m.version, m.sha256))
-            self.counters["weight_rejects"] += 1
-            log.error("%s: refusing weights v%d: %s", self.actor_id, m.version, e)
-            return False
-        res = await self.engine.swap_weights(
-            m.path, m.version, "in_flight" if first else self.cfg.actors.swap_mode
-        )
+        mode = "in_flight" if first else self.swap_mode
+        res = await self.engine.swap_weights(m.path, m.version, mode)
         self.counters["version"] = m.version
         if not first:
             self.counters["swaps"] += 1
             self.counters["swap_pause_s"].append(res.pause_s)
         log.info("%s: serving v%d (%s, pause %.3fs)", self.actor_id, m.version, res.mode, res.pause_s)
-        self._heartbeat_now()
+        await self._heartbeat_async()
         return True
 
     async def _watch_versions(self) -> None:
@@ -266,8 +300,13 @@ class RolloutActor:
     # ------------------------------------------------------------------ groups
 
     async def _admit(self) -> bool:
-        """Take one admission slot, waiting while the staleness bound is reached; False on stop."""
-        t0 = time.monotonic()
+        """Take one admission slot, waiting while the staleness bound is reached; False on stop.
+
+        The wait is added to ``admission_wait_s`` as it happens (not only when it ends), so a
+        long stall is visible while it lasts; ``admission_blocked`` counts the waiting workers.
+        """
+        last = time.monotonic()
+        blocked = False
         try:
             while True:
                 if self._stop_requested:
@@ -277,9 +316,16 @@ class RolloutActor:
                 if await asyncio.to_thread(self.buffer.try_admit):
                     self._started += 1
                     return True
+                if not blocked:
+                    blocked = True
+                    self.counters["admission_blocked"] += 1
                 await self._sleep(self.cfg.actors.admission_poll_s)
+                now = time.monotonic()
+                self.counters["admission_wait_s"] += now - last
+                last = now
         finally:
-            self.counters["admission_wait_s"] += time.monotonic() - t0
+            if blocked:
+                self.counters["admission_blocked"] -= 1
 
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
         ids = self._prompt_ids.get(prompt.prompt_id)
@@ -372,9 +418,15 @@ class RolloutActor:
     def _heartbeat_now(self) -> None:
         self.buffer.heartbeat(self.actor_id, self._heartbeat_info())
 
+    async def _heartbeat_async(self) -> None:
+        # The snapshot is taken on the loop thread (the counters are not thread-safe); only the
+        # Redis round trip runs in a worker thread.
+        info = self._heartbeat_info()
+        await asyncio.to_thread(self.buffer.heartbeat, self.actor_id, info)
+
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.to_thread(self._heartbeat_now)
+            await self._heartbeat_async()
             await asyncio.sleep(self.cfg.actors.heartbeat_s)
 
 
@@ -409,6 +461,9 @@ class RayRolloutActor:
 
     async def stats(self) -> dict[str, Any]:
         return self.actor.stats()
+
+    async def set_swap_mode(self, mode: str) -> None:
+        self.actor.set_swap_mode(mode)
 
     async def pid(self) -> int:
         return os.getpid()

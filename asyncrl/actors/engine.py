@@ -107,7 +107,7 @@ class Engine:
             logprobs_mode=LOGPROBS_MODE,
             disable_log_stats=True,
         )
-        self.llm = AsyncLLM.from_engine_args(args)
+        self.llm: Any = AsyncLLM.from_engine_args(args)
         self.version: int | None = None
         # request_id -> tokens received so far over all G sequences (progress, for tests/metrics).
         self.progress: dict[str, int] = {}
@@ -245,8 +245,10 @@ class Engine:
             return SwapResult(int(version), mode, time.perf_counter() - t0, drain_s, reload_s)
 
     def shutdown(self) -> None:
-        """Stop the engine core and its worker processes."""
-        self.llm.shutdown()
+        """Stop the engine core and its worker processes (idempotent)."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()
 
 
 def _expand_spans(spans: Any, num_tokens: int, where: str) -> list[int]:
