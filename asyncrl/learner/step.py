@@ -232,8 +232,10 @@ class Trainer:
                 # Template = the cheapest real micro-batch of the step (any rank's: all have the data).
                 real = [ix for rank_plan in plan for ix in rank_plan if ix]
                 tmpl = min(real, key=lambda ix: (micro_batch_tokens(ix, lengths), ix))
-                pad = padding_like(self.prepare(collate(samples, tmpl, self.pad_id)))
-                mbs = [m if m is not None else pad for m in mbs]
+                # One prepare() per padding slot, like a real micro-batch: under ZeRO-3 the exact-prox
+                # forward is a collective, so every rank must run the same number of them.
+                mbs = [m if m is not None else padding_like(self.prepare(collate(samples, tmpl, self.pad_id)))
+                       for m in mbs]  # fmt: skip
                 res.padding_micro_batches += sum(1 for ix in plan[le.rank] if not ix)
             minis.append((mbs, n_tok, n_seq))
 

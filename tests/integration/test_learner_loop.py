@@ -76,8 +76,9 @@ def test_dp1_and_dp2_train_the_same_step(redis_url, redis_client, run_name, samp
     for world in (1, 2):
         name = f"{run_name}-dp{world}"
         rdir = tmp_path / name
-        cfg = tiny_config(rdir, redis_url, name, lr=1e-2, grad_clip=0.0, adam_eps=1.0,
-                          micro_batch_tokens=budget, checkpoint_every=5)  # fmt: skip
+        # ZeRO-3 + exact prox: the most collective-heavy path (gathered forwards, sharded publish).
+        cfg = tiny_config(rdir, redis_url, name, lr=1e-2, grad_clip=0.0, adam_eps=1.0, zero_stage=3,
+                          exact_prox=True, micro_batch_tokens=budget, checkpoint_every=5)  # fmt: skip
         cfg.run.max_steps = 1
         cfg.buffer.groups_per_step = 3
         buf = ReplayBuffer(redis_client, name)
