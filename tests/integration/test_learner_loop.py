@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -104,7 +103,9 @@ def test_dp1_and_dp2_train_the_same_step(redis_url, redis_client, run_name, samp
 
     rec1, rec2 = runs[1][1], runs[2][1]
     assert set(rec1) == set(StepRecord.field_names())
-    assert rec1["step"] == 1 and rec1["version"] == 1 and rec1["groups"] == 3 and rec1["trained_group_ids"] == 3
+    assert (
+        rec1["step"] == 1 and rec1["version"] == 1 and rec1["groups"] == 3 and rec1["trained_group_ids"] == 3
+    )
     assert rec1["time"] >= 100.0 and rec1["checkpointed"] and rec1["published"]
     assert abs(rec1["ratio_mean"] - 1) < 1e-5 and rec1["mismatch_kl"] < 1e-6
     assert rec1["staleness_max"] == 0 and rec1["dropped_stale"] == 0 and rec1["skipped_nonfinite"] == 0
@@ -185,7 +186,9 @@ def test_kill9_between_checkpoints_then_resume_trains_each_group_once(
     buf.delete_run()
 
 
-def test_stop_event_finishes_step_checkpoints_and_acks(redis_url, redis_client, run_name, sampler, tmp_path) -> None:
+def test_stop_event_finishes_step_checkpoints_and_acks(
+    redis_url, redis_client, run_name, sampler, tmp_path
+) -> None:
     rdir = tmp_path / "run"
     cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=100)
     buf = ReplayBuffer(redis_client, run_name)
