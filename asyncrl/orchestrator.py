@@ -142,14 +142,14 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
             url = cfg.redis.url
         else:
             redis_srv = EmbeddedRedis(rdir / "redis", password=cfg.redis.password or None,
-                                      appendfsync=cfg.redis.appendfsync)  # fmt: skip
+                                      appendfsync=cfg.redis.appendfsync).start()  # fmt: skip
             url = redis_srv.url
             (rdir / "redis.url").write_text(url)
         cfg.redis.url = url
         learner = start_learner_process(cfg_path, url, start, resume=resume, log_path=rdir / "learner.log")
         from asyncrl.actors.pool import ActorPool
 
-        pool = ActorPool(cfg, rdir)
+        pool = ActorPool(cfg, rdir, redis_url=url)
         pool.start()
         buf = ReplayBuffer.connect(url, cfg.run.name, password=cfg.redis.password or None, tls=cfg.redis.tls)
         metrics_path = rdir / "metrics.jsonl"
