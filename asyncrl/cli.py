@@ -70,6 +70,26 @@ def _check_model_path(cfg) -> None:
             )
 
 
+def _learner_metrics(cfg):
+    """Rank 0 serves the learner's and the buffer's metrics; its address goes to the learner status."""
+    from asyncrl.metrics import LearnerExporter, learner_collectors, serve
+
+    exporter = LearnerExporter(cfg.buffer.max_staleness)
+    if not cfg.metrics.enabled or int(os.environ.get("RANK", "0")) != 0:
+        return exporter, lambda: None
+    from asyncrl.buffer import ReplayBuffer
+
+    buf = ReplayBuffer.from_config(cfg)
+    port, stop = serve(learner_collectors(exporter, buf.stats), cfg.metrics.host, cfg.metrics.port)
+    buf.set_learner_status({"metrics_addr": f"{cfg.metrics.host}:{port}"})
+
+    def close() -> None:
+        stop()
+        buf.close()
+
+    return exporter, close
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -108,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             from asyncrl.learner.loop import learn
 
             start = float(os.environ.get("ASYNCRL_START_TIME", time.time()))
-            learn(cfg, rdir, resume=args.resume, start_time=start)
+            exporter, stop_metrics = _learner_metrics(cfg)
+            try:
+                learn(cfg, rdir, resume=args.resume, start_time=start, on_step=[exporter])
+            finally:
+                stop_metrics()
             return 0
     except (ConfigError, FileNotFoundError) as e:
         print(f"asyncrl: error: {e}", file=sys.stderr)

@@ -147,7 +147,9 @@ LEARNER_METRICS: tuple[Metric, ...] = (
         "skipped_nonfinite",
     ),  # fmt: skip
     Metric("asyncrl_learner_policy_version", "gauge", "Latest published policy version.", "version"),
-    Metric("asyncrl_learner_max_staleness_steps", "gauge", "Configured staleness bound (eta).", "max_staleness"),
+    Metric(
+        "asyncrl_learner_max_staleness_steps", "gauge", "Configured staleness bound (eta).", "max_staleness"
+    ),
     Metric(
         "asyncrl_learner_publish_seconds",
         "histogram",
@@ -168,8 +170,28 @@ def metric_names() -> set[str]:
     return {m.name for m in ALL_METRICS}
 
 
+class Hist:
+    """Bucketed observations kept as (value, count) pairs per distinct bucket edge: O(buckets) memory."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+
+    def observe(self, v: float, n: int = 1) -> None:
+        i = next((k for k, b in enumerate(self.buckets) if v <= b), len(self.buckets))
+        self.counts[i] += n
+        self.total += v * n
+
+
 def _hist(values: Any, buckets: tuple[float, ...]) -> tuple[list[tuple[str, float]], float]:
-    """Cumulative buckets from raw observations (list) or a {value: count} map."""
+    """Cumulative buckets from a Hist, raw observations (list) or a {value: count} map."""
+    if isinstance(values, Hist):
+        cum, out = 0, []
+        for b, c in zip((*[repr(float(b)) for b in values.buckets], "+Inf"), values.counts, strict=True):
+            cum += c
+            out.append((b, float(cum)))
+        return out, values.total
     if isinstance(values, dict):
         items = [(float(k), float(c)) for k, c in values.items()]
     else:
@@ -246,3 +268,48 @@ class ThreadSafeStats(dict):
         with self.lock:
             return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
                     for k, v in self.items()}  # fmt: skip
+
+
+class LearnerExporter:
+    """Mirrors the learner's step records (an ``on_step`` callback) into a scrape snapshot.
+
+    Per-step fields are exported as last values; step and publish times and per-token staleness are
+    accumulated into histograms here, because a record only describes one step.
+    """
+
+    def __init__(self, max_staleness: int = 0):
+        self.stats = ThreadSafeStats(max_staleness=max_staleness)
+        by_key = {m.key: m for m in LEARNER_METRICS}
+        self.stats["step_s"] = Hist(by_key["step_s"].buckets)
+        self.stats["publish_s"] = Hist(by_key["publish_s"].buckets)
+        self.stats["staleness_hist"] = Hist(by_key["staleness_hist"].buckets)
+
+    def __call__(self, record: Any) -> None:
+        d = record.to_dict() if hasattr(record, "to_dict") else dict(record)
+        with self.stats.lock:
+            for k, v in d.items():
+                if k not in ("step_s", "publish_s", "staleness_hist") and isinstance(v, int | float):
+                    self.stats[k] = v
+            self.stats["step_s"].observe(float(d.get("step_s", 0.0)))
+            if d.get("published"):
+                self.stats["publish_s"].observe(float(d.get("publish_s", 0.0)))
+            for value, n in (d.get("staleness_hist") or {}).items():
+                self.stats["staleness_hist"].observe(float(value), int(n))
+
+    def snapshot(self) -> dict:
+        with self.stats.lock:
+            return dict(self.stats)
+
+
+def learner_collectors(
+    exporter: LearnerExporter, buffer_stats: Callable[[], dict]
+) -> list[SnapshotCollector]:
+    """The learner process serves its own metrics and the buffer's (read from Redis at scrape time)."""
+    return [
+        SnapshotCollector(LEARNER_METRICS, exporter.snapshot),
+        SnapshotCollector(BUFFER_METRICS, buffer_stats),
+    ]
+
+
+def actor_collector(actor_id: str, stats: Callable[[], dict]) -> SnapshotCollector:
+    return SnapshotCollector(ACTOR_METRICS, stats, labels={"actor": actor_id})

@@ -101,6 +101,22 @@ class Progress:
             sys.stdout.write("\n")
 
 
+def write_targets(rdir: Path, run: str, learner_status: dict, actors: dict) -> list[dict]:
+    """Prometheus ``file_sd_configs`` targets of the endpoints this run started (atomic rewrite)."""
+    groups = []
+    if learner_status.get("metrics_addr"):
+        groups.append(
+            {"targets": [learner_status["metrics_addr"]], "labels": {"run": run, "role": "learner"}}
+        )
+    addrs = sorted(a["metrics_addr"] for a in actors.values() if a.get("metrics_addr"))
+    if addrs:
+        groups.append({"targets": addrs, "labels": {"run": run, "role": "actor"}})
+    tmp = rdir / "prometheus_targets.json.tmp"
+    tmp.write_text(json.dumps(groups, indent=2))
+    os.replace(tmp, rdir / "prometheus_targets.json")
+    return groups
+
+
 def write_summary(rdir: Path, records: list[dict], start: float, end: float, extra: dict) -> dict:
     k = min(3, len(records))
     summary = {
@@ -151,7 +167,7 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
 
         pool = ActorPool(cfg, rdir, redis_url=url)
         pool.start()
-        buf = ReplayBuffer.connect(url, cfg.run.name, password=cfg.redis.password or None, tls=cfg.redis.tls)
+        buf = ReplayBuffer.from_config(cfg, url)
         metrics_path = rdir / "metrics.jsonl"
         while not stop.is_set():
             if learner.poll() is not None:
@@ -159,6 +175,7 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
             if cfg.run.max_wall_s and time.time() - start > cfg.run.max_wall_s:
                 break
             progress.update(_read_records(metrics_path), time.time() - start)
+            write_targets(rdir, cfg.run.name, buf.learner_status(), buf.actors())
             stop.wait(1.0)
         extra["actors"] = {k: {kk: vv for kk, vv in v.items() if isinstance(vv, int | float | str)}
                            for k, v in buf.actors().items()}  # fmt: skip

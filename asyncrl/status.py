@@ -10,7 +10,7 @@ from asyncrl.config import Config
 def collect_status(cfg: Config, url: str) -> dict:
     from asyncrl.buffer import ReplayBuffer
 
-    buf = ReplayBuffer.connect(url, cfg.run.name, password=cfg.redis.password or None, tls=cfg.redis.tls)
+    buf = ReplayBuffer.from_config(cfg, url)
     try:
         stats = buf.stats()
         stats["bound"] = buf.admission_bound(cfg.buffer.max_staleness, cfg.buffer.groups_per_step)

@@ -141,6 +141,15 @@ class ReplayBuffer(RunRegistry):
             owns_client=True,
         )
 
+    @classmethod
+    def from_config(cls, cfg: Any, url: str | None = None, **kwargs: Any) -> ReplayBuffer:
+        """Connect with a run's config (redis AUTH/TLS, run name, admission and maxlen settings)."""
+        r = cfg.redis
+        return cls.connect(
+            url or r.url, cfg.run.name, password=r.password or None, tls=r.tls, tls_ca=r.tls_ca_certs or None,
+            max_staleness=cfg.buffer.max_staleness, groups_per_step=cfg.buffer.groups_per_step, **kwargs,
+        )  # fmt: skip
+
     @property
     def client(self) -> redis.Redis:
         return self._client
