@@ -57,6 +57,8 @@ __all__ = ["learn", "KEEPALIVE_S", "COUNTERS"]
 
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 30.0
+#: fill_window: an unchanged unread count for this long under saturated admission ends the wait.
+SATURATED_S = 1.0
 #: Cumulative StepRecord fields carried in the checkpoint.
 COUNTERS = ("groups_total", "tokens_total", "wait_s_total", "dropped_stale_total", "dropped_filtered_total",
             "skipped_nonfinite")  # fmt: skip
@@ -110,6 +112,11 @@ class _Rank0:
         want, eta = cfg.buffer.groups_per_step, cfg.buffer.max_staleness
         b = Batch()
         last_keepalive = time.monotonic()
+        if cfg.learner.fill_window:
+            t0 = time.monotonic()
+            if not self.fill_window(stop, world):
+                return None
+            b.wait_s += time.monotonic() - t0
         while len(b.groups) < want:
             if stop.is_set():
                 return None
@@ -136,6 +143,36 @@ class _Rank0:
                 _bcast({"kind": "wait"}, world)
                 last_keepalive = time.monotonic()
         return b
+
+    def fill_window(self, stop: threading.Event, world: int) -> bool:
+        """Experiment knob ``learner.fill_window``: wait for a full admission window of unread groups.
+
+        Done when ``(max_staleness + 1) * groups_per_step`` groups wait unread, or when admission is
+        saturated (admitted >= bound) and the unread count stopped growing for ``SATURATED_S``:
+        nothing more can arrive before the learner consumes (e.g. publish_every > 1 shrinks the
+        window). False when told to stop.
+        """
+        cfg = self.cfg
+        window = (cfg.buffer.max_staleness + 1) * cfg.buffer.groups_per_step
+        last, since, last_keepalive = -1, time.monotonic(), time.monotonic()
+        while not stop.is_set():
+            st = self.buffer.stats()
+            unread = st["depth"] - st["pending"]
+            if unread >= window:
+                return True
+            if unread != last:
+                last, since = unread, time.monotonic()
+            elif (
+                st["bound"] is not None
+                and st["admitted"] >= st["bound"]
+                and time.monotonic() - since > SATURATED_S
+            ):
+                return True
+            if world > 1 and time.monotonic() - last_keepalive > KEEPALIVE_S:
+                _bcast({"kind": "wait"}, world)
+                last_keepalive = time.monotonic()
+            time.sleep(0.05)
+        return False
 
 
 def _install_signals(stop: threading.Event) -> Callable[[], None]:

@@ -249,3 +249,21 @@ def test_zero_stages_match_stage0_and_skip_nonfinite(tiny, fresh, stage) -> None
     assert res.skipped == 1 and res.optimizer_steps == 0
     for k, v in le.named_weights():
         assert torch.equal(v, w1[k]), k
+
+
+@pytest.mark.parametrize("exact_prox", [False, True])
+def test_mini_batches_and_epochs(tiny, fresh, exact_prox) -> None:
+    cfg = clone_cfg(tiny.cfg, mini_batches=2, epochs=2, exact_prox=exact_prox, warmup_steps=8)
+    tr = Trainer(cfg, fresh, None, pad_id=0)
+    res = tr.train(tiny.groups, 0)
+    assert res.optimizer_steps == 4 and tr.applied_steps == 4 and res.skipped == 0
+    assert tr.lr_now() == pytest.approx(cfg.learner.lr * 5 / 8)  # linear warm-up over applied steps
+    m = res.metrics
+    # After the first update the policy moved: later optimizer steps see ratios != 1 ...
+    assert abs(m["ratio_mean"] - 1.0) > 1e-6
+    # ... but the mismatch is measured on step-start logprobs only, so it stays ~0.
+    assert m["mismatch_kl"] < 1e-6
+    first_half = sum(
+        s.loss_tokens for s in tr.samples(tiny.groups)[0][: res.sequences // 2 + res.sequences % 2]
+    )
+    assert m["mismatch_tokens"] == (res.tokens if exact_prox else first_half)

@@ -186,14 +186,23 @@ def test_kill9_between_checkpoints_then_resume_trains_each_group_once(
     buf.delete_run()
 
 
-def test_stop_event_finishes_step_checkpoints_and_acks(
-    redis_url, redis_client, run_name, sampler, tmp_path
-) -> None:
+def test_filters_fill_window_and_stop_event(redis_url, redis_client, run_name, sampler, tmp_path) -> None:
+    """Staleness drop + dynamic sampling (acked, credited), fill_window, and a clean stop."""
     rdir = tmp_path / "run"
-    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=100)
+    cfg = tiny_config(
+        rdir, redis_url, run_name, checkpoint_every=100, dynamic_sampling=True, fill_window=True
+    )
+    cfg.buffer.max_staleness = 1  # window = (1 + 1) * 2 = 4 unread groups
     buf = ReplayBuffer(redis_client, run_name)
-    for g in sample_groups(sampler, 4, group_size=2, max_tokens=6, seed=21):
-        buf.put(g)
+    good = sample_groups(sampler, 6, group_size=2, max_tokens=6, seed=21)
+    good += sample_groups(sampler, 2, group_size=2, max_tokens=6, seed=24, version=2)  # fresh at V = 2
+    for g in good:
+        g.completions[0].reward, g.completions[1].reward = 1.0, 0.0
+    stale = sample_groups(sampler, 1, group_size=2, max_tokens=6, seed=22, version=0)[0]
+    stale.completions[0].reward = 1.0
+    flat = sample_groups(sampler, 1, group_size=2, max_tokens=6, seed=23, version=2)[0]
+    for c in flat.completions:
+        c.reward = 0.5  # zero reward variance
     stop = threading.Event()
     seen: list[StepRecord] = []
     out: dict = {}
@@ -205,19 +214,37 @@ def test_stop_event_finishes_step_checkpoints_and_acks(
         except BaseException as exc:  # surfaced below
             out["error"] = exc
 
+    for g in good[:3]:
+        buf.put(g)
     t = threading.Thread(target=run)
     t.start()
-    _wait_for(lambda: len(seen) >= 2 or "error" in out, 240, "2 steps")
-    assert buf.stats()["pending"] == 4  # trained, not yet checkpointed
-    stop.set()
-    t.join(120)
+    try:
+        _wait_for(lambda: buf.learner_status().get("state") == "waiting" or "error" in out, 240, "learner up")
+        time.sleep(1.0)
+        assert seen == []  # 3 unread < window 4: fill_window holds the step back
+        buf.put(good[3])
+        _wait_for(lambda: len(seen) >= 1 or "error" in out, 60, "step 1")
+        for g in good[4:6]:
+            buf.put(g)
+        _wait_for(lambda: len(seen) >= 2 or "error" in out, 60, "step 2")
+        # Step 2 trained good[2:4]; at V = 2 the v0 groups good[4:6] and ``stale`` are 2 > max_staleness
+        # stale, and ``flat`` has zero reward variance: step 3 drops 3 + 1 and trains good[6:8].
+        for g in [stale, flat, *good[6:8]]:
+            buf.put(g)
+        _wait_for(lambda: len(seen) >= 3 or "error" in out, 60, "step 3")
+        assert buf.stats()["pending"] == 6  # trained, not yet checkpointed
+    finally:
+        stop.set()
+        t.join(120)
     assert not t.is_alive() and "error" not in out, out.get("error")
-    assert [r.step for r in seen] == [1, 2] and not any(r.checkpointed for r in seen)
-    assert out["state"].step == 2 and read_latest(rdir)[1].step == 2
+    assert [r.step for r in seen] == [1, 2, 3] and not any(r.checkpointed for r in seen)
+    assert [(r.dropped_stale, r.dropped_filtered) for r in seen] == [(0, 0), (0, 0), (3, 1)]
+    assert seen[-1].groups == 2 and seen[-1].dropped_stale_total == 3 and seen[-1].version == 3
+    assert out["state"].step == 3 and read_latest(rdir)[1].step == 3
     stats = buf.stats()
-    assert stats["pending"] == 0 and stats["depth"] == 0
+    assert stats["pending"] == 0 and stats["depth"] == 0 and stats["credits"] == 4
     status = buf.learner_status()
-    assert status["state"] == "stopped" and status["step"] == 2 and status["version"] == 2
+    assert status["state"] == "stopped" and status["step"] == 3 and status["version"] == 3
     assert np.isfinite(seen[-1].loss)
     with pytest.raises(RuntimeError, match="resume"):
         learn(cfg, rdir)  # published weights + checkpoint, no resume: refuse to start over
