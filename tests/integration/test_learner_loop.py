@@ -249,3 +249,27 @@ def test_filters_fill_window_and_stop_event(redis_url, redis_client, run_name, s
     with pytest.raises(RuntimeError, match="resume"):
         learn(cfg, rdir)  # published weights + checkpoint, no resume: refuse to start over
     buf.delete_run()
+
+
+def test_sigterm_checkpoints_acks_and_exits_zero(
+    redis_url, redis_client, run_name, sampler, tmp_path
+) -> None:
+    rdir = tmp_path / "run"
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=100)
+    buf = ReplayBuffer(redis_client, run_name)
+    for g in sample_groups(sampler, 2, group_size=2, max_tokens=6, seed=31):
+        buf.put(g)
+    cmd = [sys.executable, "-m", "asyncrl.learner", "--config", str(_write_cfg(cfg, tmp_path / "c.yaml"))]
+    proc = subprocess.Popen(cmd, env=_child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: len(read_jsonl(rdir / METRICS_FILE)) >= 1, 240, "1 step", proc)
+        assert buf.stats()["pending"] == 2
+        proc.send_signal(signal.SIGTERM)  # while it waits for more data
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert read_latest(rdir)[1].step == 1
+    assert buf.stats()["pending"] == 0 and buf.learner_status()["state"] == "stopped"
+    buf.delete_run()
