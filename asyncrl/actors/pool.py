@@ -16,11 +16,13 @@ raised) by raising from :meth:`ActorPool.check`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,21 @@ def actor_runtime_env() -> dict[str, Any]:
     # vLLM's engine runs in child processes; inside a Ray actor it must spawn, never fork.
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     return {"env_vars": env}
+
+
+@contextlib.contextmanager
+def _keep_signal_handlers() -> Iterator[None]:
+    """Restore the Python SIGINT/SIGTERM handlers after the block (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 class ActorPool:
@@ -77,13 +94,16 @@ class ActorPool:
         # Build the tiny model once here: N actors building it concurrently would race on the dir.
         model_path = resolve_model_path(self.cfg, self.run_dir)
         if not ray.is_initialized():
-            ray.init(
-                address=self.cfg.ray.address or None,
-                num_cpus=(self.cfg.ray.num_cpus or None) if not self.cfg.ray.address else None,
-                include_dashboard=False,
-                runtime_env=actor_runtime_env(),
-                logging_level=logging.WARNING,
-            )
+            # ray.init installs a native SIGTERM handler that dumps a stack and aborts the driver;
+            # keep the caller's Python handlers (e.g. "set the stop event") in charge instead.
+            with _keep_signal_handlers():
+                ray.init(
+                    address=self.cfg.ray.address or None,
+                    num_cpus=(self.cfg.ray.num_cpus or None) if not self.cfg.ray.address else None,
+                    include_dashboard=False,
+                    runtime_env=actor_runtime_env(),
+                    logging_level=logging.WARNING,
+                )
             self._started_ray = True
         a = self.cfg.actors
         remote_cls = ray.remote(RayRolloutActor)
