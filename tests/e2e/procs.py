@@ -1,0 +1,87 @@
+"""End-to-end helpers (imported by the e2e tests): run `asyncrl` commands as real OS processes and find anything they leave behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = "ASYNCRL_E2E_MARKER"
+
+
+def marked_env(marker: str, **extra: str) -> dict[str, str]:
+    """The environment of a command under test: every descendant inherits ``marker``."""
+    env = dict(os.environ)
+    env[MARKER] = marker
+    env.update(extra)
+    return env
+
+
+def processes_with_marker(marker: str) -> list[str]:
+    """Live processes (pid + cmdline) whose environment carries ``marker``: orphans if the command ended."""
+    found = []
+    needle = f"{MARKER}={marker}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+            if needle in env.split(b"\0"):
+                state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+                if state != "Z":
+                    cmd = (
+                        Path(f"/proc/{pid}/cmdline")
+                        .read_bytes()
+                        .replace(b"\0", b" ")
+                        .decode(errors="replace")
+                    )
+                    found.append(f"{pid}: {cmd[:160]}")
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+    return found
+
+
+def wait_no_orphans(marker: str, timeout: float = 30.0) -> list[str]:
+    """Processes still alive ``timeout`` seconds after the command ended (Ray's reaper takes a moment)."""
+    deadline = time.time() + timeout
+    while True:
+        left = processes_with_marker(marker)
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(1.0)
+
+
+def asyncrl_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "asyncrl.cli", *args]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-4000:] if log and log.exists() else ""
+            pytest.fail(f"process exited ({proc.returncode}) while waiting for {what}\n{tail}")
+        time.sleep(1.0)
+    tail = log.read_text()[-4000:] if log and log.exists() else ""
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{tail}")
