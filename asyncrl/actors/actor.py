@@ -15,8 +15,8 @@ Invariants:
   returns its admission credit, so admission cannot leak;
 * the actor never imports the learner; it meets it only through ``asyncrl.buffer``.
 
-:class:`RolloutActor` works without Ray (tests, scripts); :class:`RayRolloutActor` is the thin
-wrapper the pool turns into a Ray actor.
+:class:`RolloutActor` works without Ray (tests, scripts); ``ray_actor.RayRolloutActor`` is the
+thin wrapper the pool turns into a Ray actor.
 """
 
 from __future__ import annotations
@@ -30,21 +30,13 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from asyncrl.buffer import ReplayBuffer, WeightIntegrityError, WeightManifest, verify
+from asyncrl.tasks import Prompt, PromptSource, make_task
 
-from asyncrl.buffer import (
-    Completion,
-    Group,
-    ReplayBuffer,
-    WeightIntegrityError,
-    WeightManifest,
-    verify,
-)
-from asyncrl.tasks import Prompt, make_task
+from .engine import SWAP_MODES, Engine
+from .groups import build_group
 
-from .engine import SWAP_MODES, Engine, SampledCompletion
-
-__all__ = ["RolloutActor", "RayRolloutActor"]
+__all__ = ["RolloutActor"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +74,7 @@ class RolloutActor:
             groups_per_step=cfg.buffer.groups_per_step,
         )
         self.task = make_task(cfg.task, cfg.run.seed)
+        self.source: PromptSource | None = None  # set by run(), from the resumed cursor
         self.engine: Engine | None = None
         self.swap_mode: str = cfg.actors.swap_mode  # may be changed at run time (set_swap_mode)
         self._tokenizer: Any = None
@@ -336,6 +329,7 @@ class RolloutActor:
     async def _group_worker(self) -> None:
         a = self.cfg.actors
         assert self.engine is not None
+        assert self.source is not None
         while await self._admit():
             prompt = self.source.next()
             prompt_ids = self._encode_prompt(prompt)
@@ -355,50 +349,27 @@ class RolloutActor:
                 self.buffer.credit(1)
                 self.counters["groups_aborted"] += 1
                 continue
-            group = self._make_group(group_id, prompt, prompt_ids, seqs, v_start, swaps_start)
+            assert v_start is not None and self.engine.version is not None
+            meta = {
+                "temperature": float(a.temperature),  # the learner divides logits by it
+                "top_p": float(a.top_p),
+                "max_tokens": int(a.max_tokens),
+                "task": self.task.name,
+                "actor_index": self.index,
+                "version_start": int(v_start),
+                "version_end": int(self.engine.version),
+                "swaps": int(self.counters["swaps"] - swaps_start),
+                "swap_mode": self.swap_mode,
+            }
+            group = build_group(group_id, self.task, prompt, prompt_ids, seqs, self.actor_id, meta)
             await asyncio.to_thread(self.buffer.put, group)
             self.counters["groups_written"] += 1
-
-    def _make_group(
-        self,
-        group_id: str,
-        prompt: Prompt,
-        prompt_ids: list[int],
-        seqs: list[SampledCompletion],
-        v_start: int | None,
-        swaps_start: int,
-    ) -> Group:
-        a = self.cfg.actors
-        assert self.engine is not None and v_start is not None and self.engine.version is not None
-        completions = [
-            Completion(
-                token_ids=np.asarray(s.token_ids, dtype=np.uint32),
-                logprobs=np.asarray(s.logprobs, dtype=np.float32),
-                versions=np.asarray(s.versions, dtype=np.uint32),
-                reward=float(self.task.reward(prompt, s.text)),
-                finish_reason=s.finish_reason,
-            )
-            for s in seqs
-        ]
-        meta = {
-            "temperature": float(a.temperature),  # the learner divides logits by it
-            "top_p": float(a.top_p),
-            "max_tokens": int(a.max_tokens),
-            "task": self.task.name,
-            "actor_index": self.index,
-            "version_start": int(v_start),
-            "version_end": int(self.engine.version),
-            "swaps": int(self.counters["swaps"] - swaps_start),
-            "swap_mode": a.swap_mode,
-        }
-        return Group(group_id, prompt.prompt_id, np.asarray(prompt_ids, dtype=np.uint32), completions,
-                     actor_id=self.actor_id, created_at=time.time(), meta=meta)  # fmt: skip
 
     # ------------------------------------------------------------------ heartbeat
 
     def _heartbeat_info(self) -> dict[str, Any]:
         s = self.stats()
-        src = getattr(self, "source", None)
+        src = self.source
         return {
             "actor_id": self.actor_id,
             "index": self.index,
@@ -428,46 +399,3 @@ class RolloutActor:
         while True:
             await self._heartbeat_async()
             await asyncio.sleep(self.cfg.actors.heartbeat_s)
-
-
-class RayRolloutActor:
-    """Ray-facing wrapper (the pool applies ``ray.remote``). All methods are async so that
-    ``stats``/``stop`` run concurrently with the long ``run`` call on the actor's event loop."""
-
-    def __init__(
-        self,
-        cfg: Any,
-        run_dir: str,
-        actor_index: int,
-        redis_url: str,
-        redis_password: str | None,
-        model_path: str | None = None,
-    ) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        self.actor = RolloutActor(
-            cfg,
-            run_dir,
-            actor_index,
-            redis_url=redis_url,
-            redis_password=redis_password,
-            model_path=model_path,
-        )
-
-    async def run(self, max_groups: int | None = None) -> dict[str, Any]:
-        return await self.actor.run(max_groups)
-
-    async def stop(self, abort: bool = True) -> None:
-        await self.actor.stop(abort)
-
-    async def stats(self) -> dict[str, Any]:
-        return self.actor.stats()
-
-    async def set_swap_mode(self, mode: str) -> None:
-        self.actor.set_swap_mode(mode)
-
-    async def pid(self) -> int:
-        return os.getpid()
-
-    async def crash(self) -> None:
-        """Die at once, as a segfault or OOM kill would (tests)."""
-        os._exit(1)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .actor import RayRolloutActor
+from .ray_actor import RayRolloutActor
 
 __all__ = ["ActorPool", "serve_actors", "actor_runtime_env"]
 

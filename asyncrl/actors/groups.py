@@ -1,0 +1,50 @@
+"""Turning what the engine sampled into a wire :class:`~asyncrl.buffer.Group` (pure)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from asyncrl.buffer import Completion, Group
+from asyncrl.tasks import Prompt, Task
+
+from .engine import SampledCompletion
+
+__all__ = ["build_group"]
+
+
+def build_group(
+    group_id: str,
+    task: Task,
+    prompt: Prompt,
+    prompt_ids: Sequence[int],
+    seqs: Sequence[SampledCompletion],
+    actor_id: str,
+    meta: Mapping[str, str | int | float | bool],
+) -> Group:
+    """A group of ``seqs`` scored by ``task.reward`` on their decoded text.
+
+    The token arrays are copied as they came from the engine: ``logprobs`` are the behaviour
+    logprobs mu_t (fp32) and ``versions`` the exact per-token policy versions.
+    """
+    completions = [
+        Completion(
+            token_ids=np.asarray(s.token_ids, dtype=np.uint32),
+            logprobs=np.asarray(s.logprobs, dtype=np.float32),
+            versions=np.asarray(s.versions, dtype=np.uint32),
+            reward=float(task.reward(prompt, s.text)),
+            finish_reason=s.finish_reason,
+        )
+        for s in seqs
+    ]
+    return Group(
+        group_id,
+        prompt.prompt_id,
+        np.asarray(list(prompt_ids), dtype=np.uint32),
+        completions,
+        actor_id=actor_id,
+        created_at=time.time(),
+        meta=dict(meta),
+    )

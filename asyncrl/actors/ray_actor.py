@@ -1,0 +1,55 @@
+"""The Ray-facing wrapper of :class:`asyncrl.actors.actor.RolloutActor` (the pool applies
+``ray.remote`` to it with the restart options). Every method is async so that ``stats``/``stop``
+run concurrently with the long ``run`` call on the actor's event loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from .actor import RolloutActor
+
+__all__ = ["RayRolloutActor"]
+
+
+class RayRolloutActor:
+    """One rollout actor in its own Ray worker process."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: str,
+        actor_index: int,
+        redis_url: str,
+        redis_password: str | None,
+        model_path: str | None = None,
+    ) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.actor = RolloutActor(
+            cfg,
+            run_dir,
+            actor_index,
+            redis_url=redis_url,
+            redis_password=redis_password,
+            model_path=model_path,
+        )
+
+    async def run(self, max_groups: int | None = None) -> dict[str, Any]:
+        return await self.actor.run(max_groups)
+
+    async def stop(self, abort: bool = True) -> None:
+        await self.actor.stop(abort)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.actor.stats()
+
+    async def set_swap_mode(self, mode: str) -> None:
+        self.actor.set_swap_mode(mode)
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def crash(self) -> None:
+        """Die at once, as a segfault or OOM kill would (tests)."""
+        os._exit(1)
