@@ -8,7 +8,7 @@ Data parallelism: only rank 0 talks to Redis. It reads ``groups_per_step`` group
 filters (staleness, dynamic sampling; dropped groups are acknowledged and credited at once), then
 broadcasts them to every rank (``broadcast_object_list`` of msgpack-encoded records, plus the step
 version). Every rank derives the same plan and trains its share (asyncrl.learner.step). While rank
-0 waits for data it broadcasts a keep-alive every ``KEEPALIVE_S`` so the other ranks never hit the
+0 waits for data it broadcasts a keep-alive every ``feed.KEEPALIVE_S`` so the other ranks never hit the
 collective timeout; a stop (SIGTERM / ``stop_event``) is broadcast the same way.
 
 Delivery: entries are acknowledged only after the checkpoint that includes their effect is
@@ -34,9 +34,7 @@ import math
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,135 +42,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from asyncrl.buffer import ReplayBuffer, decode, encode
+from asyncrl.buffer import decode, encode
 from asyncrl.learner.checkpoint import LearnerState, load_checkpoint, read_latest, save_checkpoint
 from asyncrl.learner.engine import LearnerEngine, build_engine, init_distributed
+from asyncrl.learner.feed import Batch, Rank0, broadcast
 from asyncrl.learner.logprobs import ReferenceModel
-from asyncrl.learner.publisher import FilesystemTransport, Publisher, checkpoint_tensor_names
-from asyncrl.learner.records import MetricsWriter, StepRecord
+from asyncrl.learner.records import StepRecord
 from asyncrl.learner.step import StepResult, Trainer
 from asyncrl.tinymodel import resolve_model_path
 
-__all__ = ["learn", "KEEPALIVE_S", "COUNTERS"]
+__all__ = ["learn", "COUNTERS"]
 
 log = logging.getLogger(__name__)
-KEEPALIVE_S = 30.0
-#: fill_window: an unchanged unread count for this long under saturated admission ends the wait.
-SATURATED_S = 1.0
 #: Cumulative StepRecord fields carried in the checkpoint.
 COUNTERS = ("groups_total", "tokens_total", "wait_s_total", "dropped_stale_total", "dropped_filtered_total",
             "skipped_nonfinite")  # fmt: skip
-
-
-@dataclass
-class Batch:
-    """What rank 0 gathered for one step."""
-
-    entry_ids: list[str] = field(default_factory=list)
-    groups: list[Any] = field(default_factory=list)
-    wait_s: float = 0.0
-    dropped_stale: int = 0
-    dropped_filtered: int = 0
-
-
-def _bcast(obj: Any, world: int) -> Any:
-    if world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-class _Rank0:
-    """Rank 0's side: Redis, publisher, records."""
-
-    def __init__(self, cfg: Any, run_dir: Path, model_path: Path, dtype: str) -> None:
-        rc = cfg.redis
-        self.cfg = cfg
-        self.buffer = ReplayBuffer.connect(
-            rc.url, cfg.run.name, password=rc.password or None, tls=rc.tls, tls_ca=rc.tls_ca_certs or None,
-            max_staleness=cfg.buffer.max_staleness, groups_per_step=cfg.buffer.groups_per_step,
-            socket_timeout=max(30.0, cfg.learner.read_block_ms / 1000.0 + 10.0),
-        )  # fmt: skip
-        transport = FilesystemTransport(run_dir / "weights", checkpoint_tensor_names(model_path))
-        self.publisher = Publisher(self.buffer, transport, cfg.learner.keep_versions, dtype)
-        self.writer = MetricsWriter(run_dir, uuid.uuid4().hex[:12])
-
-    def published_max(self) -> int:
-        """Highest version ever published in this run (-1: none)."""
-        latest = self.buffer.latest_manifest()
-        v = self.buffer.version()
-        if latest is None and v == 0:
-            return -1
-        return max(v, latest.version if latest else -1)
-
-    def gather(self, consumer: str, version: int, stop: threading.Event, world: int) -> Batch | None:
-        """Read until ``groups_per_step`` groups survive the filters; None when told to stop."""
-        cfg, buf = self.cfg, self.buffer
-        want, eta = cfg.buffer.groups_per_step, cfg.buffer.max_staleness
-        b = Batch()
-        last_keepalive = time.monotonic()
-        if cfg.learner.fill_window:
-            t0 = time.monotonic()
-            if not self.fill_window(stop, world):
-                return None
-            b.wait_s += time.monotonic() - t0
-        while len(b.groups) < want:
-            if stop.is_set():
-                return None
-            t0 = time.monotonic()
-            entries = buf.read(consumer, want - len(b.groups), block_ms=cfg.learner.read_block_ms)
-            b.wait_s += time.monotonic() - t0
-            drop: list[str] = []
-            for e in entries:
-                g = e.group
-                if g.staleness(version) > eta:
-                    b.dropped_stale += 1
-                    drop.append(e.entry_id)
-                elif cfg.learner.dynamic_sampling and len({float(c.reward) for c in g.completions}) <= 1:
-                    b.dropped_filtered += 1
-                    drop.append(e.entry_id)
-                else:
-                    b.entry_ids.append(e.entry_id)
-                    b.groups.append(g)
-            if drop:
-                # A drop is final and has no effect on the weights: acknowledge now, give the credit back.
-                buf.ack(drop)
-                buf.credit(len(drop))
-            if world > 1 and len(b.groups) < want and time.monotonic() - last_keepalive > KEEPALIVE_S:
-                _bcast({"kind": "wait"}, world)
-                last_keepalive = time.monotonic()
-        return b
-
-    def fill_window(self, stop: threading.Event, world: int) -> bool:
-        """Experiment knob ``learner.fill_window``: wait for a full admission window of unread groups.
-
-        Done when ``(max_staleness + 1) * groups_per_step`` groups wait unread, or when admission is
-        saturated (admitted >= bound) and the unread count stopped growing for ``SATURATED_S``:
-        nothing more can arrive before the learner consumes (e.g. publish_every > 1 shrinks the
-        window). False when told to stop.
-        """
-        cfg = self.cfg
-        window = (cfg.buffer.max_staleness + 1) * cfg.buffer.groups_per_step
-        last, since, last_keepalive = -1, time.monotonic(), time.monotonic()
-        while not stop.is_set():
-            st = self.buffer.stats()
-            unread = st["depth"] - st["pending"]
-            if unread >= window:
-                return True
-            if unread != last:
-                last, since = unread, time.monotonic()
-            elif (
-                st["bound"] is not None
-                and st["admitted"] >= st["bound"]
-                and time.monotonic() - since > SATURATED_S
-            ):
-                return True
-            if world > 1 and time.monotonic() - last_keepalive > KEEPALIVE_S:
-                _bcast({"kind": "wait"}, world)
-                last_keepalive = time.monotonic()
-            time.sleep(0.05)
-        return False
 
 
 def _install_signals(stop: threading.Event) -> Callable[[], None]:
@@ -195,7 +79,7 @@ def _install_signals(stop: threading.Event) -> Callable[[], None]:
     return restore
 
 
-def _publish(le: LearnerEngine, r0: _Rank0 | None, version: int) -> float:
+def _publish(le: LearnerEngine, r0: Rank0 | None, version: int) -> float:
     """Publish the current weights as ``version`` (collective: ZeRO-3 gathers on every rank)."""
     t0 = time.monotonic()
     if r0 is not None:
@@ -238,14 +122,14 @@ def learn(
     if rank != 0:
         model_path = resolve_model_path(cfg, run_dir)
     restore_signals = _install_signals(stop)
-    r0: _Rank0 | None = None
+    r0: Rank0 | None = None
     try:
         le = build_engine(cfg, model_path)
         ref = ReferenceModel(model_path, le.dtype) if cfg.learner.loss.ref_kl_coef > 0 else None
         mc = le.module.config
         pad_id = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
         trainer = Trainer(cfg, le, ref, int(pad_id))
-        r0 = _Rank0(cfg, run_dir, model_path, le.dtype_name) if rank == 0 else None
+        r0 = Rank0(cfg, run_dir, model_path, le.dtype_name) if rank == 0 else None
 
         if not resume and rank == 0 and (r0.published_max() >= 0 or read_latest(run_dir) is not None):
             raise RuntimeError(
@@ -273,7 +157,7 @@ def learn(
                             pub, state.version, action)  # fmt: skip
             else:
                 r0.buffer.set_version(state.version)
-        action = _bcast(action, world)
+        action = broadcast(action, world)
         if action is not None:
             _publish(le, r0, action)
             state.version = action
@@ -292,7 +176,7 @@ def learn(
             else:
                 msg = None
             while True:
-                msg = _bcast(msg, world)
+                msg = broadcast(msg, world)
                 if msg["kind"] != "wait":
                     break
                 msg = None
@@ -329,12 +213,17 @@ def learn(
                               publish_s, published, bool(due), trainer.lr_now())  # fmt: skip
                 r0.writer.write(rec)
                 r0.buffer.set_learner_status({"step": rec.step, "version": rec.version, "time": rec.time,
-                                              "state": "training"})  # fmt: skip
+                                              "state": "stepped"})  # fmt: skip
+                log.info("step %d v%d reward %.3f loss %.4f ratio %.4f mismatch_kl %.2e staleness %.2f/%d "
+                         "dropped %d grad_norm %.3g skipped %d wait %.2fs train %.2fs",
+                         rec.step, rec.version, rec.reward_mean, rec.loss, rec.ratio_mean, rec.mismatch_kl,
+                         rec.staleness_mean, rec.staleness_max, rec.dropped_stale + rec.dropped_filtered,
+                         rec.grad_norm, rec.skipped, rec.wait_s, rec.train_s)  # fmt: skip
                 for cb in callbacks:
                     cb(rec)
         if world > 1:
             # Ranks other than 0 do not know about trained-but-unacked entries; agree on a final save.
-            need = _bcast(bool(pending_ids) if r0 is not None else None, world)
+            need = broadcast(bool(pending_ids) if r0 is not None else None, world)
         else:
             need = bool(pending_ids)
         if need:
@@ -351,7 +240,7 @@ def learn(
 
 def _checkpoint(
     le: LearnerEngine,
-    r0: _Rank0 | None,
+    r0: Rank0 | None,
     run_dir: Path,
     state: LearnerState,
     counters: dict[str, float],

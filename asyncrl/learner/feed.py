@@ -1,0 +1,141 @@
+"""Rank 0's side of the learner: the Redis replay buffer, the weight publisher, the records.
+
+Only rank 0 talks to Redis. It gathers the groups of a step (:meth:`Rank0.gather`), drops the
+too-stale ones and (with dynamic sampling) the zero-variance ones, acknowledging and crediting every
+drop at once, and the loop broadcasts the kept groups to the other ranks with :func:`broadcast`.
+While it waits it broadcasts ``{"kind": "wait"}`` keep-alives every ``KEEPALIVE_S``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from asyncrl.buffer import ReplayBuffer
+from asyncrl.learner.publisher import FilesystemTransport, Publisher, checkpoint_tensor_names
+from asyncrl.learner.records import MetricsWriter
+
+__all__ = ["Batch", "Rank0", "broadcast", "KEEPALIVE_S", "SATURATED_S"]
+
+KEEPALIVE_S = 30.0
+#: fill_window: an unchanged unread count for this long under saturated admission ends the wait.
+SATURATED_S = 1.0
+
+
+@dataclass
+class Batch:
+    """What rank 0 gathered for one step."""
+
+    entry_ids: list[str] = field(default_factory=list)
+    groups: list[Any] = field(default_factory=list)
+    wait_s: float = 0.0
+    dropped_stale: int = 0
+    dropped_filtered: int = 0
+
+
+def broadcast(obj: Any, world: int) -> Any:
+    """Rank 0's ``obj`` on every rank (pickled by torch between our own ranks; group records inside
+    are msgpack bytes, decoded and validated by the receiver)."""
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Rank0:
+    """Rank 0's side: Redis, publisher, records."""
+
+    def __init__(self, cfg: Any, run_dir: Path, model_path: Path, dtype: str) -> None:
+        rc = cfg.redis
+        self.cfg = cfg
+        self.buffer = ReplayBuffer.connect(
+            rc.url, cfg.run.name, password=rc.password or None, tls=rc.tls, tls_ca=rc.tls_ca_certs or None,
+            max_staleness=cfg.buffer.max_staleness, groups_per_step=cfg.buffer.groups_per_step,
+            socket_timeout=max(30.0, cfg.learner.read_block_ms / 1000.0 + 10.0),
+        )  # fmt: skip
+        transport = FilesystemTransport(run_dir / "weights", checkpoint_tensor_names(model_path))
+        self.publisher = Publisher(self.buffer, transport, cfg.learner.keep_versions, dtype)
+        self.writer = MetricsWriter(run_dir, uuid.uuid4().hex[:12])
+
+    def published_max(self) -> int:
+        """Highest version ever published in this run (-1: none)."""
+        latest = self.buffer.latest_manifest()
+        v = self.buffer.version()
+        if latest is None and v == 0:
+            return -1
+        return max(v, latest.version if latest else -1)
+
+    def gather(self, consumer: str, version: int, stop: threading.Event, world: int) -> Batch | None:
+        """Read until ``groups_per_step`` groups survive the filters; None when told to stop."""
+        cfg, buf = self.cfg, self.buffer
+        want, eta = cfg.buffer.groups_per_step, cfg.buffer.max_staleness
+        b = Batch()
+        last_keepalive = time.monotonic()
+        if cfg.learner.fill_window:
+            t0 = time.monotonic()
+            if not self.fill_window(stop, world):
+                return None
+            b.wait_s += time.monotonic() - t0
+        while len(b.groups) < want:
+            if stop.is_set():
+                return None
+            t0 = time.monotonic()
+            entries = buf.read(consumer, want - len(b.groups), block_ms=cfg.learner.read_block_ms)
+            b.wait_s += time.monotonic() - t0
+            drop: list[str] = []
+            for e in entries:
+                g = e.group
+                if g.staleness(version) > eta:
+                    b.dropped_stale += 1
+                    drop.append(e.entry_id)
+                elif cfg.learner.dynamic_sampling and len({float(c.reward) for c in g.completions}) <= 1:
+                    b.dropped_filtered += 1
+                    drop.append(e.entry_id)
+                else:
+                    b.entry_ids.append(e.entry_id)
+                    b.groups.append(g)
+            if drop:
+                # A drop is final and has no effect on the weights: acknowledge now, give the credit back.
+                buf.ack(drop)
+                buf.credit(len(drop))
+            if world > 1 and len(b.groups) < want and time.monotonic() - last_keepalive > KEEPALIVE_S:
+                broadcast({"kind": "wait"}, world)
+                last_keepalive = time.monotonic()
+        return b
+
+    def fill_window(self, stop: threading.Event, world: int) -> bool:
+        """Experiment knob ``learner.fill_window``: wait for a full admission window of unread groups.
+
+        Done when ``(max_staleness + 1) * groups_per_step`` groups wait unread, or when admission is
+        saturated (admitted >= bound) and the unread count stopped growing for ``SATURATED_S``:
+        nothing more can arrive before the learner consumes (e.g. publish_every > 1 shrinks the
+        window). False when told to stop.
+        """
+        cfg = self.cfg
+        window = (cfg.buffer.max_staleness + 1) * cfg.buffer.groups_per_step
+        last, since, last_keepalive = -1, time.monotonic(), time.monotonic()
+        while not stop.is_set():
+            st = self.buffer.stats()
+            unread = st["depth"] - st["pending"]
+            if unread >= window:
+                return True
+            if unread != last:
+                last, since = unread, time.monotonic()
+            elif (
+                st["bound"] is not None
+                and st["admitted"] >= st["bound"]
+                and time.monotonic() - since > SATURATED_S
+            ):
+                return True
+            if world > 1 and time.monotonic() - last_keepalive > KEEPALIVE_S:
+                broadcast({"kind": "wait"}, world)
+                last_keepalive = time.monotonic()
+            time.sleep(0.05)
+        return False
