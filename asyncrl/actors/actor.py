@@ -86,6 +86,11 @@ class RolloutActor:
         self._started = 0  # groups admitted by this process
         self._max_groups: int | None = None
         self._rejected: set[tuple[int, str]] = set()
+        # /metrics of this actor ("host:port"), advertised in heartbeats for Prometheus file_sd.
+        self.metrics_addr: str | None = None
+        # Snapshot for the scrape thread, refreshed on the loop thread with every heartbeat: the
+        # counters (and the swap-pause deque) are only ever touched by the event loop.
+        self.last_stats: dict[str, Any] = {}
         self.counters: dict[str, Any] = {
             "actor_id": self.actor_id,
             "pid": os.getpid(),
@@ -369,8 +374,10 @@ class RolloutActor:
 
     def _heartbeat_info(self) -> dict[str, Any]:
         s = self.stats()
+        self.last_stats = s
         src = self.source
         return {
+            "metrics_addr": self.metrics_addr or "",
             "actor_id": self.actor_id,
             "index": self.index,
             "pid": s["pid"],

@@ -34,6 +34,14 @@ class RayRolloutActor:
             redis_password=redis_password,
             model_path=model_path,
         )
+        self._stop_metrics = None
+        if cfg.metrics.enabled:
+            from asyncrl.metrics import actor_collector, serve
+
+            port, self._stop_metrics = serve(
+                [actor_collector(self.actor.actor_id, lambda: self.actor.last_stats)], cfg.metrics.host, 0
+            )
+            self.actor.metrics_addr = f"{cfg.metrics.host}:{port}"
 
     async def run(self, max_groups: int | None = None) -> dict[str, Any]:
         return await self.actor.run(max_groups)
