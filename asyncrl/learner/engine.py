@@ -155,7 +155,8 @@ class LearnerEngine:
 
     def optimizer_step(self, local_nonfinite: bool) -> StepOutcome:
         """End of an accumulation: agree on the veto across ranks, then ``engine.step()``."""
-        flag = torch.tensor([1.0 if local_nonfinite else 0.0])
+        # On the engine's device: NCCL only reduces device tensors (gloo: CPU).
+        flag = torch.tensor([1.0 if local_nonfinite else 0.0], device=getattr(self.engine, "device", "cpu"))
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         vetoed = bool(flag.item() > 0)

@@ -69,8 +69,10 @@ class ReferenceModel:
     under ZeRO-3 (fine for the model sizes a reference KL is used with here; document if not).
     """
 
-    def __init__(self, path: str | Path, policy_dtype: torch.dtype) -> None:
-        self.module = load_hf_model(path, policy_dtype)
+    def __init__(
+        self, path: str | Path, policy_dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        self.module = load_hf_model(path, policy_dtype).to(device)
         self.module.eval()
         self.module.requires_grad_(False)
         self.dtype = policy_dtype

@@ -125,7 +125,8 @@ def learn(
     r0: Rank0 | None = None
     try:
         le = build_engine(cfg, model_path)
-        ref = ReferenceModel(model_path, le.dtype) if cfg.learner.loss.ref_kl_coef > 0 else None
+        device = getattr(le.engine, "device", "cpu")
+        ref = ReferenceModel(model_path, le.dtype, device) if cfg.learner.loss.ref_kl_coef > 0 else None
         mc = le.module.config
         pad_id = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
         trainer = Trainer(cfg, le, ref, int(pad_id))

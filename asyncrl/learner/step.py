@@ -110,6 +110,8 @@ class Trainer:
         self.ref = ref
         self.pad_id = pad_id
         self.ocfg = objective_config(cfg)
+        # Micro-batches are built on the CPU and moved to the engine's device (a no-op on CPU).
+        self.device = torch.device(getattr(le.engine, "device", "cpu"))
         self.applied_steps = 0  # optimizer updates applied so far (drives the LR warm-up)
         lc = cfg.learner.loss
         if lc.ref_kl_coef > 0 and ref is None:
@@ -135,7 +137,11 @@ class Trainer:
 
     @torch.no_grad()
     def prepare(self, mb: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Attach step-start no-grad logprobs the loss reads (call before any update of the step)."""
+        """Move ``mb`` to the device and attach the step-start no-grad logprobs the loss reads.
+
+        Call before any update of the step (the logprobs must come from the step-start weights).
+        """
+        mb = {k: v.to(self.device) for k, v in mb.items()}
         if self.cfg.learner.exact_prox:
             mb["logp_prox"], _ = token_logprobs(self.le.engine, mb, entropy=False)
         if self.ref is not None:
@@ -172,11 +178,9 @@ class Trainer:
             )
             terms["loss_ref_kl"] = ref_term.detach()
             sums["ref_kl_sum"] = torch.where(loss_mask, ref_kl.detach(), 0.0).sum()
-        else:
-            ref_term = torch.zeros(())
         policy = reduce_loss(per_token, loss_mask, mode, global_tokens, global_seqs, max_tokens)
         terms["loss_policy"] = policy.detach() - terms["loss_rollout_kl"]
-        loss = policy + ref_term
+        loss = policy + ref_term if self.ref is not None else policy
         if lc.entropy_coef > 0:
             ent_term = entropy_bonus(
                 ent, loss_mask, lc.entropy_coef, mode, global_tokens, global_seqs, max_tokens
