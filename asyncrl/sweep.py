@@ -299,7 +299,7 @@ def _status_line(cell: CellSpec, status: str, code: int | None, elapsed: float |
     rew = f"{r0:.3f}->{r1:.3f}" if r0 is not None and r1 is not None else "-"
     took = f"{elapsed:.0f}s" if elapsed is not None else "skipped (done)"
     return (
-        f"ok  {took}  steps {len(recs)}  reward {rew}  staleness {smean:.2f}/{smax} "
+        f"ok  {took}  steps {len(recs)}  reward {rew}  staleness {smean:.2f}/{smax:g} "
         f"(bound {cell.max_staleness})  dropped {dropped}"
     )
 
@@ -331,7 +331,9 @@ def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None
             signal.signal(s, h)
     for cell in cells:  # cells not reached (interrupt) still get a row, with whatever is on disk
         if cell.name not in statuses:
-            statuses[cell.name] = ("ok", 0) if is_finished(cell) else ("missing", None)
+            marker = read_marker(cell)
+            done = is_finished(cell)
+            statuses[cell.name] = ("ok" if done else marker.get("status", "missing"), marker.get("exit_code"))
     write_report(cells, statuses, spec.marks_s, spec.dir)
     failed = [n for n, (st, _) in statuses.items() if st != "ok"]
     print(f"results: {spec.dir / 'results.csv'}  {spec.dir / 'results.md'}  (+ 4 PNGs)")

@@ -288,6 +288,7 @@ def _by_staleness(rows: Sequence[dict], keys: Sequence[tuple[str, str]], title: 
             ax.legend()
         else:
             ax.text(0.5, 0.5, "no data", ha="center", transform=ax.transAxes)
+        ax.set_xticks(sorted({r["max_staleness"] for r in rows}))  # the grid values, not 0.25 steps
         ax.set(xlabel="max_staleness", ylabel=label)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
