@@ -311,7 +311,10 @@ class RolloutActor:
                     return False
                 if self._max_groups is not None and self._started >= self._max_groups:
                     return False
-                if await asyncio.to_thread(self.buffer.try_admit):
+                # Pass the version we sample with: weights already too stale are refused until the
+                # version watcher has swapped (exactly synchronous training at max_staleness = 0).
+                version = self.engine.version if self.engine is not None else None
+                if await asyncio.to_thread(self.buffer.try_admit, None, None, version):
                     self._started += 1
                     return True
                 if not blocked:

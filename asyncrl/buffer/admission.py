@@ -24,13 +24,18 @@ from asyncrl.buffer.layout import Keys
 
 __all__ = ["ADMIT_LUA", "admission_bound_formula", "check_admission_args", "Admission"]
 
-# KEYS: admitted, credits, version.  ARGV: max_staleness, groups_per_step.
-# Returns {admitted_flag, admitted_after, bound}. Missing keys count as 0.
+# KEYS: admitted, credits, version.  ARGV: max_staleness, groups_per_step, sampler_version (-1 = any).
+# Returns {admitted_flag, admitted_after, bound}; flag -1 = refused because the caller's weights are
+# already staler than max_staleness (it must swap first). Missing keys count as 0.
 ADMIT_LUA = """
 local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
 local credits = tonumber(redis.call('GET', KEYS[2]) or '0')
 local version = tonumber(redis.call('GET', KEYS[3]) or '0')
 local bound = (version + tonumber(ARGV[1]) + 1) * tonumber(ARGV[2]) + credits
+local sampler = tonumber(ARGV[3] or '-1')
+if sampler >= 0 and version - sampler > tonumber(ARGV[1]) then
+  return {-1, admitted, bound}
+end
 if admitted < bound then
   admitted = redis.call('INCR', KEYS[1])
   return {1, admitted, bound}
@@ -61,14 +66,21 @@ class Admission:
         # (which empties the script cache) is handled transparently.
         self._script = client.register_script(ADMIT_LUA)
 
-    def try_admit(self, max_staleness: int, groups_per_step: int) -> bool:
-        """Atomically admit one group if under the bound; True if the caller may start it."""
+    def try_admit(self, max_staleness: int, groups_per_step: int, sampler_version: int | None = None) -> bool:
+        """Atomically admit one group if under the bound; True if the caller may start it.
+
+        ``sampler_version``: the policy version the caller would sample with. When given, a caller
+        whose weights are already more than ``max_staleness`` behind V is refused (without using a
+        slot): its group would be dropped at train time anyway, and with ``max_staleness = 0`` this
+        is what makes the pipeline exactly synchronous (no group starts on superseded weights).
+        """
         check_admission_args(max_staleness, groups_per_step)
         k = self._keys
+        sv = -1 if sampler_version is None else int(sampler_version)
         ok, _admitted, _bound = self._script(
-            keys=[k.admitted, k.credits, k.version], args=[max_staleness, groups_per_step]
+            keys=[k.admitted, k.credits, k.version], args=[max_staleness, groups_per_step, sv]
         )
-        return bool(ok)
+        return ok == 1
 
     def credit(self, n: int = 1) -> int:
         """Return ``n`` admission slots (one per dropped group). Returns total credits."""

@@ -334,9 +334,17 @@ class ReplayBuffer(RunRegistry):
             raise ValueError("max_staleness and groups_per_step must be given here or to the constructor")
         return s, g
 
-    def try_admit(self, max_staleness: int | None = None, groups_per_step: int | None = None) -> bool:
-        """Atomically admit one new group if ``admitted < (V+s+1)*g + credits``."""
-        return self._admission.try_admit(*self._admission_args(max_staleness, groups_per_step))
+    def try_admit(
+        self,
+        max_staleness: int | None = None,
+        groups_per_step: int | None = None,
+        sampler_version: int | None = None,
+    ) -> bool:
+        """Atomically admit one new group if ``admitted < (V+s+1)*g + credits`` (and, when
+        ``sampler_version`` is given, only if ``V - sampler_version <= max_staleness``)."""
+        return self._admission.try_admit(
+            *self._admission_args(max_staleness, groups_per_step), sampler_version
+        )
 
     def credit(self, n: int = 1) -> int:
         """Return ``n`` admission credits (one per group dropped by the learner)."""

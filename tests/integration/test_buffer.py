@@ -381,3 +381,16 @@ def test_rejects_decode_responses_and_bad_run_name(redis_server: EmbeddedRedis) 
         ReplayBuffer(redis_server.client(decode_responses=True), "r")
     with pytest.raises(ValueError, match="run name"):
         ReplayBuffer(redis_server.client(), "bad name!")
+
+
+def test_admission_refuses_samplers_whose_weights_are_too_stale(buffer):
+    buffer.set_version(5)
+    # Weights of v3 with max_staleness 1: the group would be dropped at train time, so it never starts
+    # and uses no slot; v4 (staleness 1) and v5 are admitted.
+    assert buffer.try_admit(1, 4, sampler_version=3) is False
+    assert buffer.stats()["admitted"] == 0
+    assert buffer.try_admit(1, 4, sampler_version=4) is True
+    assert buffer.try_admit(1, 4, sampler_version=5) is True
+    assert buffer.try_admit(0, 4, sampler_version=4) is False
+    assert buffer.try_admit(1, 4) is True  # no sampler version: only the count bound applies
+    assert buffer.stats()["admitted"] == 3
