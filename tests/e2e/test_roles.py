@@ -1,0 +1,63 @@
+"""The two roles as separate OS processes sharing only a Redis URL, a run name and the weights dir.
+
+The actors start first (they must wait for weight version 0), the learner second (it publishes v0 and
+waits for data). With ``max_staleness=0`` admission lets the actors run exactly one step ahead, so the
+training is synchronous on-policy: every trained token has staleness 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from asyncrl.buffer import EmbeddedRedis, ReplayBuffer
+from tests.e2e.procs import ROOT, asyncrl_cmd, marked_env, read_jsonl, wait_for, wait_no_orphans
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+def test_serve_actors_and_learn_as_two_processes_on_policy(tmp_path):
+    marker = uuid.uuid4().hex
+    rdir = tmp_path / "run"
+    name = f"roles-{marker[:8]}"
+    with EmbeddedRedis(tmp_path / "redis") as srv:
+        common = ["--config", str(ROOT / "configs" / "default.yaml"), f"redis.url={srv.url}", f"run.name={name}",
+                  f"run.dir={rdir}", f"run.max_steps={STEPS}", "buffer.max_staleness=0"]  # fmt: skip
+        env = marked_env(marker)
+        alog, llog = tmp_path / "actors.log", tmp_path / "learner.log"
+        actors = subprocess.Popen(asyncrl_cmd("serve-actors", *common), env=env, stdout=alog.open("wb"),
+                                  stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            buf = ReplayBuffer.connect(srv.url, name)
+            # The pool is up and waiting for v0: heartbeats arrive, nothing is written without weights.
+            wait_for(lambda: buf.actors(), 240, "an actor heartbeat", actors, alog)
+            time.sleep(2)
+            assert buf.stats()["depth"] == 0 and buf.version() == 0 and buf.latest_manifest() is None
+            learner = subprocess.Popen(asyncrl_cmd("learn", *common), env=env, stdout=llog.open("wb"),
+                                       stderr=subprocess.STDOUT)  # fmt: skip
+            rc = learner.wait(timeout=600)
+            assert rc == 0, llog.read_text()[-4000:]
+            assert actors.poll() is None, "serve-actors must keep running while the learner is done"
+            actors.send_signal(signal.SIGTERM)
+            assert actors.wait(timeout=180) == 0, alog.read_text()[-4000:]
+            heartbeats = buf.actors()
+            buf.close()
+        finally:
+            for p in (actors,):
+                if p.poll() is None:
+                    p.kill()
+    recs = read_jsonl(rdir / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    for r in recs:
+        assert r["staleness_max"] == 0 and set(r["staleness_hist"]) <= {"0"}, r
+        assert r["dropped_stale"] == 0
+        assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-4), "on-policy, fp32: ratio 1 at every step"
+    assert all(info["version"] >= STEPS - 1 for info in heartbeats.values()), heartbeats
+    left = wait_no_orphans(marker)
+    assert not left, "processes left behind:\n" + "\n".join(left)
