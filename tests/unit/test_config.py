@@ -89,3 +89,12 @@ def test_cli_missing_model_path_names_the_path(tmp_path):
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
     assert str(missing) in r.stderr
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "gpu_qwen2.5_0.5b_gsm8k.yaml", "gpu_qwen2.5_1.5b_gsm8k.yaml"])
+def test_shipped_configs_load(name):
+    from asyncrl.config import CONFIG_DIR
+
+    cfg = load_config(CONFIG_DIR / name)
+    if name.startswith("gpu"):
+        assert cfg.model.dtype == "bfloat16" and cfg.learner.zero_stage >= 2 and cfg.task.name == "gsm8k"
