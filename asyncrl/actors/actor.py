@@ -151,6 +151,14 @@ class RolloutActor:
             self.source = self.task.source(
                 self.cfg.run.seed, self.index, self.cfg.actors.num_actors, cursor=cursor
             )
+            # Slots a crashed previous incarnation of this actor was admitted for will never be
+            # written: turn them into credits before admitting anything (admission cannot leak).
+            reclaimed = await asyncio.to_thread(self.buffer.reclaim_inflight, self.actor_id)
+            if reclaimed:
+                log.warning(
+                    "%s: reclaimed %d admission slots of a previous incarnation", self.actor_id, reclaimed
+                )
+            self.counters["reclaimed_slots"] = reclaimed
             await self._start_engine()
             tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
             await self._load_first_version()
@@ -314,7 +322,7 @@ class RolloutActor:
                 # Pass the version we sample with: weights already too stale are refused until the
                 # version watcher has swapped (exactly synchronous training at max_staleness = 0).
                 version = self.engine.version if self.engine is not None else None
-                if await asyncio.to_thread(self.buffer.try_admit, None, None, version):
+                if await asyncio.to_thread(self.buffer.try_admit, None, None, version, self.actor_id):
                     self._started += 1
                     return True
                 if not blocked:
@@ -349,12 +357,12 @@ class RolloutActor:
                 )
             except BaseException:
                 # Cancelled (stop with abort) or failed: nothing is written, the slot goes back.
-                self.buffer.credit(1)
+                self.buffer.credit(1, self.actor_id)
                 self.counters["groups_aborted"] += 1
                 raise
             self.counters["generated_tokens"] += sum(len(s.token_ids) for s in seqs)
             if any(s.finish_reason == "abort" for s in seqs):
-                self.buffer.credit(1)
+                self.buffer.credit(1, self.actor_id)
                 self.counters["groups_aborted"] += 1
                 continue
             assert v_start is not None and self.engine.version is not None
@@ -370,7 +378,7 @@ class RolloutActor:
                 "swap_mode": self.swap_mode,
             }
             group = build_group(group_id, self.task, prompt, prompt_ids, seqs, self.actor_id, meta)
-            await asyncio.to_thread(self.buffer.put, group)
+            await asyncio.to_thread(self.buffer.put, group, self.actor_id)
             self.counters["groups_written"] += 1
 
     # ------------------------------------------------------------------ heartbeat

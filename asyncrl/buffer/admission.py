@@ -24,7 +24,8 @@ from asyncrl.buffer.layout import Keys
 
 __all__ = ["ADMIT_LUA", "admission_bound_formula", "check_admission_args", "Admission"]
 
-# KEYS: admitted, credits, version.  ARGV: max_staleness, groups_per_step, sampler_version (-1 = any).
+# KEYS: admitted, credits, version, inflight.
+# ARGV: max_staleness, groups_per_step, sampler_version (-1 = any), owner ('' = untracked).
 # Returns {admitted_flag, admitted_after, bound}; flag -1 = refused because the caller's weights are
 # already staler than max_staleness (it must swap first). Missing keys count as 0.
 ADMIT_LUA = """
@@ -38,6 +39,9 @@ if sampler >= 0 and version - sampler > tonumber(ARGV[1]) then
 end
 if admitted < bound then
   admitted = redis.call('INCR', KEYS[1])
+  if ARGV[4] and ARGV[4] ~= '' then
+    redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
+  end
   return {1, admitted, bound}
 end
 return {0, admitted, bound}
@@ -56,6 +60,17 @@ def admission_bound_formula(version: int, max_staleness: int, groups_per_step: i
     return (version + max_staleness + 1) * groups_per_step + credits
 
 
+# KEYS: inflight, credits. ARGV: owner. Turns everything the owner still holds into credits.
+RECLAIM_LUA = """
+local n = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+redis.call('HDEL', KEYS[1], ARGV[1])
+if n > 0 then
+  redis.call('INCRBY', KEYS[2], n)
+end
+return n
+"""
+
+
 class Admission:
     """Redis-side admission for one run. Thread-safe (stateless apart from the script)."""
 
@@ -65,29 +80,52 @@ class Admission:
         # redis-py's Script uses EVALSHA and reloads on NOSCRIPT, so a Redis restart
         # (which empties the script cache) is handled transparently.
         self._script = client.register_script(ADMIT_LUA)
+        self._reclaim = client.register_script(RECLAIM_LUA)
 
-    def try_admit(self, max_staleness: int, groups_per_step: int, sampler_version: int | None = None) -> bool:
+    def try_admit(
+        self,
+        max_staleness: int,
+        groups_per_step: int,
+        sampler_version: int | None = None,
+        owner: str | None = None,
+    ) -> bool:
         """Atomically admit one group if under the bound; True if the caller may start it.
 
         ``sampler_version``: the policy version the caller would sample with. When given, a caller
         whose weights are already more than ``max_staleness`` behind V is refused (without using a
         slot): its group would be dropped at train time anyway, and with ``max_staleness = 0`` this
         is what makes the pipeline exactly synchronous (no group starts on superseded weights).
+        ``owner``: an actor id; the slot is then also counted in the owner's in-flight tally, so a
+        crashed owner's slots can be turned back into credits by :meth:`reclaim` when it restarts.
         """
         check_admission_args(max_staleness, groups_per_step)
         k = self._keys
         sv = -1 if sampler_version is None else int(sampler_version)
         ok, _admitted, _bound = self._script(
-            keys=[k.admitted, k.credits, k.version], args=[max_staleness, groups_per_step, sv]
+            keys=[k.admitted, k.credits, k.version, k.inflight],
+            args=[max_staleness, groups_per_step, sv, owner or ""],
         )
         return ok == 1
 
-    def credit(self, n: int = 1) -> int:
-        """Return ``n`` admission slots (one per dropped group). Returns total credits."""
+    def reclaim(self, owner: str) -> int:
+        """Credit back every slot ``owner`` was admitted for and never wrote nor credited (it died)."""
+        return int(self._reclaim(keys=[self._keys.inflight, self._keys.credits], args=[owner]))
+
+    def credit(self, n: int = 1, owner: str | None = None) -> int:
+        """Return ``n`` admission slots (one per dropped group). Returns total credits.
+
+        ``owner``: the actor giving back slots it was admitted for (aborted groups): its in-flight
+        tally drops by ``n`` in the same transaction.
+        """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"credit count must be an int >= 0, got {n!r}")
         if n == 0:
             return int(self._client.get(self._keys.credits) or 0)
+        if owner:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.incrby(self._keys.credits, n)
+            pipe.hincrby(self._keys.inflight, owner, -n)
+            return int(pipe.execute()[0])
         return int(self._client.incrby(self._keys.credits, n))
 
     def counters(self) -> tuple[int, int, int]:

@@ -84,6 +84,11 @@ class Keys:
         return self._k("credits")
 
     @property
+    def inflight(self) -> str:
+        """Hash actor id -> groups it was admitted for and has neither written nor credited back."""
+        return self._k("inflight")
+
+    @property
     def weights(self) -> str:
         return self._k("weights")
 
@@ -107,6 +112,7 @@ class Keys:
             self.version,
             self.admitted,
             self.credits,
+            self.inflight,
             self.weights,
             self.actors,
             self.learner,

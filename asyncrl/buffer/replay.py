@@ -164,9 +164,19 @@ class ReplayBuffer(RunRegistry):
 
     # ------------------------------------------------------------------ producing
 
-    def put(self, group: Group) -> str:
-        """Encode (validating) and append ``group``; returns the stream entry id."""
-        return self.put_raw(encode(group))
+    def put(self, group: Group, owner: str | None = None) -> str:
+        """Encode (validating) and append ``group``; returns the stream entry id.
+
+        ``owner``: the actor id the group was admitted for (``try_admit(owner=...)``); its in-flight
+        tally drops by one in the same transaction as the append.
+        """
+        if not owner:
+            return self.put_raw(encode(group))
+        kw: dict[str, Any] = {"maxlen": self._maxlen, "approximate": True} if self._maxlen else {}
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xadd(self.keys.rollouts, {ROLLOUT_FIELD: encode(group)}, **kw)
+        pipe.hincrby(self.keys.inflight, owner, -1)
+        return _s(pipe.execute()[0])
 
     def put_raw(self, data: bytes) -> str:
         """Append pre-encoded bytes as-is (custom producers, tests). Not validated here."""
@@ -346,9 +356,9 @@ class ReplayBuffer(RunRegistry):
             *self._admission_args(max_staleness, groups_per_step), sampler_version
         )
 
-    def credit(self, n: int = 1) -> int:
-        """Return ``n`` admission credits (one per group dropped by the learner)."""
-        return self._admission.credit(n)
+    def credit(self, n: int = 1, owner: str | None = None) -> int:
+        """Return ``n`` admission credits (one per group dropped by the learner, or aborted by ``owner``)."""
+        return self._admission.credit(n, owner)
 
     def admission_bound(self, max_staleness: int | None = None, groups_per_step: int | None = None) -> int:
         return self._admission.bound(*self._admission_args(max_staleness, groups_per_step))

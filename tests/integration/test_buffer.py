@@ -394,3 +394,20 @@ def test_admission_refuses_samplers_whose_weights_are_too_stale(buffer):
     assert buffer.try_admit(0, 4, sampler_version=4) is False
     assert buffer.try_admit(1, 4) is True  # no sampler version: only the count bound applies
     assert buffer.stats()["admitted"] == 3
+
+
+def test_slots_of_a_crashed_actor_are_reclaimed_as_credits(buffer, make_group):
+    g = 2
+    assert all(buffer.try_admit(0, g, owner="actor-0") for _ in range(2))
+    assert buffer.try_admit(0, g, owner="actor-1") is False  # bound (0+0+1)*2 reached
+    buffer.put(make_group(), owner="actor-0")  # one written, one still in flight when it "dies"
+    assert buffer.reclaim_inflight("actor-1") == 0
+    # The restarted actor-0 turns its dead incarnation's slot into a credit: admission reopens by one.
+    assert buffer.reclaim_inflight("actor-0") == 1
+    assert buffer.stats()["credits"] == 1
+    assert buffer.try_admit(0, g, owner="actor-0") is True
+    assert buffer.try_admit(0, g, owner="actor-0") is False
+    # An aborted group credited by its owner leaves nothing to reclaim (no double credit).
+    buffer.credit(1, owner="actor-0")
+    assert buffer.reclaim_inflight("actor-0") == 0
+    assert buffer.stats()["credits"] == 2
