@@ -349,12 +349,17 @@ class ReplayBuffer(RunRegistry):
         max_staleness: int | None = None,
         groups_per_step: int | None = None,
         sampler_version: int | None = None,
+        owner: str | None = None,
     ) -> bool:
         """Atomically admit one new group if ``admitted < (V+s+1)*g + credits`` (and, when
-        ``sampler_version`` is given, only if ``V - sampler_version <= max_staleness``)."""
-        return self._admission.try_admit(
-            *self._admission_args(max_staleness, groups_per_step), sampler_version
-        )
+        ``sampler_version`` is given, only if ``V - sampler_version <= max_staleness``).
+        ``owner`` (an actor id) tracks the slot so :meth:`reclaim_inflight` can recover it."""
+        args = self._admission_args(max_staleness, groups_per_step)
+        return self._admission.try_admit(*args, sampler_version, owner)
+
+    def reclaim_inflight(self, owner: str) -> int:
+        """A (re)started actor returns the slots its previous incarnation held when it died."""
+        return self._admission.reclaim(owner)
 
     def credit(self, n: int = 1, owner: str | None = None) -> int:
         """Return ``n`` admission credits (one per group dropped by the learner, or aborted by ``owner``)."""
