@@ -194,7 +194,7 @@ def load_spec(path: str | Path | None, overrides: list[str] | None = None) -> Sw
     overrides = list(overrides or [])
     spec = parse_spec(raw, [o for o in overrides if o.startswith("sweep.")])
     spec.overrides += _dotlist([o for o in overrides if not o.startswith("sweep.")], "command-line overrides")
-    from asyncrl.cli import _check_model_path
+    from asyncrl.cli import _check_model_path  # what `asyncrl run` checks, before any cell pays start-up
 
     for cell in spec.cells():
         try:
@@ -253,11 +253,12 @@ def run_cell(spec: SweepSpec, cell: CellSpec) -> tuple[str, int | None]:
     cmd = spec.command(cell)
     started = time.time()
     _write_marker(cell, status="running", started=started, cmd=cmd)
-    with (cell.dir / "run.log").open("ab") as log:
-        # Own session: a terminal Ctrl-C reaches the sweep only, which then stops the cell in order.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc: subprocess.Popen | None = None
     timed_out = False
     try:
+        with (cell.dir / "run.log").open("ab") as log:
+            # Own session: a terminal Ctrl-C reaches the sweep only, which then stops the cell in order.
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         while proc.poll() is None:
             if spec.cell_timeout_s and time.time() - started > spec.cell_timeout_s:
                 timed_out = True
@@ -266,10 +267,11 @@ def run_cell(spec: SweepSpec, cell: CellSpec) -> tuple[str, int | None]:
             time.sleep(0.5)
     except _Interrupted:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abandon the tear-down
-        _stop(proc)
-        _write_marker(
-            cell, status="interrupted", started=started, ended=time.time(), exit_code=proc.returncode, cmd=cmd
-        )
+        code = None
+        if proc is not None:
+            _stop(proc)
+            code = proc.returncode
+        _write_marker(cell, status="interrupted", started=started, ended=time.time(), exit_code=code, cmd=cmd)
         raise
     status = "ok" if proc.returncode == 0 and not timed_out else "failed"
     _write_marker(

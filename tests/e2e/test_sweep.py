@@ -21,22 +21,19 @@ REPO = Path(__file__).resolve().parents[2]
 PNGS = ("reward_vs_step", "reward_vs_time", "final_reward_vs_staleness", "throughput_vs_staleness")
 
 
+#: The user's command; relative paths in the sweep file are from the repo root.
+SWEEP_CMD = [sys.executable, "-m", "asyncrl.cli", "sweep", "--config", "configs/sweep_tiny.yaml"]
+
+
 def _sweep(out: Path, timeout: float) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "asyncrl.cli",
-        "sweep",
-        "--config",
-        "configs/sweep_tiny.yaml",
-        f"sweep.dir={out}",
-    ]
+    cmd = [*SWEEP_CMD, f"sweep.dir={out}"]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_tiny_sweep_runs_reports_and_resumes(tmp_path: Path) -> None:
+def test_tiny_sweep_runs_reports_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
     out = tmp_path / "sweep"
     spec = load_spec(REPO / "configs" / "sweep_tiny.yaml", [f"sweep.dir={out}"])
     cells = spec.cells()
