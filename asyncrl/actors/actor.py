@@ -322,6 +322,8 @@ class RolloutActor:
                 # Pass the version we sample with: weights already too stale are refused until the
                 # version watcher has swapped (exactly synchronous training at max_staleness = 0).
                 version = self.engine.version if self.engine is not None else None
+                if not self.cfg.actors.refuse_stale_weights:
+                    version = None
                 if await asyncio.to_thread(self.buffer.try_admit, None, None, version, self.actor_id):
                     self._started += 1
                     return True

@@ -170,6 +170,9 @@ def actor_run(ray_local, redis_server, tmp_path_factory):
             "actors.heartbeat_s=0.3",
             "actors.swap_mode=in_flight",
             f"buffer.max_staleness={MAX_STALENESS}",
+            # The tests move V without publishing weights to count admissions exactly; the
+            # stale-weights refusal is covered by test_buffer and the on-policy e2e test.
+            "actors.refuse_stale_weights=false",
             f"buffer.groups_per_step={GROUPS_PER_STEP}",
             "model.max_model_len=256",
         ],
