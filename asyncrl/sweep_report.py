@@ -111,13 +111,17 @@ def reward_auc(records: Sequence[dict]) -> float | None:
 
 
 def _group_size(cell_dir: Path) -> int:
-    """G of the cell from the config.yaml the run wrote (completions per group)."""
-    from asyncrl.config import from_yaml
+    """G of the cell from the config.yaml the run wrote (completions per group); 0 if unknown.
+
+    Read as plain YAML, not through the schema: a sweep dir must stay reportable after the schema
+    gains or renames a key.
+    """
+    from omegaconf import OmegaConf
 
     path = cell_dir / "config.yaml"
     if not path.exists():
         return 0
-    return from_yaml(path.read_text()).actors.group_size
+    return int(OmegaConf.select(OmegaConf.load(path), "actors.group_size", default=0) or 0)
 
 
 def _generated_tokens(summary: dict) -> int | None:
