@@ -99,21 +99,21 @@ def main(argv: list[str] | None = None) -> int:
             out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
             print(out)
             return 0
+        if args.cmd == "sweep":  # its YAML is a sweep spec (grid + base config), not a run config
+            from asyncrl.sweep import run_sweep
+
+            return run_sweep(args.config, args.overrides)
         cfg = load_config(args.config, args.overrides)
         rdir = run_dir(cfg)
         if args.cmd == "config":
             print("\n".join(explain()) if args.explain else to_yaml(cfg), end="\n")
             return 0
-        if args.cmd in ("run", "learn", "serve-actors", "sweep"):
+        if args.cmd in ("run", "learn", "serve-actors"):
             _check_model_path(cfg)
         if args.cmd == "run":
             from asyncrl.orchestrator import run_all
 
             return run_all(cfg, config_path=args.config)
-        if args.cmd == "sweep":
-            from asyncrl.sweep import run_sweep
-
-            return run_sweep(args.config, args.overrides)
         if args.cmd == "status":
             from asyncrl.status import print_status
 
