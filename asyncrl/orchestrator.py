@@ -141,6 +141,13 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
 
     start = time.time()
     rdir = run_dir(cfg).resolve()
+    if (rdir / "summary.json").exists():
+        from asyncrl.config import ConfigError
+
+        raise ConfigError(
+            f"run dir {rdir} holds a finished run (summary.json); choose another run.name=... or remove the dir "
+            "(an interrupted run, without summary.json, is resumed from its last checkpoint instead)"
+        )
     rdir.mkdir(parents=True, exist_ok=True)
     resume = (rdir / "checkpoints").exists() and any((rdir / "checkpoints").iterdir())
     cfg_path = rdir / "config.yaml"
