@@ -94,6 +94,7 @@ def _spec_dict(spec: Any, seed: int) -> dict:
         "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position_embeddings")}  # fmt: skip
     d["seed"] = seed
     d["tokenizer"] = TOKENIZER_FORMAT  # a dir built with an older tokenizer layout is rebuilt
+    d["vocab"] = "exact"  # and one with a padded embedding matrix
     return d
 
 
@@ -114,7 +115,10 @@ def build_tiny_model(out_dir: str | os.PathLike, spec: Any, seed: int) -> Path:
     tok = build_tokenizer()
     v = vocab()
     config = Qwen2Config(
-        vocab_size=64 * ((len(v) + 63) // 64),
+        # Exactly the tokenizer's vocabulary, no padding rows: a padded id decodes to "" and is free
+        # for the reward, so the policy learned to fill completions with invisible tokens instead
+        # of emitting EOS (seen in the demo: reward plateaued at the length penalty).
+        vocab_size=len(v),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,

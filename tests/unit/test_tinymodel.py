@@ -63,6 +63,8 @@ def test_hf_loads_it_and_tokenizer_is_char_level(tmp_path, spec):
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), model.config.vocab_size)
-    assert model.config.vocab_size >= len(v) and model.config.vocab_size % 64 == 0
+    # No padding rows: every sampleable id is a real token (padded ids decode to "" and invited
+    # reward hacking with invisible filler instead of EOS).
+    assert model.config.vocab_size == len(v)
     assert torch.isfinite(logits).all()
     assert not model.config.tie_word_embeddings
