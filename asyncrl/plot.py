@@ -32,11 +32,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     axes[1].legend()
     axes[2].plot([r["step"] for r in recs], [r["rollout_kl"] for r in recs], label="rollout KL")
     axes[2].plot([r["step"] for r in recs], [r["mismatch_kl"] for r in recs], label="mismatch KL")
-    axes[2].set(xlabel="learner step", title="off-policy health", yscale="symlog")
+    axes[2].set(xlabel="learner step", ylabel="k2 KL (nats)", title="off-policy health")
     axes[2].legend()
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle(Path(run_dir).name)
+    fig.suptitle(f"{Path(run_dir).name}: {len(recs)} steps")
     fig.tight_layout()
     out = Path(out) if out else Path(run_dir) / "curve.png"
     fig.savefig(out, dpi=110)
