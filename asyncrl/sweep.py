@@ -11,7 +11,6 @@ markdown, plots) is :mod:`asyncrl.sweep_report`.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -26,6 +25,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.orchestrator import stop_process
 from asyncrl.sweep_report import CellSpec, write_report
 
 SWEEP_KEYS = ("name", "dir", "base_config", "grid", "objectives", "overrides", "marks_s", "cell_timeout_s")
@@ -232,13 +232,7 @@ def is_finished(cell: CellSpec) -> bool:
 
 def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
     """SIGTERM lets the run tear down its Ray/Redis/vLLM processes; SIGKILL the group if it hangs."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    stop_process(proc, grace_s)
 
 
 def run_cell(spec: SweepSpec, cell: CellSpec) -> tuple[str, int | None]:
