@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             serve_actors(cfg, rdir)
             return 0
         if args.cmd == "learn":
+            if cfg.learner.torch_threads:  # before torch is imported: it reads OMP_NUM_THREADS once
+                os.environ["OMP_NUM_THREADS"] = str(cfg.learner.torch_threads)
             from asyncrl.learner.loop import learn
 
             start = float(os.environ.get("ASYNCRL_START_TIME", time.time()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,17 +45,29 @@ def _read_records(path: Path) -> list[dict]:
 
 
 def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, resume: bool = False,
-                          log_path: Path | None = None) -> subprocess.Popen:  # fmt: skip
+                          log_path: Path | None = None, threads: int = 0) -> subprocess.Popen:  # fmt: skip
     """The learner as its own process group (so Ctrl-C reaches it only through us, in order)."""
     env = dict(os.environ)
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), ASYNCRL_START_TIME=repr(start_time))  # fmt: skip
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "asyncrl.cli", "learn", "--config", str(cfg_path), f"redis.url={redis_url}"]
     if resume:
         cmd.insert(4, "--resume")
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True)  # fmt: skip
+
+
+def learner_threads(cfg: Config) -> int:
+    """Threads for a learner co-located with the actors: on a CPU-only machine the vLLM engines already
+    use the cores, and a multi-threaded learner fighting them ran 10x slower than a single thread."""
+    if cfg.learner.torch_threads:
+        return cfg.learner.torch_threads
+    if "OMP_NUM_THREADS" in os.environ or shutil.which("nvidia-smi"):
+        return 0  # the user's choice, or a GPU learner: leave torch's default
+    return 1
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 60.0) -> int:
@@ -169,7 +182,8 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
             url = redis_srv.url
             (rdir / "redis.url").write_text(url)
         cfg.redis.url = url
-        learner = start_learner_process(cfg_path, url, start, resume=resume, log_path=rdir / "learner.log")
+        learner = start_learner_process(cfg_path, url, start, resume=resume, log_path=rdir / "learner.log",
+                                        threads=learner_threads(cfg))  # fmt: skip
         from asyncrl.actors.pool import ActorPool
 
         pool = ActorPool(cfg, rdir, redis_url=url)

@@ -24,7 +24,7 @@ from tests.unit.test_dashboards import alert_queries, dashboard_queries
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
+STEPS = 300
 MAX_STALENESS = 1
 
 
