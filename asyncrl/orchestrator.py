@@ -23,25 +23,13 @@ import time
 from pathlib import Path
 
 from asyncrl.config import Config, run_dir, to_yaml
+from asyncrl.learner.records import read_jsonl  # stdlib only: a torn last line is skipped
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _read_records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line being written right now; it is complete on the next read
-    return out
 
 
 def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, resume: bool = False,
@@ -195,7 +183,7 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
                 break
             if cfg.run.max_wall_s and time.time() - start > cfg.run.max_wall_s:
                 break
-            progress.update(_read_records(metrics_path), time.time() - start)
+            progress.update(read_jsonl(metrics_path), time.time() - start)
             write_targets(rdir, cfg.run.name, buf.learner_status(), buf.actors())
             stop.wait(1.0)
         extra["actors"] = {k: {kk: vv for kk, vv in v.items() if isinstance(vv, int | float | str)}
@@ -213,7 +201,7 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
         for s, h in prev_handlers.items():
             signal.signal(s, h)
     end = time.time()
-    records = _read_records(rdir / "metrics.jsonl")
+    records = read_jsonl(rdir / "metrics.jsonl")
     extra["learner_exit_code"] = rc
     summary = write_summary(rdir, records, start, end, extra)
     print(f"run dir: {rdir}\nsteps {summary['steps']}  reward {summary['start_reward']} -> {summary['end_reward']}  "

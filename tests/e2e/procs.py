@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from asyncrl.learner.records import read_jsonl  # noqa: F401 - re-exported for the e2e tests
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "ASYNCRL_E2E_MARKER"
@@ -59,18 +60,6 @@ def wait_no_orphans(marker: str, timeout: float = 30.0) -> list[str]:
 
 def asyncrl_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "asyncrl.cli", *args]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
 
 
 def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
