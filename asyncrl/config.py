@@ -34,9 +34,8 @@ def F(default: Any, doc: str, *, choices: tuple | None = None, ge=None, gt=None,
 
 
 def _copy(v: Any) -> Any:
-    if dataclasses.is_dataclass(v):
-        return dataclasses.replace(v)
-    return type(v)(v)
+    # Deep: a shallow replace shared nested defaults (e.g. learner.loss) between Config() instances.
+    return copy.deepcopy(v)
 
 
 @dataclass
@@ -97,20 +96,100 @@ class ModelConfig:
         choices=("float32", "bfloat16"),
     )
     max_model_len: int = F(256, "Longest prompt + completion the engines accept, in tokens.", ge=16)
+    chat_template: str = F(
+        "auto",
+        "Render prompts with the tokenizer's chat template: auto = when it has one (chat models; the tiny "
+        "model has none), on = require one, off = plain text. Actors, eval and learner share the tokens.",
+        choices=("auto", "on", "off"),
+    )
 
 
 @dataclass
 class TaskConfig:
     name: str = F(
         "copy",
-        "Built-in task: copy/reverse/count/addition (tiny, dense reward in [0,1]) or gsm8k (JSONL math).",
-        choices=("copy", "reverse", "count", "addition", "gsm8k"),
+        "Task: a built-in (copy/reverse/count/addition: tiny, dense reward in [0,1]; gsm8k: math), a name "
+        "registered under the 'asyncrl.tasks' entry-point group, or a factory 'pkg.module:make_task' / "
+        "'path/to/file.py:make_task' (see docs/custom_tasks.md).",
     )
-    data_path: str = F("", "GSM8K-format JSONL (question, answer with '#### n'). Empty = shipped examples.")
+    data_path: str = F(
+        "",
+        "Training data: JSONL, Parquet or a save_to_disk dataset dir (gsm8k: GSM8K-format JSONL, empty = "
+        "shipped examples).",
+    )
+    split: str = F("train", "Split of a saved DatasetDict used for training.")
+    eval_data_path: str = F("", "Eval data (same formats as data_path). Empty = eval_split or eval_fraction.")
+    eval_split: str = F("", "Split of the saved DatasetDict (data_path) used for eval, e.g. test.")
+    eval_fraction: float = F(
+        0.0,
+        "Seed-determined share of the training rows held out for eval when no eval data is given.",
+        ge=0,
+        lt=1,
+    )
+    eval_size: int = F(
+        64,
+        "Eval prompts: how many the tiny tasks draw; a cap on a data eval split (0 = tiny: none, data: all).",
+        ge=0,
+    )
+    prompt_column: str = F("prompt", "Data column holding the prompt text (user turn).")
+    target_column: str = F("", "Data column holding the reference answer (Prompt.target; empty = none).")
+    system_prompt: str = F("", "System message put before every prompt when a chat template is used.")
+    params: dict[str, Any] = F({}, "Free-form options for a plug-in task factory (task_cfg.params).")
     num_prompts: int = F(4096, "Size of the generated prompt set for the tiny tasks.", ge=1)
     min_len: int = F(2, "Shortest generated string for tiny tasks, in characters.", ge=1)
     max_len: int = F(5, "Longest generated string for tiny tasks, in characters.", ge=1)
     alphabet: str = F("abcd", "Characters the tiny tasks draw from.")
+    reward_timeout_s: float = F(
+        30.0,
+        "Longest a group's rewards may take (they run off the actor's event loop). A group whose reward "
+        "raises or times out is dropped with its reason (dead-letter stream, admission credit returned).",
+        gt=0,
+    )
+    reward_fault: str = F(
+        "none",
+        "Fault injection for tests and chaos runs: make every reward_fault_every-th reward call of each "
+        "actor raise or hang (sleep reward_fault_hang_s). none = off.",
+        choices=("none", "raise", "hang"),
+    )
+    reward_fault_every: int = F(10, "Period of the injected reward fault, in reward calls per actor.", ge=1)
+    reward_fault_hang_s: float = F(3600.0, "How long an injected 'hang' fault blocks its reward call.", gt=0)
+
+
+@dataclass
+class EvalConfig:
+    every: int = F(
+        0,
+        "Evaluate every N policy versions during a run, on the task's eval split (0 = off). Actor 0 runs it "
+        "on its engine at the version boundary; training continues (see asyncrl/evaluate.py).",
+        ge=0,
+    )
+    samples: int = F(4, "Completions per eval prompt (k of pass@k).", ge=1)
+    temperature: float = F(1.0, "Eval sampling temperature (0 = greedy).", ge=0)
+    max_tokens: int = F(0, "Longest eval completion in tokens (0 = actors.max_tokens).", ge=0)
+    pass_threshold: float = F(1.0, "A completion passes when its reward is >= this (pass@k).")
+    seed: int = F(1234, "Base seed of the per-prompt eval samplers (same seed + weights = same score).", ge=0)
+
+
+@dataclass
+class TrackingConfig:
+    tensorboard: bool = F(True, "Write every step record as TensorBoard scalars to <run_dir>/tensorboard.")
+    wandb: bool = F(False, "Log every step record to Weights & Biases (offline mode when no API key is set).")
+    wandb_project: str = F("asyncrl", "W&B project.")
+    wandb_entity: str = F("", "W&B entity (team or user; empty = the key's default).")
+    wandb_mode: str = F(
+        "auto", "W&B mode: auto = online with a key, else offline.", choices=("auto", "online", "offline")
+    )
+
+
+@dataclass
+class ConsoleConfig:
+    mode: str = F(
+        "auto",
+        "auto = live rich display on a terminal, plain lines otherwise; live; plain; off.",
+        choices=("auto", "live", "plain", "off"),
+    )
+    verbose: bool = F(False, "Show vLLM/Ray/DeepSpeed output on the console too (asyncrl run -v).")
+    plain_every_s: float = F(5.0, "Seconds between plain status lines (non-terminal output).", gt=0)
 
 
 @dataclass
@@ -150,12 +229,31 @@ class ActorsConfig:
     )
     max_restarts: int = F(3, "Ray restarts of a crashed actor before the pool gives up.", ge=0)
     heartbeat_s: float = F(2.0, "Seconds between actor heartbeats in Redis.", gt=0)
+    heartbeat_timeout_s: float = F(
+        120.0,
+        "`asyncrl run` replaces an actor whose last heartbeat (or its start) is older than this; it must "
+        "exceed an engine start-up (heartbeats begin once the vLLM engine is up).",
+        gt=0,
+    )
     refuse_stale_weights: bool = F(
         True,
         "Ask admission to refuse a group while this actor's weights are already more than max_staleness "
         "behind V (it would be dropped anyway); makes max_staleness=0 exactly synchronous.",
     )
     admission_poll_s: float = F(0.05, "Seconds between admission retries while the bound is reached.", gt=0)
+    seeded_sampling: bool = F(
+        True,
+        "Give every group its own vLLM sampling seed, derived from (run.seed, actor index, prompt position): "
+        "the same seed reproduces the same samples whatever the engine's batching, which is what makes a "
+        "max_staleness=0 run match the synchronous reference loop bitwise (asyncrl.reference). Costs a "
+        "per-request generator in vLLM's sampler (small on CPU; turn off for large GPU batches).",
+    )
+    loop_restarts: int = F(
+        5,
+        "Restarts of an actor's failed generation loop (engine rebuilt, slots reclaimed, backoff) in a row "
+        "without a group written in between, before the failure reaches the pool (and Ray's max_restarts).",
+        ge=0,
+    )
 
 
 @dataclass

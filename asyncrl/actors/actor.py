@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.buffer import ReplayBuffer, WeightIntegrityError, WeightManifest, verify
-from asyncrl.tasks import Prompt, PromptSource, make_task
+from asyncrl.tasks import Prompt, PromptSource, make_task, prompt_token_ids
 
 from .engine import SWAP_MODES, Engine
 from .groups import build_group
+from .seeding import prompt_seq, request_seed
 
 __all__ = ["RolloutActor"]
 
@@ -341,7 +342,11 @@ class RolloutActor:
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
         ids = self._prompt_ids.get(prompt.prompt_id)
         if ids is None:
-            ids = self._prompt_ids[prompt.prompt_id] = list(self._tokenizer(prompt.text)["input_ids"])
+            # The chat template (when the model has one) is applied here, once: these ids are what the
+            # engine samples from and what the record carries to the learner.
+            ids = self._prompt_ids[prompt.prompt_id] = prompt_token_ids(
+                self._tokenizer, prompt.text, self.cfg.model.chat_template, self.cfg.task.system_prompt
+            )
         return ids
 
     async def _group_worker(self) -> None:
@@ -349,13 +354,17 @@ class RolloutActor:
         assert self.engine is not None
         assert self.source is not None
         while await self._admit():
+            # The prompt's position in this actor's stream names the group independently of timing:
+            # it seeds its sampling and orders it in the learner's batch (asyncrl.actors.seeding).
+            seq = prompt_seq(self.source.cursor, len(self.source))
+            seed = request_seed(self.cfg.run.seed, self.index, seq) if a.seeded_sampling else None
             prompt = self.source.next()
             prompt_ids = self._encode_prompt(prompt)
             group_id = f"{self.actor_id}-{uuid.uuid4().hex[:12]}"
             v_start, swaps_start = self.engine.version, self.counters["swaps"]
             try:
                 seqs = await self.engine.generate_group(
-                    prompt_ids, a.group_size, a.temperature, a.top_p, a.max_tokens, group_id
+                    prompt_ids, a.group_size, a.temperature, a.top_p, a.max_tokens, group_id, seed=seed
                 )
             except BaseException:
                 # Cancelled (stop with abort) or failed: nothing is written, the slot goes back.
@@ -378,8 +387,10 @@ class RolloutActor:
                 "version_end": int(self.engine.version),
                 "swaps": int(self.counters["swaps"] - swaps_start),
                 "swap_mode": self.swap_mode,
+                "prompt_seq": seq,
             }
-            group = build_group(group_id, self.task, prompt, prompt_ids, seqs, self.actor_id, meta)
+            rewards = [await self.task.score(prompt, s.text) for s in seqs]  # sync or async reward fns
+            group = build_group(group_id, rewards, prompt, prompt_ids, seqs, self.actor_id, meta)
             await asyncio.to_thread(self.buffer.put, group, self.actor_id)
             self.counters["groups_written"] += 1
 

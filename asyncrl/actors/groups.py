@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from asyncrl.buffer import Completion, Group
-from asyncrl.tasks import Prompt, Task
+from asyncrl.tasks import Prompt
 
 from .engine import SampledCompletion
 
@@ -17,14 +17,14 @@ __all__ = ["build_group"]
 
 def build_group(
     group_id: str,
-    task: Task,
+    rewards: Sequence[float],
     prompt: Prompt,
     prompt_ids: Sequence[int],
     seqs: Sequence[SampledCompletion],
     actor_id: str,
     meta: Mapping[str, str | int | float | bool],
 ) -> Group:
-    """A group of ``seqs`` scored by ``task.reward`` on their decoded text.
+    """A group of ``seqs`` with ``rewards[i]`` the score of ``seqs[i]`` (``Task.score`` of its text).
 
     The token arrays are copied as they came from the engine: ``logprobs`` are the behaviour
     logprobs mu_t (fp32) and ``versions`` the exact per-token policy versions.
@@ -34,10 +34,10 @@ def build_group(
             token_ids=np.asarray(s.token_ids, dtype=np.uint32),
             logprobs=np.asarray(s.logprobs, dtype=np.float32),
             versions=np.asarray(s.versions, dtype=np.uint32),
-            reward=float(task.reward(prompt, s.text)),
+            reward=float(r),
             finish_reason=s.finish_reason,
         )
-        for s in seqs
+        for s, r in zip(seqs, rewards, strict=True)
     ]
     return Group(
         group_id,

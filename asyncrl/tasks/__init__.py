@@ -1,26 +1,44 @@
-"""Prompt sources and reward functions.
+"""Prompt sources and reward functions: built-in tasks and the plug-in protocol.
 
-    task = make_task(cfg.task, seed)
+    task = make_task(cfg.task, seed)          # built-in name, entry point, or "pkg.mod:make_task"
     source = task.source(seed, shard=actor_index, num_shards=num_actors, cursor=(0, 0))
-    prompt = source.next()
-    r = task.reward(prompt, completion_text)      # pure, in [0, 1]
+    prompt = source.next()                    # source.cursor resumes a restarted actor
+    r = await task.score(prompt, completion_text)   # reward, sync or async, finite float
+    task.eval_prompts                         # the held-out split
 
-Invariant: imports neither torch, vllm nor ray.
+A plug-in (see docs/custom_tasks.md) is a factory ``make_task(task_cfg, seed) -> Task``; the
+shortest one is ``dataset_task(task_cfg, seed, reward_fn)`` with ``reward_fn(prompt, completion,
+metadata) -> float``.
+
+Invariant: imports neither torch, vllm nor ray (nor ``datasets``, until a data file is read).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from .base import Prompt, PromptSource, Task, TaskDataError
+from .base import (
+    FunctionTask,
+    Prompt,
+    PromptSource,
+    RewardFn,
+    Task,
+    TaskDataError,
+    check_reward,
+    holdout_split,
+)
+from .chat import prompt_token_ids, uses_chat_template
+from .data import dataset_task, load_prompt_splits, load_rows, rows_to_prompts
 from .math import Gsm8kTask, extract_answer, load_gsm8k, parse_number
+from .registry import BUILTIN_TASKS, ENTRY_POINT_GROUP, TINY_TASKS, TaskNotFound, make_task, resolve_factory
 from .tiny import AdditionTask, CopyTask, CountTask, ReverseTask, TinyTask, char_reward
 
 __all__ = [
     "Prompt",
     "PromptSource",
     "Task",
+    "FunctionTask",
+    "RewardFn",
     "TaskDataError",
+    "TaskNotFound",
     "TinyTask",
     "CopyTask",
     "ReverseTask",
@@ -28,26 +46,20 @@ __all__ = [
     "AdditionTask",
     "Gsm8kTask",
     "TINY_TASKS",
+    "BUILTIN_TASKS",
+    "ENTRY_POINT_GROUP",
     "char_reward",
+    "check_reward",
     "extract_answer",
     "parse_number",
     "load_gsm8k",
+    "load_rows",
+    "rows_to_prompts",
+    "load_prompt_splits",
+    "dataset_task",
+    "holdout_split",
     "make_task",
+    "resolve_factory",
+    "prompt_token_ids",
+    "uses_chat_template",
 ]
-
-TINY_TASKS: dict[str, type[TinyTask]] = {
-    "copy": CopyTask,
-    "reverse": ReverseTask,
-    "count": CountTask,
-    "addition": AdditionTask,
-}
-
-
-def make_task(task_cfg: Any, seed: int) -> Task:
-    """The task named by ``task_cfg.name`` (a :class:`asyncrl.config.TaskConfig`)."""
-    if task_cfg.name == "gsm8k":
-        return Gsm8kTask(task_cfg.data_path or None)
-    cls = TINY_TASKS.get(task_cfg.name)
-    if cls is None:
-        raise ValueError(f"task.name={task_cfg.name!r}: unknown; choose one of {[*TINY_TASKS, 'gsm8k']}")
-    return cls(task_cfg.num_prompts, seed, task_cfg.alphabet, task_cfg.min_len, task_cfg.max_len)

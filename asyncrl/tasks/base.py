@@ -14,11 +14,17 @@ Invariant: this package imports neither torch, vllm nor ray.
 
 from __future__ import annotations
 
+import inspect
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["Prompt", "Task", "PromptSource", "TaskDataError"]
+__all__ = ["Prompt", "Task", "FunctionTask", "PromptSource", "RewardFn", "TaskDataError", "holdout_split"]
+
+#: A user reward: ``(prompt text, completion text, metadata) -> float``, sync or ``async def``.
+RewardFn = Callable[[str, str, Mapping[str, Any]], "float | Awaitable[float]"]
 
 
 class TaskDataError(ValueError):
@@ -29,33 +35,92 @@ class TaskDataError(ValueError):
 class Prompt:
     """One prompt of a task.
 
-    ``target`` is what a perfect completion says (the reward compares against it); ``meta`` is
-    a small str -> scalar map that travels with the group (e.g. the task name).
+    ``text`` is the user turn as plain text (a chat template, when the model has one, is applied by
+    the actor: :func:`asyncrl.tasks.chat.prompt_token_ids`); ``target`` is what a perfect completion
+    says (empty when the task has none); ``meta`` is the rest of the data row, handed to the reward
+    function (it stays in the actor: it is not sent over Redis).
     """
 
     prompt_id: str
     text: str
-    target: str
-    meta: dict[str, str | int | float | bool] = field(default_factory=dict)
+    target: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 class Task:
-    """A named prompt set with a pure reward ``reward(prompt, completion_text) -> [0, 1]``."""
+    """The task protocol: a named prompt set, a held-out eval split, and a reward.
+
+    * ``source(seed, shard, num_shards, cursor)`` -> an object with ``next() -> Prompt`` and a
+      ``cursor`` property (a tuple of non-negative ints) from which a restarted actor resumes; the
+      default is :class:`PromptSource` over ``self.prompts``.
+    * ``reward(prompt, completion_text)`` -> float, or an awaitable of one (``async def``). The
+      completion is the decoded text without the end-of-sequence token. Any finite float is allowed
+      (the built-ins stay in [0, 1]); :meth:`score` is what the actors and ``asyncrl eval`` call.
+    * ``eval_prompts``: the held-out prompts periodic and ``asyncrl eval`` evaluation score (may be
+      empty: evaluation then says so instead of scoring training prompts).
+    """
 
     name: str = "task"
 
-    def __init__(self, prompts: Sequence[Prompt]) -> None:
+    def __init__(self, prompts: Sequence[Prompt], eval_prompts: Sequence[Prompt] = ()) -> None:
         if not prompts:
             raise ValueError(f"task {self.name!r} has no prompts")
         self.prompts: list[Prompt] = list(prompts)
+        self.eval_prompts: list[Prompt] = list(eval_prompts)
 
-    def reward(self, prompt: Prompt, completion_text: str) -> float:
+    def reward(self, prompt: Prompt, completion_text: str) -> float | Awaitable[float]:
         """Score ``completion_text`` (decoded, without the end-of-sequence token) for ``prompt``."""
         raise NotImplementedError
+
+    async def score(self, prompt: Prompt, completion_text: str) -> float:
+        """:meth:`reward`, awaited when it is async, checked to be a finite number."""
+        value = self.reward(prompt, completion_text)
+        if inspect.isawaitable(value):
+            value = await value
+        return check_reward(value, self.name, prompt.prompt_id)
 
     def source(self, seed: int, shard: int = 0, num_shards: int = 1, cursor=(0, 0)) -> PromptSource:
         """A :class:`PromptSource` over this task's prompts for actor ``shard`` of ``num_shards``."""
         return PromptSource(self.prompts, seed, shard=shard, num_shards=num_shards, cursor=cursor)
+
+
+def check_reward(value: Any, task: str, prompt_id: str) -> float:
+    """``value`` as a float; ValueError when it is not a finite number (bool is refused too)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"task {task!r}: reward for {prompt_id} is {value!r}, not a finite number")
+    return float(value)
+
+
+class FunctionTask(Task):
+    """A task from prompts and a plain reward function ``fn(prompt_text, completion, metadata)``.
+
+    ``metadata`` is ``prompt.meta`` plus ``target`` (the target column, when configured).
+    """
+
+    def __init__(self, name: str, prompts: Sequence[Prompt], reward_fn: RewardFn,
+                 eval_prompts: Sequence[Prompt] = ()) -> None:  # fmt: skip
+        if not callable(reward_fn):
+            raise TypeError(f"task {name!r}: reward_fn {reward_fn!r} is not callable")
+        self.name = name
+        self.reward_fn = reward_fn
+        super().__init__(prompts, eval_prompts)
+
+    def reward(self, prompt: Prompt, completion_text: str) -> float | Awaitable[float]:
+        return self.reward_fn(prompt.text, completion_text, {**prompt.meta, "target": prompt.target})
+
+
+def holdout_split(prompts: Sequence[Prompt], fraction: float, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, eval): a seed-determined ``fraction`` of ``prompts`` held out for evaluation.
+
+    At least one prompt stays in each part when ``fraction`` > 0 and there are two or more prompts.
+    """
+    if fraction <= 0 or len(prompts) < 2:
+        return list(prompts), []
+    order = list(range(len(prompts)))
+    random.Random(seed * 1_000_003 + 17).shuffle(order)
+    n_eval = min(len(prompts) - 1, max(1, round(fraction * len(prompts))))
+    held = set(order[:n_eval])
+    return [p for i, p in enumerate(prompts) if i not in held], [prompts[i] for i in sorted(held)]
 
 
 class PromptSource:

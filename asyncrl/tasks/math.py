@@ -16,7 +16,7 @@ from decimal import Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
 
-from .base import Prompt, Task, TaskDataError
+from .base import Prompt, Task, TaskDataError, holdout_split
 
 __all__ = ["extract_answer", "parse_number", "load_gsm8k", "Gsm8kTask", "EXAMPLES_FILE", "PROMPT_TEMPLATE"]
 
@@ -104,8 +104,15 @@ class Gsm8kTask(Task):
 
     name = "gsm8k"
 
-    def __init__(self, path: str | Path | None = None) -> None:
-        super().__init__(load_gsm8k(path))
+    def __init__(self, path: str | Path | None = None, *, eval_path: str | Path | None = None,
+                 eval_fraction: float = 0.0, eval_size: int = 0, seed: int = 0) -> None:  # fmt: skip
+        """Train on ``path``; evaluate on ``eval_path``, else on a held-out ``eval_fraction`` of it."""
+        prompts = load_gsm8k(path)
+        if eval_path:
+            evals = load_gsm8k(eval_path)
+        else:
+            prompts, evals = holdout_split(prompts, eval_fraction, seed)
+        super().__init__(prompts, evals[:eval_size] if eval_size else evals)
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
         got = extract_answer(completion_text)

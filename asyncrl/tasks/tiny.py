@@ -64,7 +64,8 @@ class TinyTask(Task):
     name = "tiny"
     symbols: str = ""
 
-    def __init__(self, num_prompts: int, seed: int, alphabet: str, min_len: int, max_len: int) -> None:
+    def __init__(self, num_prompts: int, seed: int, alphabet: str, min_len: int, max_len: int,
+                 eval_size: int = 0) -> None:  # fmt: skip
         if not alphabet:
             raise ValueError("task.alphabet must not be empty")
         if min_len > max_len:
@@ -76,11 +77,17 @@ class TinyTask(Task):
         self.min_len, self.max_len = min_len, max_len
         # A task-specific stream so that two tasks with the same seed do not share prompts.
         rng = random.Random(f"{self.name}:{seed}")
-        prompts = []
-        for i in range(num_prompts):
-            inp, target = self.make(rng)
-            prompts.append(Prompt(f"{self.name}-{i}", f"{self.name}:{inp}=", target, {"task": self.name}))
-        super().__init__(prompts)
+        prompts = [self._prompt(rng, f"{self.name}-{i}") for i in range(num_prompts)]
+        # The eval split is drawn from its own stream: fresh draws from the same distribution (with
+        # small alphabets the train set already holds every string, so "held out" means "not these
+        # draws", and the eval set does not change when num_prompts does).
+        eval_rng = random.Random(f"{self.name}:eval:{seed}")
+        evals = [self._prompt(eval_rng, f"{self.name}-eval-{i}") for i in range(eval_size)]
+        super().__init__(prompts, evals)
+
+    def _prompt(self, rng: random.Random, prompt_id: str) -> Prompt:
+        inp, target = self.make(rng)
+        return Prompt(prompt_id, f"{self.name}:{inp}=", target, {"task": self.name})
 
     def random_string(self, rng: random.Random) -> str:
         n = rng.randint(self.min_len, self.max_len)

@@ -41,7 +41,14 @@ def test_bad_values_fail_with_key_path(override, needle):
 
 
 def test_choice_errors_list_allowed_values():
-    with pytest.raises(ConfigError, match="allowed values: 'copy', 'reverse'"):
+    with pytest.raises(ConfigError, match="allowed values: 'float32', 'bfloat16'"):
+        load_config(overrides=["model.dtype=fp8"])
+
+
+def test_unknown_task_name_lists_the_builtins():
+    with pytest.raises(
+        ConfigError, match="task.name='chess' is not a known task; built-in tasks: copy, reverse"
+    ):
         load_config(overrides=["task.name=chess"])
 
 
@@ -91,7 +98,9 @@ def test_cli_missing_model_path_names_the_path(tmp_path):
     assert str(missing) in r.stderr
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "gpu_qwen2.5_0.5b_gsm8k.yaml", "gpu_qwen2.5_1.5b_gsm8k.yaml"])
+@pytest.mark.parametrize(
+    "name", ["default.yaml", "gpu_qwen2.5_0.5b_gsm8k.yaml", "gpu_qwen2.5_1.5b_gsm8k.yaml"]
+)
 def test_shipped_configs_load(name):
     from asyncrl.config import CONFIG_DIR
 

@@ -1,0 +1,207 @@
+"""Task plug-ins: import paths, entry points, data files via `datasets`, eval splits, rewards, chat templates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import ConfigError, TaskConfig, load_config
+from asyncrl.tasks import (
+    FunctionTask,
+    Prompt,
+    TaskDataError,
+    TaskNotFound,
+    holdout_split,
+    load_prompt_splits,
+    make_task,
+    prompt_token_ids,
+)
+
+FIXTURE = Path(__file__).resolve().parents[1] / "e2e" / "custom_task"
+ROWS = [{"prompt": f"q{i}", "answer": str(i * i), "extra": [i, i + 1]} for i in range(20)]
+
+
+def _score(task, prompt, text):
+    return asyncio.run(task.score(prompt, text))
+
+
+def test_import_path_task_with_async_reward():
+    cfg = TaskConfig(name="tests.e2e.custom_task.echo_task:make_task", data_path=str(FIXTURE / "echo.jsonl"),
+                     eval_fraction=0.1)  # fmt: skip
+    load_config(overrides=[f"task.name={cfg.name}"])  # the name validates without importing the module
+    task = make_task(cfg, seed=0)
+    assert task.name == "echo" and len(task.prompts) == 180 and len(task.eval_prompts) == 20
+    assert {p.prompt_id for p in task.prompts}.isdisjoint({p.prompt_id for p in task.eval_prompts})
+    p = task.prompts[0]
+    word = p.meta["word"]
+    assert p.text == f"say:{word}=" and p.target == ""  # no target column configured: metadata carries it
+    task2 = make_task(TaskConfig(name=cfg.name, data_path=cfg.data_path, target_column="word"), 0)
+    q = task2.prompts[0]
+    assert q.target == q.text[4:-1] and _score(task2, q, q.target) == 1.0
+    assert _score(task2, q, "") == 0.0
+    assert 0 < _score(task2, q, q.target + "zz") < 1
+
+
+def test_file_path_task(tmp_path):
+    f = tmp_path / "my_task.py"
+    f.write_text(
+        textwrap.dedent("""
+        from asyncrl.tasks import FunctionTask, Prompt
+        def make_task(cfg, seed):
+            prompts = [Prompt(f"p{i}", f"n{i}", str(i)) for i in range(cfg.params["n"])]
+            return FunctionTask("mine", prompts, lambda p, c, m: float(c == m["target"]))
+    """)
+    )
+    cfg = load_config(overrides=[f"task.name={f}:make_task", "task.params={n: 5}"])
+    task = make_task(cfg.task, 0)
+    assert [p.text for p in task.prompts] == [f"n{i}" for i in range(5)]
+    assert _score(task, task.prompts[3], "3") == 1.0 and _score(task, task.prompts[3], "4") == 0.0
+
+
+def test_entry_point_plugin_is_found_and_listed(tmp_path):
+    """An installed package's entry point (a dist-info on sys.path) resolves by its short name."""
+    pkg = tmp_path / "epkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "from asyncrl.tasks import FunctionTask, Prompt\n"
+        "def make(cfg, seed):\n    return FunctionTask('ep', [Prompt('a', 'x')], lambda p, c, m: 0.5)\n"
+    )
+    dist = tmp_path / "epkg-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: epkg\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[asyncrl.tasks]\nmytask = epkg:make\n")
+    code = (
+        "import asyncio; from asyncrl.config import load_config, ConfigError; from asyncrl.tasks import make_task\n"
+        "cfg = load_config(overrides=['task.name=mytask']); t = make_task(cfg.task, 0)\n"
+        "print(t.name, asyncio.run(t.score(t.prompts[0], 'y')))\n"
+        "try: load_config(overrides=['task.name=other'])\nexcept ConfigError as e: print(e)\n"
+    )
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=Path.cwd()
+    )
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    assert first == "ep 0.5"
+    assert "installed plug-ins (asyncrl.tasks): mytask" in second and "built-in tasks: copy" in second
+
+
+def test_unknown_names_fail_clearly():
+    with pytest.raises(TaskNotFound, match="built-in tasks: copy, reverse, count, addition, gsm8k"):
+        make_task(TaskConfig(name="chess"), 0)
+    with pytest.raises(ConfigError, match="module 'no_such_mod' is not importable"):
+        load_config(overrides=["task.name=no_such_mod:make"])
+    with pytest.raises(TaskNotFound, match="has no callable 'nope'"):
+        make_task(TaskConfig(name="asyncrl.tasks:nope"), 0)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "saved"])
+def test_data_formats_give_the_same_prompts(tmp_path, fmt):
+    import datasets
+
+    ds = datasets.Dataset.from_list(ROWS)
+    if fmt == "jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    elif fmt == "parquet":
+        path = tmp_path / "d.parquet"
+        ds.to_parquet(str(path))
+    else:
+        path = tmp_path / "saved"
+        datasets.DatasetDict({"train": ds, "test": ds.select(range(3))}).save_to_disk(str(path))
+    cfg = TaskConfig(data_path=str(path), target_column="answer", eval_split="test" if fmt == "saved" else "",
+                     eval_fraction=0.0 if fmt == "saved" else 0.25)  # fmt: skip
+    train, evals = load_prompt_splits(cfg, seed=3, name="sq")
+    if fmt == "saved":
+        assert len(train) == 20 and [p.text for p in evals] == ["q0", "q1", "q2"]
+    else:
+        assert len(train) == 15 and len(evals) == 5
+        assert sorted(p.text for p in train + evals) == sorted(r["prompt"] for r in ROWS)
+    p = next(p for p in train + evals if p.text == "q4")
+    assert p.target == "16" and p.meta["extra"] == [4, 5] and p.meta["task"] == "sq"
+
+
+def test_eval_data_path_and_size_cap(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    b.write_text("".join(json.dumps({"prompt": f"e{i}"}) + "\n" for i in range(10)))
+    train, evals = load_prompt_splits(
+        TaskConfig(data_path=str(a), eval_data_path=str(b), eval_size=4), 0, "t"
+    )
+    assert len(train) == 20 and [p.text for p in evals] == ["e0", "e1", "e2", "e3"]
+    assert all(p.prompt_id.startswith("t-eval-") for p in evals)
+
+
+def test_bad_data_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(TaskDataError, match="row 0 has no column 'prompt'; columns: question"):
+        load_prompt_splits(TaskConfig(data_path=str(bad)), 0, "t")
+    empty = tmp_path / "e.jsonl"
+    empty.write_text(json.dumps({"prompt": "  "}) + "\n")
+    with pytest.raises(TaskDataError, match="row 0: column 'prompt' must be a non-empty string"):
+        load_prompt_splits(TaskConfig(data_path=str(empty)), 0, "t")
+    with pytest.raises(TaskDataError, match="not found"):
+        load_prompt_splits(TaskConfig(data_path=str(tmp_path / "nope.jsonl")), 0, "t")
+    with pytest.raises(TaskDataError, match="unknown data format"):
+        load_prompt_splits(
+            TaskConfig(data_path=str(bad.with_suffix(".csv").touch() or bad.with_suffix(".csv"))), 0, "t"
+        )
+
+
+def test_holdout_split_is_a_seeded_partition():
+    prompts = [Prompt(str(i), f"t{i}") for i in range(50)]
+    tr, ev = holdout_split(prompts, 0.2, seed=1)
+    tr2, ev2 = holdout_split(prompts, 0.2, seed=1)
+    _, ev3 = holdout_split(prompts, 0.2, seed=2)
+    assert len(ev) == 10 and ev == ev2 and ev != ev3
+    assert sorted(p.prompt_id for p in tr + ev) == sorted(p.prompt_id for p in prompts)
+    assert holdout_split(prompts[:2], 0.99, 0)[1] and holdout_split(prompts[:2], 0.99, 0)[0]
+
+
+def test_rewards_must_be_finite_numbers():
+    p = Prompt("a", "x")
+    for bad in (math.nan, math.inf, "1", None, True):
+        task = FunctionTask("t", [p], lambda *_, v=bad: v)
+        with pytest.raises(ValueError, match="not a finite number"):
+            _score(task, p, "y")
+
+    async def slow(prompt, completion, meta):
+        await asyncio.sleep(0.01)
+        return len(completion)
+
+    assert _score(FunctionTask("t", [p], slow), p, "abc") == 3.0
+
+
+def test_tiny_task_eval_split_is_separate_and_deterministic():
+    t = make_task(TaskConfig(num_prompts=30, eval_size=16), 0)
+    t2 = make_task(TaskConfig(num_prompts=300, eval_size=16), 0)
+    assert len(t.eval_prompts) == 16 and [p.text for p in t.eval_prompts] == [p.text for p in t2.eval_prompts]
+    assert all(p.prompt_id.startswith("copy-eval-") for p in t.eval_prompts)
+    assert make_task(TaskConfig(eval_size=0), 0).eval_prompts == []
+
+
+def test_chat_template_rendering(tmp_path):
+    from asyncrl.tinymodel import build_tokenizer
+
+    tok = build_tokenizer()
+    assert (
+        prompt_token_ids(tok, "copy:ab=", "auto", "sys") == tok("copy:ab=")["input_ids"]
+    )  # tiny: no template
+    with pytest.raises(ValueError, match="has no chat template"):
+        prompt_token_ids(tok, "copy:ab=", "on")
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    ids = prompt_token_ids(tok, "copy:ab=", "auto", "be brief")
+    assert tok.decode(ids) == "<system>be brief\n<user>copy:ab=\n<assistant>"
+    assert tok.decode(prompt_token_ids(tok, "hi", "on")) == "<user>hi\n<assistant>"
+    assert prompt_token_ids(tok, "hi", "off", "be brief") == tok("hi")["input_ids"]
