@@ -10,6 +10,7 @@ processes that must start fast and that may not have those installed).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -393,6 +394,38 @@ def _validate(obj: Any, prefix: str) -> None:
             )
         if obj.num_heads % obj.num_kv_heads:
             raise ConfigError(f"{prefix}num_heads must be a multiple of {prefix}num_kv_heads")
+    if isinstance(obj, TaskConfig):
+        _validate_task_name(obj.name, f"{prefix}name")
+
+
+def _validate_task_name(name: str, key: str) -> None:
+    """Reject a task name that names nothing, without importing a plug-in (that happens at role start)."""
+    import importlib.util
+
+    from asyncrl.tasks.registry import BUILTIN_TASKS, ENTRY_POINT_GROUP, registered_names
+
+    if name in BUILTIN_TASKS or name in registered_names():
+        return
+    module, _, attr = name.rpartition(":")
+    if module and attr:
+        if module.endswith(".py"):
+            if Path(module).expanduser().is_file():
+                return
+            raise ConfigError(f"{key}={name!r}: file {module} not found")
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return
+        except (ImportError, ValueError):
+            pass
+        raise ConfigError(
+            f"{key}={name!r}: module {module!r} is not importable (installed, or on PYTHONPATH?)"
+        )
+    plugins = registered_names()
+    raise ConfigError(
+        f"{key}={name!r} is not a known task; built-in tasks: {', '.join(BUILTIN_TASKS)}"
+        + (f"; installed plug-ins ({ENTRY_POINT_GROUP}): {', '.join(plugins)}" if plugins else "")
+        + "; or a factory 'pkg.module:make_task' / 'path/to/file.py:make_task'"
+    )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
