@@ -249,6 +249,13 @@ class ActorsConfig:
         "max_staleness=0 run match the synchronous reference loop bitwise (asyncrl.reference). Costs a "
         "per-request generator in vLLM's sampler (small on CPU; turn off for large GPU batches).",
     )
+    seeded_sampling: bool = F(
+        True,
+        "Give every group its own vLLM sampling seed, derived from (run.seed, actor index, prompt position): "
+        "the same seed reproduces the same samples whatever the engine's batching, which is what makes a "
+        "max_staleness=0 run match the synchronous reference loop bitwise (asyncrl.reference). Costs a "
+        "per-request generator in vLLM's sampler (small on CPU; turn off for large GPU batches).",
+    )
     loop_restarts: int = F(
         5,
         "Restarts of an actor's failed generation loop (engine rebuilt, slots reclaimed, backoff) in a row "

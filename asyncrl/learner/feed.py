@@ -21,7 +21,7 @@ from asyncrl.buffer import ReplayBuffer
 from asyncrl.learner.publisher import FilesystemTransport, Publisher, checkpoint_tensor_names
 from asyncrl.learner.records import MetricsWriter
 
-__all__ = ["Batch", "Rank0", "broadcast", "KEEPALIVE_S", "SATURATED_S"]
+__all__ = ["Batch", "Rank0", "batch_order_key", "broadcast", "KEEPALIVE_S", "SATURATED_S"]
 
 KEEPALIVE_S = 30.0
 #: fill_window: an unchanged unread count for this long under saturated admission ends the wait.
@@ -37,6 +37,15 @@ class Batch:
     wait_s: float = 0.0
     dropped_stale: int = 0
     dropped_filtered: int = 0
+
+
+def batch_order_key(group: Any) -> tuple[int, int, str]:
+    """Where a group goes in a step's batch: by actor, then by its prompt's position in that actor's
+    stream (``meta.prompt_seq``, see asyncrl.actors.seeding), then by id. A batch of the same groups
+    is then trained in the same order however they arrived, so a ``max_staleness=0`` run and the
+    synchronous reference loop (asyncrl.reference) do the same float operations in the same order."""
+    meta = group.meta or {}
+    return (int(meta.get("actor_index", -1)), int(meta.get("prompt_seq", -1)), str(group.group_id))
 
 
 def broadcast(obj: Any, world: int) -> Any:
@@ -108,6 +117,10 @@ class Rank0:
             if world > 1 and len(b.groups) < want and time.monotonic() - last_keepalive > KEEPALIVE_S:
                 broadcast({"kind": "wait"}, world)
                 last_keepalive = time.monotonic()
+        # Arrival order is timing; the trained order must not be (float sums and micro-batches follow it).
+        if b.groups:
+            pairs = sorted(zip(b.groups, b.entry_ids, strict=True), key=lambda p: batch_order_key(p[0]))
+            b.groups, b.entry_ids = [p[0] for p in pairs], [p[1] for p in pairs]
         return b
 
     def fill_window(self, stop: threading.Event, world: int) -> bool:
