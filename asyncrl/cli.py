@@ -37,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="reward/staleness curves of a run dir as a PNG")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curve.png)")
+    p = sub.add_parser("plan", help="simulate the pipeline: throughput and staleness to expect")
+    p.add_argument("--plan", default=None, help="plan YAML (simulator inputs, e.g. configs/plan_*.yaml)")
+    p.add_argument("--from", dest="run_dirs", action="append", default=[], help="calibrate from a run dir")
+    p.add_argument("--staleness", default="0,1,2,4,8", help="comma-separated max_staleness values")
+    p.add_argument("--json", action="store_true", help="print inputs, sources and results as JSON")
+    p.add_argument("overrides", nargs="*", help="simulator inputs, e.g. num_actors=8 lengths.sigma=1.2")
     p = sub.add_parser("sweep", help="staleness x objective sweep")
     _add_config_args(p)
     p = sub.add_parser("config", help="print the resolved config, or every field with --explain")
@@ -99,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
             print(out)
             return 0
+        if args.cmd == "plan":  # simulator inputs, not a run config
+            from asyncrl.plan.report import run_plan
+
+            return run_plan(args.plan, args.run_dirs, args.staleness, args.overrides, args.json)
         if args.cmd == "sweep":  # its YAML is a sweep spec (grid + base config), not a run config
             from asyncrl.sweep import run_sweep
 

@@ -1,0 +1,226 @@
+"""Measure a real run and calibrate the simulator's inputs from it.
+
+:func:`measure` reads a run dir (``config.yaml`` + the learner's ``metrics.jsonl``) and returns its
+steady-state numbers over the same window the simulator reports (end of step ``warmup`` to the
+last step), so predicted and measured numbers are comparable one to one.
+
+:func:`calibrate` turns one or more run dirs into :class:`PlanInputs`, and says where every number
+came from (``sources``: measured / fitted / config / assumed):
+
+* the pipeline's shape (actors, concurrency, G, groups_per_step, eta, publish and checkpoint
+  policy, max_tokens) comes from the run's config;
+* learner seconds per token, per-step overhead, publish and checkpoint costs and the mean completion
+  length are measured on the run with the smallest eta (the one where learner and actors overlap
+  least, so its costs are the uncontended ones);
+* the engine's per-sequence decode cost ``gen_token_s`` is fitted: the one value for which the
+  simulator reproduces that run's trained tokens/s (bisection; throughput falls monotonically as
+  generation slows);
+* given a second run with a larger eta (actors and learner overlap), the co-location factors are
+  calibrated on it: ``learner_slowdown`` is the measured ratio of learner seconds per token,
+  ``gen_slowdown`` is fitted to its throughput. Staleness is never fitted: it is a prediction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from asyncrl.learner.records import METRICS_FILE, read_jsonl
+
+from .inputs import Lengths, PlanInputs
+from .simulate import simulate
+
+__all__ = ["Measured", "measure", "calibrate", "inputs_from_run_config"]
+
+
+@dataclass
+class Measured:
+    """Steady-state numbers of a real run (window: after step ``warmup``)."""
+
+    run_dir: str
+    max_staleness: int
+    steps: int
+    warmup: int
+    window_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    learner_idle_frac: float
+    staleness_mean: float
+    staleness_max: int
+    train_s_per_token: float
+    step_overhead_s: float  # step_s - wait - train - publish on steps without a checkpoint
+    checkpoint_s: float
+    publish_s: float
+    mean_length: float
+    learner_busy_s_per_step: float = 0.0  # window seconds per step not spent waiting for data
+    learner_cv: float = 0.0  # coefficient of variation of (step_s - wait_s)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: A learner-bound run's throughput may sit this far below the unslowed-engine prediction (noise)
+#: before the engines are taken as slowed down too.
+GEN_FIT_SLACK = 0.08
+#: Simulated steps (and warm-up) behind every fitted number: long enough that the simulator's own
+#: sampling noise (lengths, learner jitter) is small next to a real run's.
+FIT_STEPS, FIT_WARMUP = 300, 20
+
+
+def default_warmup(n_steps: int) -> int:
+    """Leading steps left out: the first one holds the start-up, the next ones fill the pipeline."""
+    return min(max(3, n_steps // 10), max(n_steps - 2, 0))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _cv(xs: list[float]) -> float:
+    m = _mean(xs)
+    return math.sqrt(_mean([(x - m) ** 2 for x in xs])) / m if m > 0 else 0.0
+
+
+def measure(run_dir: str | Path, warmup: int | None = None) -> Measured:
+    rdir = Path(run_dir)
+    recs = read_jsonl(rdir / METRICS_FILE)
+    if len(recs) < 3:
+        raise ValueError(f"{rdir / METRICS_FILE}: {len(recs)} learner steps; need at least 3 to measure")
+    cfg = OmegaConf.load(rdir / "config.yaml")
+    k = default_warmup(len(recs)) if warmup is None else warmup
+    t0 = recs[k - 1]["time"] if k > 0 else recs[0]["time"] - recs[0]["step_s"]
+    win = recs[k:]
+    dur = max(win[-1]["time"] - t0, 1e-9)
+    tokens = sum(r["tokens"] for r in win)
+    hist: dict[int, float] = {}
+    for r in win:
+        for s, n in r["staleness_hist"].items():
+            hist[int(float(s))] = hist.get(int(float(s)), 0.0) + n
+    plain = [r for r in win if not r["checkpointed"]]
+    ckpt = [r for r in win if r["checkpointed"]]
+
+    def residual(r: dict) -> float:
+        return max(r["step_s"] - r["wait_s"] - r["train_s"] - r["publish_s"], 0.0)
+
+    overhead = _mean([residual(r) for r in plain])
+    return Measured(
+        run_dir=str(rdir),
+        max_staleness=int(cfg.buffer.max_staleness),
+        steps=len(recs),
+        warmup=k,
+        window_s=dur,
+        samples_per_s=sum(r["sequences"] for r in win) / dur,
+        tokens_per_s=tokens / dur,
+        learner_idle_frac=sum(r["wait_s"] for r in win) / dur,
+        staleness_mean=sum(s * n for s, n in hist.items()) / max(sum(hist.values()), 1e-9),
+        staleness_max=max((s for s, n in hist.items() if n > 0), default=0),
+        train_s_per_token=sum(r["train_s"] for r in win) / max(tokens, 1),
+        step_overhead_s=overhead,
+        checkpoint_s=max(_mean([residual(r) for r in ckpt]) - overhead, 0.0) if ckpt else 0.0,
+        publish_s=_mean([r["publish_s"] for r in win if r["published"]]),
+        mean_length=tokens / max(sum(r["sequences"] for r in win), 1),
+        learner_busy_s_per_step=(dur - sum(r["wait_s"] for r in win)) / len(win),
+        learner_cv=_cv([r["step_s"] - r["wait_s"] for r in win]),
+    )
+
+
+def inputs_from_run_config(run_dir: str | Path, base: PlanInputs | None = None) -> PlanInputs:
+    """The pipeline's shape from a run dir's ``config.yaml`` (costs left as in ``base``)."""
+    cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
+    a, b, lrn = cfg.actors, cfg.buffer, cfg.learner
+    p = base or PlanInputs()
+    return replace(
+        p,
+        num_actors=int(a.num_actors),
+        groups_in_flight=int(a.groups_in_flight),
+        group_size=int(a.group_size),
+        admission_poll_s=float(a.admission_poll_s),
+        refuse_stale_weights=bool(a.refuse_stale_weights),
+        groups_per_step=int(b.groups_per_step),
+        max_staleness=int(b.max_staleness),
+        publish_every=int(lrn.publish_every),
+        checkpoint_every=int(lrn.checkpoint_every),
+        lengths=replace(p.lengths, max_tokens=float(a.max_tokens)),
+    )
+
+
+def _fit(make, target: float, lo: float, hi: float, decreasing: bool = True, iters: int = 24,
+         key: str = "tokens_per_s") -> float:  # fmt: skip
+    """x in [lo, hi] (log-bisection) with simulate(make(x)).<key> == target; clamps at the ends."""
+    a, b = math.log(lo), math.log(hi)
+    for _ in range(iters):
+        mid = 0.5 * (a + b)
+        got = getattr(simulate(make(math.exp(mid))), key)
+        if (got > target) == decreasing:
+            a = mid
+        else:
+            b = mid
+    return math.exp(0.5 * (a + b))
+
+
+def calibrate(
+    run_dirs: list[str | Path], base: PlanInputs | None = None
+) -> tuple[PlanInputs, dict[str, str]]:
+    """Simulator inputs from real runs, and where each came from (see the module docstring)."""
+    if not run_dirs:
+        raise ValueError("calibrate needs at least one run dir")
+    runs = sorted((measure(d) for d in run_dirs), key=lambda m: m.max_staleness)
+    ref = runs[0]
+    p = inputs_from_run_config(ref.run_dir, base)
+    sources = {k: "config" for k in ("num_actors", "groups_in_flight", "group_size", "groups_per_step",
+                                      "max_staleness", "publish_every", "checkpoint_every",
+                                      "refuse_stale_weights", "admission_poll_s", "lengths.max_tokens")}  # fmt: skip
+    law = p.lengths
+    if law.kind == "lognormal" and not law.min_tokens < ref.mean_length < law.max_tokens:
+        law = replace(law, kind="fixed")  # every completion at the cap: no spread to model
+    p = replace(
+        p,
+        lengths=replace(law, mean=min(max(ref.mean_length, law.min_tokens), law.max_tokens)),
+        learner_token_s=ref.train_s_per_token,
+        learner_step_s=ref.step_overhead_s,
+        publish_s=ref.publish_s,
+        checkpoint_s=ref.checkpoint_s,
+        learner_cv=ref.learner_cv,
+        steps=FIT_STEPS,
+        warmup_steps=FIT_WARMUP,
+    )
+    sources.update({"lengths.mean": f"measured ({ref.run_dir})", "learner_token_s": "measured",
+                    "learner_step_s": "measured (per-step overhead)", "publish_s": "measured",
+                    "checkpoint_s": "measured", "gen_token_s": f"fitted to {ref.tokens_per_s:.1f} tok/s",
+                    "gen_step_s": "assumed", "swap_s": "assumed", "swap_latency_s": "assumed",
+                    "group_overhead_s": "assumed", "lengths.kind": "assumed", "lengths.sigma": "assumed"})  # fmt: skip
+    p = replace(p, gen_token_s=_fit(lambda x: replace(p, gen_token_s=x), ref.tokens_per_s, 1e-7, 10.0))
+    overlap = [m for m in runs[1:] if m.max_staleness > ref.max_staleness]
+    if overlap:
+        # Two unknowns, two observables of the overlapping run: the learner's busy seconds per step
+        # (its slowdown only acts while engines work, so it is fitted, not a plain ratio) and tok/s.
+        o = overlap[-1]
+        q = replace(p, max_staleness=o.max_staleness, learner_cv=o.learner_cv)
+        for _ in range(3):
+            ls = _fit(lambda x, q=q: replace(q, learner_slowdown=x), o.learner_busy_s_per_step, 1.0, 50.0,
+                      decreasing=False, key="learner_busy_s_per_step")  # fmt: skip
+            q = replace(q, learner_slowdown=ls)
+            # The smallest engine slowdown that explains the throughput: a learner-bound run's tok/s
+            # does not depend on it, and then the engines are taken as unslowed.
+            if simulate(replace(q, gen_slowdown=1.0)).tokens_per_s > o.tokens_per_s * (1 + GEN_FIT_SLACK):
+                q = replace(
+                    q, gen_slowdown=_fit(lambda x, q=q: replace(q, gen_slowdown=x), o.tokens_per_s, 1.0, 50.0)
+                )
+            else:
+                q = replace(q, gen_slowdown=1.0)
+        p = replace(
+            p, learner_slowdown=q.learner_slowdown, gen_slowdown=q.gen_slowdown, learner_cv=o.learner_cv
+        )
+        sources["learner_cv"] = f"measured (eta={o.max_staleness})"
+        sources["learner_slowdown"] = (
+            f"fitted to {o.learner_busy_s_per_step * 1e3:.1f} learner ms/step at eta={o.max_staleness}"
+        )
+        sources["gen_slowdown"] = f"fitted to {o.tokens_per_s:.1f} tok/s at eta={o.max_staleness}"
+    return p, sources
+
+
+def lengths_for(mean: float, max_tokens: float, sigma: float = 1.0) -> Lengths:
+    """A heavy-tailed length law with the given truncated mean (helper for plan files and tests)."""
+    return Lengths(kind="lognormal", mean=mean, sigma=sigma, min_tokens=1.0, max_tokens=max_tokens)

@@ -1,0 +1,187 @@
+"""What the pipeline simulator needs to know: one typed, documented dataclass of inputs.
+
+Every field has a unit and a meaning a user can measure (``asyncrl plan --from RUN_DIR`` fills the
+measurable ones from a run) or must assume (a GPU fleet they do not have yet). Loaded like the run
+config: a YAML file plus ``key=value`` overrides, validated with the same ``F(...)`` metadata, so a
+bad value fails naming the key and the allowed range.
+
+Invariant: imports neither torch, vllm nor ray (``asyncrl plan`` runs on a laptop).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from asyncrl.config import ConfigError, F, _validate
+
+__all__ = ["Lengths", "PlanInputs", "load_plan_inputs", "lognormal_mu_for_mean"]
+
+
+@dataclass
+class Lengths:
+    """Completion-length law, in tokens (continuous: the simulator's engines are fluid)."""
+
+    kind: str = F(
+        "lognormal",
+        "fixed = every completion has `mean` tokens; lognormal = heavy-tailed, truncated to "
+        "[min_tokens, max_tokens] with the truncated mean equal to `mean`.",
+        choices=("fixed", "lognormal"),
+    )
+    mean: float = F(4.0, "Mean completion length after truncation, in tokens.", gt=0)
+    sigma: float = F(
+        1.0, "Log-space standard deviation of the lognormal (tail weight; 1.0 ~ reasoning).", ge=0
+    )
+    min_tokens: float = F(1.0, "Shortest completion, in tokens.", gt=0)
+    max_tokens: float = F(16.0, "Longest completion (actors.max_tokens), in tokens.", gt=0)
+
+
+@dataclass
+class PlanInputs:
+    """Inputs of the discrete-event simulator (asyncrl.plan.simulate)."""
+
+    # actors
+    num_actors: int = F(1, "vLLM engines (actors.num_actors).", ge=1)
+    groups_in_flight: int = F(4, "Groups each actor keeps in flight (actors.groups_in_flight).", ge=1)
+    group_size: int = F(8, "Completions per group (actors.group_size).", ge=1)
+    max_running_seqs: int = F(
+        0, "Sequences one engine decodes at once (vLLM max_num_seqs; 0 = all in flight).", ge=0
+    )
+    lengths: Lengths = F(Lengths(), "Completion-length distribution.")
+    gen_step_s: float = F(
+        0.0,
+        "Seconds of one engine decode step regardless of batch (weight reads: dominates on GPUs).",
+        ge=0,
+    )
+    gen_token_s: float = F(
+        1e-3,
+        "Seconds one decode step costs per running sequence (compute: dominates on CPUs). A step with "
+        "n sequences takes gen_step_s + n * gen_token_s and yields one token per sequence.",
+        ge=0,
+    )
+    group_overhead_s: float = F(
+        0.0, "Seconds per group outside the decode loop (admission, prefill, reward, write).", ge=0
+    )
+    admission_poll_s: float = F(0.05, "Retry period of a refused admission (actors.admission_poll_s).", ge=0)
+    swap_latency_s: float = F(
+        0.01, "Seconds from a publish until an actor starts its swap (notify + poll).", ge=0
+    )
+    swap_s: float = F(0.045, "Seconds an engine is paused per weight swap (reload + KV recompute).", ge=0)
+    refuse_stale_weights: bool = F(True, "actors.refuse_stale_weights (admission also checks the sampler).")
+    # staleness control
+    groups_per_step: int = F(4, "Groups per learner step (buffer.groups_per_step).", ge=1)
+    max_staleness: int = F(1, "eta (buffer.max_staleness).", ge=0)
+    # learner
+    learner_step_s: float = F(0.0, "Fixed seconds of every learner step (launch, optimizer).", ge=0)
+    learner_token_s: float = F(1e-4, "Learner seconds per trained completion token.", ge=0)
+    learner_cv: float = F(
+        0.0,
+        "Coefficient of variation of the learner's per-step work (lognormal, mean 1; 0 = constant).",
+        ge=0,
+    )
+    publish_every: int = F(1, "Publish weights every N learner steps (learner.publish_every).", ge=1)
+    publish_s: float = F(0.05, "Learner seconds to gather and publish weights (blocks the learner).", ge=0)
+    checkpoint_every: int = F(10, "Checkpoint every N steps (learner.checkpoint_every).", ge=1)
+    checkpoint_s: float = F(0.0, "Learner seconds per checkpoint.", ge=0)
+    # co-location (actors and learner sharing CPU cores, as `asyncrl run` does on one machine)
+    learner_slowdown: float = F(
+        1.0, "Factor on learner work while any engine decodes (1 = own devices; >1 = shared cores).", ge=1
+    )
+    gen_slowdown: float = F(
+        1.0, "Factor on engine decode-step time while the learner works (1 = own devices).", ge=1
+    )
+    # simulation
+    steps: int = F(200, "Learner steps to simulate (measured after the warm-up).", ge=1)
+    warmup_steps: int = F(10, "Leading steps left out of the steady-state numbers.", ge=0)
+    seed: int = F(0, "Seed of the length sampler.", ge=0)
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def _truncated_mean(mu: float, s: float, lo: float, hi: float) -> float:
+    """E[clip(X, lo, hi)] for X ~ LogNormal(mu, s)."""
+    a, b = math.log(lo), math.log(hi)
+    p_lo, p_hi = _phi((a - mu) / s), 1.0 - _phi((b - mu) / s)
+    inner = math.exp(mu + s * s / 2) * (_phi((b - mu - s * s) / s) - _phi((a - mu - s * s) / s))
+    return lo * p_lo + inner + hi * p_hi
+
+
+def lognormal_mu_for_mean(mean: float, sigma: float, lo: float, hi: float) -> float:
+    """The mu whose lognormal, clipped to [lo, hi], has mean ``mean`` (bisection; monotone in mu)."""
+    if not lo < mean < hi:
+        raise ConfigError(
+            f"lengths.mean={mean} must lie strictly between min_tokens={lo} and max_tokens={hi}"
+        )
+    left, right = math.log(lo) - 10 * sigma - 1, math.log(hi) + 10 * sigma + 1
+    for _ in range(200):
+        mid = 0.5 * (left + right)
+        if _truncated_mean(mid, sigma, lo, hi) < mean:
+            left = mid
+        else:
+            right = mid
+    return 0.5 * (left + right)
+
+
+class LengthSampler:
+    """Draws completion lengths from a :class:`Lengths` law."""
+
+    def __init__(self, law: Lengths, seed: int) -> None:
+        self.law = law
+        self.rng = random.Random(seed)
+        self.mu = 0.0
+        if law.kind == "lognormal" and law.sigma > 0:
+            self.mu = lognormal_mu_for_mean(law.mean, law.sigma, law.min_tokens, law.max_tokens)
+
+    def draw(self) -> float:
+        law = self.law
+        if law.kind == "fixed" or law.sigma == 0:
+            return law.mean
+        x = self.rng.lognormvariate(self.mu, law.sigma)
+        return min(max(x, law.min_tokens), law.max_tokens)
+
+
+def _check(p: PlanInputs) -> PlanInputs:
+    _validate(p, "")
+    law = p.lengths
+    if law.min_tokens > law.max_tokens:
+        raise ConfigError(f"lengths.min_tokens={law.min_tokens} exceeds lengths.max_tokens={law.max_tokens}")
+    if law.kind == "fixed" and not law.min_tokens <= law.mean <= law.max_tokens:
+        raise ConfigError("lengths.mean must lie in [lengths.min_tokens, lengths.max_tokens]")
+    if law.kind == "lognormal" and law.sigma > 0:
+        lognormal_mu_for_mean(law.mean, law.sigma, law.min_tokens, law.max_tokens)
+    if p.warmup_steps >= p.steps:
+        raise ConfigError(f"warmup_steps={p.warmup_steps} must be < steps={p.steps}")
+    if p.gen_step_s == 0 and p.gen_token_s == 0:
+        raise ConfigError("gen_step_s and gen_token_s are both 0: generation would take no time")
+    return p
+
+
+def load_plan_inputs(
+    path: str | Path | None = None, overrides: list[str] | None = None, base: PlanInputs | None = None
+) -> PlanInputs:
+    """``base`` (or the defaults), then the YAML file ``path`` (its ``plan:`` section or the whole
+    file), then ``key=value`` overrides; validated. Raises ConfigError naming the key."""
+    layers = [OmegaConf.structured(base if base is not None else PlanInputs)]
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"plan file not found: {p}")
+        data = OmegaConf.load(p)
+        layers.append(data.get("plan", data))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+    if overrides:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        merged = OmegaConf.merge(*layers)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"plan input {getattr(e, 'full_key', '?')}: {getattr(e, 'msg', e)}") from None
+    return _check(OmegaConf.to_object(merged))  # type: ignore[arg-type]

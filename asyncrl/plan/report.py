@@ -1,0 +1,98 @@
+"""`asyncrl plan`: simulate the pipeline over a range of staleness bounds and print what to expect.
+
+    asyncrl plan --plan configs/plan_qwen2.5_7b_8x8.yaml                 # a fleet you do not have yet
+    asyncrl plan --from runs/s0 --from runs/s4 --staleness 0,1,4         # calibrated on real runs
+    asyncrl plan --from runs/s0 num_actors=8 learner_token_s=1e-5        # ... then changed
+
+Inputs: defaults < ``--plan`` file < calibration from ``--from`` run dirs < ``key=value`` overrides.
+Every projected row is the simulator's steady state; rows of calibration runs also show what the
+run measured, so the fit can be judged before the projection is trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import replace
+from typing import Any
+
+from .calibrate import Measured, calibrate, measure
+from .inputs import PlanInputs, load_plan_inputs
+from .simulate import PlanResult, simulate
+
+__all__ = ["plan_table", "run_plan"]
+
+
+def plan_table(p: PlanInputs, etas: list[int]) -> list[tuple[int, PlanResult]]:
+    """The simulator's steady state for each staleness bound (everything else as in ``p``)."""
+    return [(eta, simulate(replace(p, max_staleness=eta))) for eta in etas]
+
+
+def _flat(p: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(p):
+        v = getattr(p, f.name)
+        if dataclasses.is_dataclass(v):
+            out.update(_flat(v, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = v
+    return out
+
+
+def run_plan(plan_file: str | None, run_dirs: list[str], staleness: str, overrides: list[str],
+             as_json: bool = False) -> int:  # fmt: skip
+    from rich.console import Console
+    from rich.table import Table
+
+    p = load_plan_inputs(plan_file)
+    sources: dict[str, str] = {k: "plan file" if plan_file else "default" for k in _flat(p)}
+    measured: dict[int, Measured] = {}
+    if run_dirs:
+        p, cal = calibrate(run_dirs, p)
+        sources.update(cal)
+        measured = {m.max_staleness: m for m in (measure(d) for d in run_dirs)}
+    if overrides:
+        p = load_plan_inputs(None, overrides, base=p)
+        for item in overrides:
+            sources[item.split("=", 1)[0]] = "command line"
+    etas = sorted({int(x) for x in staleness.split(",") if x.strip()}) if staleness else [p.max_staleness]
+    rows = plan_table(p, etas)
+    base = rows[0][1].tokens_per_s if rows and rows[0][0] == 0 else None
+    if as_json:
+        out = {"inputs": _flat(p), "sources": sources,
+               "results": [{"max_staleness": eta, **r.as_dict(),
+                            "speedup_vs_sync": r.tokens_per_s / base if base else None,
+                            "measured": dataclasses.asdict(measured[eta]) if eta in measured else None}
+                           for eta, r in rows]}  # fmt: skip
+        print(json.dumps(out, indent=2))
+        return 0
+    console = Console(width=max(Console().width, 130))  # a pipe gets 80 columns: too narrow
+    inputs = Table(title="simulator inputs", show_lines=False)
+    for col in ("input", "value", "source"):
+        inputs.add_column(col)
+    for k, v in _flat(p).items():
+        inputs.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v), sources.get(k, ""))
+    console.print(inputs)
+    t = Table(title="steady state (simulated; measured in brackets where a calibration run had that eta)")
+    for col in ("eta", "samples/s", "trained tok/s", "vs sync", "learner idle", "actors blocked",
+                "staleness mean", "staleness max", "dropped"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for eta, r in rows:
+        m = measured.get(eta)
+
+        def both(sim: float, real: float | None, fmt: str) -> str:
+            return format(sim, fmt) + (f" [{format(real, fmt)}]" if real is not None else "")
+
+        t.add_row(
+            str(eta),
+            both(r.samples_per_s, m.samples_per_s if m else None, ".1f"),
+            both(r.tokens_per_s, m.tokens_per_s if m else None, ".1f"),
+            f"{r.tokens_per_s / base:.2f}x" if base else "-",
+            both(r.learner_idle_frac, m.learner_idle_frac if m else None, ".0%"),
+            f"{r.actor_blocked_frac:.0%}",
+            both(r.staleness_mean, m.staleness_mean if m else None, ".2f"),
+            str(r.staleness_max),
+            str(r.dropped_stale),
+        )
+    console.print(t)
+    return 0

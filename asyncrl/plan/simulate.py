@@ -1,0 +1,440 @@
+"""A discrete-event simulator of the asyncrl pipeline: actors, admission, buffer, learner, swaps.
+
+The model follows the real roles step by step (DESIGN.md):
+
+* **Actors.** Each of ``num_actors`` engines runs ``groups_in_flight`` group workers. A worker takes
+  an admission slot with the rule of :mod:`asyncrl.buffer.admission` (``admitted < (V + eta + 1) *
+  groups_per_step + credits``, and with ``refuse_stale_weights`` the engine's weights must be at most
+  eta behind V), then its ``group_size`` completions decode in the engine; the group reaches the
+  buffer ``group_overhead_s`` after its last token. A refused worker retries when something that
+  could admit it changed (a publish, a credit, its engine's swap), ``admission_poll_s / 2`` later:
+  the expected delay of the real actor's fixed-period poll.
+* **Engines are fluid continuous batchers.** With ``n`` running sequences a decode step takes
+  ``gen_step_s + n * gen_token_s`` and gives each one token, so every running sequence advances at
+  the same rate. Each engine keeps a work counter ``W`` (tokens per running sequence so far): a
+  sequence that started at ``W0`` with length ``L`` ends when ``W = W0 + L``, and the version of each
+  of its tokens follows from the engine's swap history in ``W`` coordinates (exact per-token versions,
+  like vLLM's weight-version spans). A long sequence left alone speeds up: heavy tails matter.
+* **Swaps.** ``swap_latency_s`` after a publish each engine pauses for ``swap_s`` (reload + KV
+  recompute: in-flight requests survive) and then samples with the newest version.
+* **Learner.** Reads groups in arrival order, drops those staler than eta at the version the step
+  starts with (returning their credit), trains ``groups_per_step`` groups for ``learner_step_s +
+  learner_token_s * tokens``, publishes (``publish_s``; V is bumped when it ends) every
+  ``publish_every`` steps and checkpoints every ``checkpoint_every`` steps.
+
+Numbers are steady-state: measured from the end of step ``warmup_steps`` to the end of the last step,
+the same window :func:`asyncrl.plan.calibrate.measure` uses on a real run's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.buffer.admission import admission_bound_formula
+
+from .inputs import LengthSampler, PlanInputs
+
+__all__ = ["PlanResult", "StepTrace", "simulate"]
+
+_EPS = 1e-9
+
+
+@dataclass
+class StepTrace:
+    """One simulated learner step (the fields a real metrics.jsonl record has)."""
+
+    step: int
+    time: float  # end of the step
+    wait_s: float
+    tokens: float
+    sequences: int
+    staleness_hist: dict[int, float]  # staleness -> trained tokens
+    dropped_stale: int
+    blocked_worker_s: float  # cumulative over all actors' workers at the end of the step
+    busy_engine_s: float  # cumulative engine time with at least one running sequence
+    train_s: float = 0.0  # wall seconds of the train phase (co-location slows it down)
+
+
+@dataclass
+class PlanResult:
+    """Steady-state outputs of a simulation (see the module docstring for the window)."""
+
+    samples_per_s: float
+    tokens_per_s: float
+    steps_per_s: float
+    learner_idle_frac: float  # share of the window the learner waited for data
+    actor_blocked_frac: float  # share of worker time spent refused by admission
+    engine_busy_frac: float  # share of engine time with sequences running (not paused, not empty)
+    staleness_mean: float  # over trained tokens
+    staleness_max: int
+    staleness_dist: dict[int, float]  # staleness -> share of trained tokens
+    dropped_stale: int
+    window_s: float
+    train_s_per_token: float = 0.0  # wall seconds of train phases per trained token
+    learner_busy_s_per_step: float = 0.0  # wall seconds per step not spent waiting for data
+    steps: list[StepTrace] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "steps"}
+        d["staleness_dist"] = {str(k): v for k, v in self.staleness_dist.items()}
+        return d
+
+
+class _Group:
+    __slots__ = ("actor", "left", "versions")
+
+    def __init__(self, actor: _Engine, n: int) -> None:
+        self.actor = actor
+        self.left = n
+        self.versions: dict[int, float] = {}  # policy version -> tokens it sampled
+
+    @property
+    def oldest(self) -> int:
+        return min(self.versions) if self.versions else self.actor.version
+
+
+class _Engine:
+    """One actor's engine in fluid form (see the module docstring)."""
+
+    def __init__(self, index: int, p: PlanInputs) -> None:
+        self.index = index
+        self.p = p
+        self.W = 0.0
+        self.t = 0.0
+        self.running: list[tuple[float, int, float, _Group]] = []  # heap (W_end, id, W_start, group)
+        self.waiting: deque[tuple[float, _Group]] = deque()  # (length, group) beyond max_running_seqs
+        self.paused = False
+        self.swapping = False
+        self.version = 0
+        self.swap_w = [0.0]  # W at each version change; versions_at[i] holds from swap_w[i]
+        self.swap_v = [0]
+        self.in_flight = 0  # groups admitted and not yet written
+        self.epoch = 0  # invalidates a scheduled finish event when the rate changes
+        self.retry_pending = False
+        self.blocked_s = 0.0  # integral of (groups_in_flight - in_flight) dt
+        self.busy_s = 0.0
+        self.slow = 1.0  # gen_slowdown while a co-located learner works
+
+    def rate(self) -> float:
+        n = len(self.running)
+        if self.paused or n == 0:
+            return 0.0
+        return 1.0 / ((self.p.gen_step_s + n * self.p.gen_token_s) * self.slow)
+
+    def advance(self, t: float) -> None:
+        dt = t - self.t
+        if dt > 0:
+            r = self.rate()
+            self.W += dt * r
+            if r > 0:
+                self.busy_s += dt
+            self.blocked_s += dt * (self.p.groups_in_flight - self.in_flight)
+            self.t = t
+
+    def tokens_by_version(self, w0: float, w1: float) -> dict[int, float]:
+        """Split the work interval [w0, w1] over the versions the engine served in it."""
+        out: dict[int, float] = {}
+        i = bisect.bisect_right(self.swap_w, w0) - 1
+        while w0 < w1 - _EPS:
+            end = self.swap_w[i + 1] if i + 1 < len(self.swap_w) else w1
+            seg = min(end, w1) - w0
+            if seg > 0:
+                out[self.swap_v[i]] = out.get(self.swap_v[i], 0.0) + seg
+            w0 = min(end, w1)
+            i += 1
+        return out
+
+
+class _Sim:
+    def __init__(self, p: PlanInputs) -> None:
+        self.p = p
+        self.t = 0.0
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.seq = itertools.count()
+        self.ids = itertools.count()
+        self.lengths = LengthSampler(p.lengths, p.seed)
+        self.engines = [_Engine(i, p) for i in range(p.num_actors)]
+        self.V = 0
+        self.admitted = 0
+        self.credits = 0
+        self.buffer: deque[_Group] = deque()
+        self.learner_waiting = True
+        self.wait_since = 0.0
+        self.batch: list[_Group] = []
+        self.dropped = 0
+        self.step = 0
+        self.trace: list[StepTrace] = []
+        # learner: remaining work of its current phases [[kind, seconds of own-device work], ...]
+        self.phases: list[list[Any]] = []
+        self.l_t = 0.0
+        self.l_epoch = 0
+        self.l_decoding = False
+        self.pending: tuple = ()
+        self.train_start = self.train_s = 0.0
+        # Per-step learner work factor: lognormal with mean 1 and coefficient of variation learner_cv.
+        self.jitter = random.Random(p.seed + 1)
+        self.jit_sigma = math.sqrt(math.log1p(p.learner_cv**2))
+        self.jit_mu = -(self.jit_sigma**2) / 2
+
+    # ------------------------------------------------------------------ events
+
+    def at(self, t: float, kind: str, arg: Any = None) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, arg))
+
+    def run(self) -> list[StepTrace]:
+        for e in self.engines:
+            self.try_admit(e)
+        while self.step < self.p.steps:
+            if not self.events:
+                raise RuntimeError(
+                    f"the simulated pipeline deadlocked at step {self.step} (t={self.t:.3f}s): admission is "
+                    f"full at V={self.V} and the learner waits for groups that cannot be admitted"
+                    + (" (publish_every > 1: admission widens by groups_per_step per publish, the learner"
+                       " consumes publish_every * groups_per_step, as in asyncrl.buffer.admission)"
+                       if self.p.publish_every > 1 else "")
+                )  # fmt: skip
+            t, _, kind, arg = heapq.heappop(self.events)
+            self.t = t
+            getattr(self, "on_" + kind)(arg)
+        return self.trace
+
+    # ------------------------------------------------------------------ actors
+
+    def schedule_finish(self, e: _Engine) -> None:
+        e.epoch += 1
+        r = e.rate()
+        if r > 0:
+            self.at(self.t + max(e.running[0][0] - e.W, 0.0) / r, "finish", (e, e.epoch))
+        self.engines_changed()
+
+    def bound_allows(self, e: _Engine) -> bool:
+        p = self.p
+        if p.refuse_stale_weights and self.V - e.version > p.max_staleness:
+            return False
+        return self.admitted < admission_bound_formula(
+            self.V, p.max_staleness, p.groups_per_step, self.credits
+        )
+
+    def try_admit(self, e: _Engine) -> None:
+        e.retry_pending = False
+        started = False
+        while e.in_flight < self.p.groups_in_flight and self.bound_allows(e):
+            if not started:
+                e.advance(self.t)
+                started = True
+            self.admitted += 1
+            e.in_flight += 1
+            g = _Group(e, self.p.group_size)
+            for _ in range(self.p.group_size):
+                e.waiting.append((self.lengths.draw(), g))
+        if started:
+            self.fill(e)
+            self.schedule_finish(e)
+
+    def fill(self, e: _Engine) -> None:
+        """Start waiting sequences while the engine has room (called with ``e`` advanced to now)."""
+        cap = self.p.max_running_seqs or float("inf")
+        while e.waiting and len(e.running) < cap:
+            length, g = e.waiting.popleft()
+            heapq.heappush(e.running, (e.W + length, next(self.ids), e.W, g))
+
+    def wake(self, engines: list[_Engine]) -> None:
+        """Blocked workers of ``engines`` retry after the expected poll delay."""
+        for e in engines:
+            if e.in_flight < self.p.groups_in_flight and not e.retry_pending:
+                e.retry_pending = True
+                self.at(self.t + self.p.admission_poll_s / 2, "retry", e)
+
+    def on_retry(self, e: _Engine) -> None:
+        self.try_admit(e)
+
+    def on_finish(self, arg: tuple[_Engine, int]) -> None:
+        e, epoch = arg
+        if epoch != e.epoch:
+            return
+        e.advance(self.t)
+        # This event was timed for the head sequence's end (a later rate change would have bumped
+        # the epoch), so the head is due now: snap W to it rather than trust float round-off.
+        if e.running and e.running[0][0] > e.W:
+            e.W = e.running[0][0]
+        while e.running and e.running[0][0] <= e.W + _EPS:
+            w_end, _, w_start, g = heapq.heappop(e.running)
+            for v, n in e.tokens_by_version(w_start, w_end).items():
+                g.versions[v] = g.versions.get(v, 0.0) + n
+            g.left -= 1
+            if g.left == 0:
+                self.at(self.t + self.p.group_overhead_s, "written", g)
+        self.fill(e)
+        self.schedule_finish(e)
+
+    def on_written(self, g: _Group) -> None:
+        e = g.actor
+        e.advance(self.t)
+        e.in_flight -= 1
+        self.buffer.append(g)
+        self.try_admit(e)
+        if self.learner_waiting:
+            self.gather()
+
+    def on_notice(self, e: _Engine) -> None:
+        if e.swapping or e.version >= self.V:
+            return
+        e.advance(self.t)
+        e.paused = e.swapping = True
+        e.epoch += 1  # no progress while paused
+        self.engines_changed()
+        self.at(self.t + self.p.swap_s, "swapped", (e, self.V))
+
+    def on_swapped(self, arg: tuple[_Engine, int]) -> None:
+        e, version = arg
+        e.advance(self.t)
+        e.paused = e.swapping = False
+        e.version = version
+        e.swap_w.append(e.W)
+        e.swap_v.append(version)
+        self.schedule_finish(e)  # (also re-times the learner: the engine's state changed)
+        self.wake([e])
+        if e.version < self.V:  # published again meanwhile: the watcher swaps straight on
+            self.on_notice(e)
+
+    # ------------------------------------------------------------------ learner
+
+    def decoding(self) -> bool:
+        """Some engine is working (decoding, or reloading weights: that is compute too)."""
+        return any(e.swapping or e.rate() > 0 for e in self.engines)
+
+    def engines_changed(self) -> None:
+        """Call after any engine's decoding state may have changed: the learner's speed may too."""
+        if self.phases and self.decoding() != self.l_decoding:
+            self.advance_learner()
+            self.l_decoding = not self.l_decoding
+            self.schedule_learner()
+
+    def advance_learner(self) -> None:
+        rate = 1.0 / self.p.learner_slowdown if self.l_decoding else 1.0
+        self.phases[0][1] -= (self.t - self.l_t) * rate
+        self.l_t = self.t
+
+    def schedule_learner(self) -> None:
+        self.l_epoch += 1
+        rate = 1.0 / self.p.learner_slowdown if self.l_decoding else 1.0
+        self.at(self.t + max(self.phases[0][1], 0.0) / rate, "phase_done", self.l_epoch)
+
+    def set_learner_busy(self, busy: bool) -> None:
+        """The engines slow down while the learner works (co-location); re-time them."""
+        slow = self.p.gen_slowdown if busy else 1.0
+        for e in self.engines:
+            if e.slow != slow:
+                e.advance(self.t)
+                e.slow = slow
+                self.schedule_finish(e)
+
+    def gather(self) -> None:
+        p = self.p
+        dropped = 0
+        while self.buffer and len(self.batch) < p.groups_per_step:
+            g = self.buffer.popleft()
+            if self.V - g.oldest > p.max_staleness:
+                dropped += 1
+            else:
+                self.batch.append(g)
+        if dropped:
+            self.dropped += dropped
+            self.credits += dropped
+            self.wake(self.engines)
+        if len(self.batch) < p.groups_per_step:
+            return
+        self.learner_waiting = False
+        hist: dict[int, float] = {}
+        tokens = 0.0
+        for g in self.batch:
+            for v, n in g.versions.items():
+                hist[self.V - v] = hist.get(self.V - v, 0.0) + n
+                tokens += n
+        self.pending = (self.t - self.wait_since, tokens, len(self.batch) * p.group_size, hist, self.dropped)
+        self.dropped = 0
+        self.batch = []
+        step = self.step + 1
+        f = self.jitter.lognormvariate(self.jit_mu, self.jit_sigma) if self.jit_sigma > 0 else 1.0
+        self.phases = [["train", f * (p.learner_step_s + p.learner_token_s * tokens)]]
+        if step % p.publish_every == 0:
+            self.phases.append(["publish", f * p.publish_s])
+        if step % p.checkpoint_every == 0:
+            self.phases.append(["checkpoint", f * p.checkpoint_s])
+        self.l_t, self.l_decoding = self.t, self.decoding()
+        self.train_start = self.t
+        self.set_learner_busy(True)
+        self.schedule_learner()
+
+    def on_phase_done(self, epoch: int) -> None:
+        if epoch != self.l_epoch:
+            return
+        kind, _ = self.phases.pop(0)
+        if kind == "train":
+            self.train_s = self.t - self.train_start
+        if kind == "publish":
+            self.V += 1
+            for e in self.engines:
+                self.at(self.t + self.p.swap_latency_s, "notice", e)
+            self.wake(self.engines)
+        if self.phases:
+            self.l_t = self.t
+            self.schedule_learner()
+            return
+        self.step += 1
+        wait, tokens, seqs, hist, dropped = self.pending
+        for e in self.engines:
+            e.advance(self.t)
+        self.trace.append(
+            StepTrace(self.step, self.t, wait, tokens, seqs, hist, dropped,
+                      sum(e.blocked_s for e in self.engines), sum(e.busy_s for e in self.engines),
+                      self.train_s)
+        )  # fmt: skip
+        self.set_learner_busy(False)
+        self.learner_waiting = True
+        self.wait_since = self.t
+        self.gather()
+
+
+def summarize(p: PlanInputs, trace: list[StepTrace]) -> PlanResult:
+    """Steady-state numbers over steps ``warmup_steps + 1 .. steps`` of a trace."""
+    first = trace[p.warmup_steps - 1] if p.warmup_steps > 0 else None
+    t0 = first.time if first else 0.0
+    window = [s for s in trace[p.warmup_steps :]]
+    dur = max(trace[-1].time - t0, _EPS)
+    hist: dict[int, float] = {}
+    for s in window:
+        for k, n in s.staleness_hist.items():
+            hist[k] = hist.get(k, 0.0) + n
+    tot = sum(hist.values()) or 1.0
+    workers = p.num_actors * p.groups_in_flight
+    b0 = first.blocked_worker_s if first else 0.0
+    u0 = first.busy_engine_s if first else 0.0
+    return PlanResult(
+        samples_per_s=sum(s.sequences for s in window) / dur,
+        tokens_per_s=sum(s.tokens for s in window) / dur,
+        steps_per_s=len(window) / dur,
+        learner_idle_frac=sum(s.wait_s for s in window) / dur,
+        actor_blocked_frac=(trace[-1].blocked_worker_s - b0) / (workers * dur),
+        engine_busy_frac=(trace[-1].busy_engine_s - u0) / (p.num_actors * dur),
+        staleness_mean=sum(k * n for k, n in hist.items()) / tot,
+        staleness_max=max((k for k, n in hist.items() if n > 0), default=0),
+        staleness_dist={k: hist[k] / tot for k in sorted(hist)},
+        dropped_stale=sum(s.dropped_stale for s in window),
+        window_s=dur,
+        train_s_per_token=sum(s.train_s for s in window) / max(sum(s.tokens for s in window), _EPS),
+        learner_busy_s_per_step=(dur - sum(s.wait_s for s in window)) / len(window),
+        steps=trace,
+    )
+
+
+def simulate(p: PlanInputs) -> PlanResult:
+    """Run the pipeline model for ``p.steps`` learner steps; steady-state numbers (see summarize)."""
+    return summarize(p, _Sim(p).run())

@@ -1,0 +1,233 @@
+"""The pipeline simulator against closed forms, its invariants on random inputs, and calibration
+recovering known inputs from a run dir written from a simulated trace."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import ConfigError
+from asyncrl.plan import Lengths, PlanInputs, load_plan_inputs, simulate
+from asyncrl.plan.calibrate import calibrate, measure
+from asyncrl.plan.inputs import LengthSampler, lognormal_mu_for_mean
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fixed(mean: float, max_tokens: float = 1e6) -> Lengths:
+    return Lengths(kind="fixed", mean=mean, sigma=0.0, min_tokens=min(1.0, mean), max_tokens=max_tokens)
+
+
+def sync_inputs(rng: random.Random) -> PlanInputs:
+    gps = rng.randint(1, 6)
+    return PlanInputs(
+        num_actors=1, groups_in_flight=gps + rng.randint(0, 3), group_size=rng.randint(1, 8),
+        lengths=fixed(rng.uniform(1, 50)), gen_step_s=rng.uniform(1e-3, 2e-2), gen_token_s=0.0,
+        group_overhead_s=rng.uniform(0, 0.1), admission_poll_s=0.0, swap_latency_s=rng.uniform(0, 0.2),
+        swap_s=rng.uniform(0, 0.2), groups_per_step=gps, max_staleness=0,
+        learner_step_s=rng.uniform(0, 0.3), learner_token_s=rng.uniform(0, 1e-3),
+        publish_s=rng.uniform(0, 0.2), checkpoint_s=0.0, steps=30, warmup_steps=5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_sync_bound_is_the_serial_sum_of_every_stage(seed: int) -> None:
+    """eta = 0 with refuse_stale_weights: nothing overlaps, one step = notify + swap + decode +
+    overhead + train + publish, and every trained token has staleness 0."""
+    p = sync_inputs(random.Random(seed))
+    L, G, k = p.lengths.mean, p.group_size, p.groups_per_step
+    tokens = k * G * L
+    gen = L * p.gen_step_s + p.group_overhead_s  # all groups decode together: step time is n-free
+    train = p.learner_step_s + p.learner_token_s * tokens
+    cycle = p.swap_latency_s + p.swap_s + gen + train + p.publish_s
+    r = simulate(p)
+    assert r.tokens_per_s == pytest.approx(tokens / cycle, rel=1e-9)
+    assert r.samples_per_s == pytest.approx(k * G / cycle, rel=1e-9)
+    assert r.learner_idle_frac == pytest.approx((cycle - train - p.publish_s) / cycle, rel=1e-9)
+    busy_worker_s = k * gen
+    assert r.actor_blocked_frac == pytest.approx(1 - busy_worker_s / (p.groups_in_flight * cycle), rel=1e-9)
+    assert r.staleness_dist == {0: pytest.approx(1.0)} and r.staleness_max == 0
+
+
+@pytest.mark.parametrize("eta", [1, 2, 5])
+def test_learner_bound_trains_at_its_own_rate_on_data_exactly_eta_old(eta: int) -> None:
+    """Instant generation and swaps: the buffer always holds (eta + 1) steps, the learner never
+    waits, and the oldest group (the one trained) was sampled exactly eta versions ago."""
+    gps, G, L = 3, 4, 7.0
+    p = PlanInputs(
+        num_actors=2, groups_in_flight=20, group_size=G, lengths=fixed(L), gen_step_s=0.0, gen_token_s=1e-12,
+        admission_poll_s=0.0, swap_latency_s=0.0, swap_s=0.0, groups_per_step=gps, max_staleness=eta,
+        learner_step_s=0.05, learner_token_s=2e-3, publish_s=0.02, steps=60, warmup_steps=2 * eta + 2,
+    )  # fmt: skip
+    r = simulate(p)
+    step = 0.05 + 2e-3 * gps * G * L + 0.02
+    assert r.tokens_per_s == pytest.approx(gps * G * L / step, rel=1e-6)
+    assert r.learner_idle_frac == pytest.approx(0.0, abs=1e-6)
+    assert r.staleness_dist == {eta: pytest.approx(1.0)}
+
+
+@pytest.mark.parametrize("n_actors", [1, 3])
+def test_generation_bound_is_the_engines_throughput(n_actors: int) -> None:
+    """A CPU-like engine (a step costs gen_token_s per running sequence) yields 1/gen_token_s
+    tokens/s however many sequences run; with an instant learner that is the pipeline's rate."""
+    c = 2e-3
+    p = PlanInputs(
+        num_actors=n_actors, groups_in_flight=3, group_size=4, lengths=fixed(9.0), gen_step_s=0.0,
+        gen_token_s=c, admission_poll_s=0.0, swap_latency_s=0.0, swap_s=0.0, groups_per_step=2,
+        max_staleness=50, learner_step_s=0.0, learner_token_s=0.0, publish_s=0.0, steps=600, warmup_steps=10,
+    )  # fmt: skip
+    r = simulate(p)
+    assert r.tokens_per_s == pytest.approx(n_actors / c, rel=0.02)  # window edges cut groups
+    assert r.engine_busy_frac == pytest.approx(1.0, abs=1e-9)
+
+
+def test_max_running_seqs_caps_a_gpu_like_engine() -> None:
+    """A GPU-like engine (step time independent of n) running at most k sequences: k / gen_step_s."""
+    a, k = 0.01, 5
+    p = PlanInputs(
+        num_actors=1, groups_in_flight=4, group_size=8, max_running_seqs=k, lengths=fixed(6.0),
+        gen_step_s=a, gen_token_s=0.0, admission_poll_s=0.0, swap_latency_s=0.0, swap_s=0.0,
+        groups_per_step=1, max_staleness=40, learner_step_s=0.0, learner_token_s=0.0, publish_s=0.0,
+        steps=100, warmup_steps=10,
+    )  # fmt: skip
+    assert simulate(p).tokens_per_s == pytest.approx(k / a, rel=0.03)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_pipelines_respect_the_staleness_bound_and_never_deadlock(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    eta = rng.randint(0, 4)
+    p = PlanInputs(
+        num_actors=rng.randint(1, 4), groups_in_flight=rng.randint(1, 6), group_size=rng.randint(1, 6),
+        max_running_seqs=rng.choice([0, 3, 16]),
+        lengths=Lengths(kind="lognormal", mean=rng.uniform(20, 200), sigma=rng.uniform(0.3, 1.5),
+                        min_tokens=1, max_tokens=1000),
+        gen_step_s=rng.uniform(0, 0.02), gen_token_s=rng.uniform(1e-5, 1e-3),
+        group_overhead_s=rng.uniform(0, 0.05), admission_poll_s=rng.uniform(0, 0.1),
+        swap_latency_s=rng.uniform(0, 0.3), swap_s=rng.uniform(0, 0.3),
+        refuse_stale_weights=rng.random() < 0.7, groups_per_step=rng.randint(1, 5), max_staleness=eta,
+        learner_step_s=rng.uniform(0, 0.5), learner_token_s=rng.uniform(0, 1e-4),
+        publish_every=1, publish_s=rng.uniform(0, 0.3), checkpoint_every=rng.randint(1, 10),
+        checkpoint_s=rng.uniform(0, 0.5), learner_cv=rng.uniform(0, 1), learner_slowdown=rng.uniform(1, 3),
+        gen_slowdown=rng.uniform(1, 3), steps=60, warmup_steps=5, seed=seed,
+    )  # fmt: skip
+    r = simulate(p)
+    assert 0 <= r.staleness_max <= eta
+    assert sum(r.staleness_dist.values()) == pytest.approx(1.0)
+    assert 0 <= r.learner_idle_frac <= 1 and 0 <= r.actor_blocked_frac <= 1 + 1e-9
+    assert r.samples_per_s > 0 and r.tokens_per_s > 0
+    # Trained tokens per step are whole groups: samples = steps * groups_per_step * G.
+    assert r.samples_per_s == pytest.approx(r.steps_per_s * p.groups_per_step * p.group_size, rel=1e-9)
+    if eta == 0 and p.refuse_stale_weights:
+        assert r.dropped_stale == 0 and r.staleness_max == 0
+
+
+def test_publishing_every_other_step_deadlocks_admission_and_says_why() -> None:
+    """The admission bound widens by groups_per_step per publish while the learner consumes
+    publish_every * groups_per_step between publishes: with publish_every > 1 the window closes
+    after about (eta + 1) * k / (k - 1) steps, in the simulator as in the real admission rule."""
+    for eta in (0, 3):
+        p = PlanInputs(max_staleness=eta, publish_every=2, lengths=fixed(4.0, 16.0), steps=50, warmup_steps=1)
+        with pytest.raises(RuntimeError, match=r"deadlocked at step (\d+).*publish_every > 1") as e:
+            simulate(p)
+        # Stuck after step s: consumed s * gps >= bound (s // 2 + eta + 1) * gps, the first such s.
+        stuck = next(s for s in range(1, 50) if s - s // 2 >= eta + 1)
+        assert int(e.value.args[0].split("step ")[1].split(" ")[0]) == stuck
+    simulate(replace(p, publish_every=1))
+
+
+def _reference_truncated_mean(mu: float, s: float, lo: float, hi: float, n: int = 200_000) -> float:
+    """E[clip(X, lo, hi)], X ~ LogNormal(mu, s), by the midpoint rule in log space (float64)."""
+    a, b = mu - 12 * s, mu + 12 * s
+    h = (b - a) / n
+    tot = 0.0
+    for i in range(n):
+        z = a + (i + 0.5) * h
+        dens = math.exp(-((z - mu) ** 2) / (2 * s * s)) / (s * math.sqrt(2 * math.pi))
+        tot += min(max(math.exp(z), lo), hi) * dens * h
+    return tot
+
+
+@pytest.mark.parametrize(("mean", "sigma", "lo", "hi"), [(300.0, 1.0, 1.0, 8192.0), (3.0, 0.5, 1.0, 5.0),
+                                                         (4.9, 2.0, 1.0, 5.0), (1.2, 1.5, 1.0, 16.0)])  # fmt: skip
+def test_lognormal_lengths_have_the_requested_truncated_mean(mean, sigma, lo, hi) -> None:
+    mu = lognormal_mu_for_mean(mean, sigma, lo, hi)
+    assert _reference_truncated_mean(mu, sigma, lo, hi) == pytest.approx(mean, rel=1e-6)
+    draws = [LengthSampler(Lengths("lognormal", mean, sigma, lo, hi), 3).draw() for _ in range(1)]
+    sampler = LengthSampler(Lengths("lognormal", mean, sigma, lo, hi), 3)
+    draws = [sampler.draw() for _ in range(40_000)]
+    assert min(draws) >= lo and max(draws) <= hi
+    assert sum(draws) / len(draws) == pytest.approx(mean, rel=0.03)
+
+
+def test_bad_inputs_fail_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_plan_inputs(overrides=["max_staleness=-1"])
+    with pytest.raises(ConfigError, match="lengths.mean"):
+        load_plan_inputs(overrides=["lengths.mean=20", "lengths.max_tokens=16"])
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        load_plan_inputs(overrides=["steps=5", "warmup_steps=5"])
+    with pytest.raises(ConfigError, match="nope"):
+        load_plan_inputs(overrides=["nope=1"])
+
+
+def _write_run(rdir: Path, p: PlanInputs) -> None:
+    """A run dir as `asyncrl run` leaves it (config.yaml + metrics.jsonl) from a simulated trace."""
+    rdir.mkdir(parents=True)
+    (rdir / "config.yaml").write_text(
+        f"actors: {{num_actors: {p.num_actors}, groups_in_flight: {p.groups_in_flight}, group_size: "
+        f"{p.group_size}, admission_poll_s: {p.admission_poll_s}, refuse_stale_weights: true, max_tokens: "
+        f"{int(p.lengths.max_tokens)}}}\nbuffer: {{groups_per_step: {p.groups_per_step}, max_staleness: "
+        f"{p.max_staleness}}}\nlearner: {{publish_every: {p.publish_every}, checkpoint_every: {p.checkpoint_every}}}\n"
+    )
+    r = simulate(p)
+    prev = 0.0
+    with open(rdir / "metrics.jsonl", "w") as f:
+        for s in r.steps:
+            train = s.train_s
+            ckpt = s.step % p.checkpoint_every == 0
+            rec = {"step": s.step, "time": s.time, "step_s": s.time - prev, "wait_s": s.wait_s, "train_s": train,
+                   "publish_s": p.publish_s, "published": True, "checkpointed": ckpt, "tokens": s.tokens,
+                   "sequences": s.sequences, "staleness_hist": {str(k): v for k, v in s.staleness_hist.items()}}  # fmt: skip
+            f.write(json.dumps(rec) + "\n")
+            prev = s.time
+
+
+def test_calibration_recovers_the_inputs_that_produced_a_run(tmp_path: Path) -> None:
+    truth = PlanInputs(
+        num_actors=1, groups_in_flight=4, group_size=8, lengths=fixed(4.5, 5.0), gen_token_s=3e-4,
+        admission_poll_s=0.05, swap_latency_s=0.01, swap_s=0.045, groups_per_step=4, max_staleness=0,
+        learner_step_s=0.0, learner_token_s=2e-4, publish_s=0.01, checkpoint_s=0.0, steps=120, warmup_steps=12,
+    )  # fmt: skip
+    _write_run(tmp_path / "s0", truth)
+    m = measure(tmp_path / "s0")
+    assert m.train_s_per_token == pytest.approx(2e-4, rel=1e-6) and m.mean_length == pytest.approx(4.5)
+    p, sources = calibrate([tmp_path / "s0"], replace(PlanInputs(), lengths=fixed(4.0, 5.0)))
+    assert p.gen_token_s == pytest.approx(3e-4, rel=0.01), sources["gen_token_s"]
+    assert p.learner_token_s == pytest.approx(2e-4, rel=1e-6) and sources["learner_token_s"] == "measured"
+    # ... and predicts an overlapping run it never saw.
+    for eta in (1, 4):
+        real = simulate(replace(truth, max_staleness=eta, steps=300, warmup_steps=20))
+        pred = simulate(replace(p, max_staleness=eta))
+        assert pred.tokens_per_s == pytest.approx(real.tokens_per_s, rel=0.02)
+        assert pred.staleness_mean == pytest.approx(real.staleness_mean, rel=0.05, abs=0.02)
+
+
+def test_plan_cli_projects_the_shipped_fleet_file_without_heavy_imports() -> None:
+    code = ("import sys, json, io, contextlib; from asyncrl.cli import main; buf = io.StringIO()\n"
+            "with contextlib.redirect_stdout(buf): rc = main(['plan', '--plan', 'configs/plan_qwen2.5_7b_8x8.yaml',"
+            " '--staleness', '0,2', '--json', 'steps=60', 'warmup_steps=10'])\n"
+            "assert rc == 0; out = json.loads(buf.getvalue())\n"
+            "assert not {'torch', 'vllm', 'ray'} & set(sys.modules), 'heavy import'\n"
+            "print(json.dumps([r['speedup_vs_sync'] for r in out['results']]))")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    speedups = json.loads(r.stdout.strip().splitlines()[-1])
+    assert speedups[0] == pytest.approx(1.0) and speedups[1] > 1.2
