@@ -45,6 +45,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="simulator inputs, e.g. num_actors=8 lengths.sigma=1.2")
     p = sub.add_parser("sweep", help="staleness x objective sweep")
     _add_config_args(p)
+    p = sub.add_parser("export", help="a run's policy version as a Hugging Face model directory")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--version", type=int, default=None, help="policy version (default: newest on disk)")
+    p = sub.add_parser("eval", help="score a model dir or a run's version on the task's eval split (vLLM)")
+    p.add_argument("target", help="model dir (e.g. from asyncrl export) or run dir")
+    p.add_argument("--version", type=int, default=None, help="run dir: policy version (default: newest)")
+    p.add_argument("--out", default=None, help="also write the result as JSON to this file")
+    _add_config_args(p)
     p = sub.add_parser("config", help="print the resolved config, or every field with --explain")
     p.add_argument("--explain", action="store_true")
     _add_config_args(p)
@@ -86,8 +95,9 @@ def _learner_metrics(cfg):
     from asyncrl.buffer import ReplayBuffer
 
     buf = ReplayBuffer.from_config(cfg)
-    port, stop = serve(learner_collectors(exporter, buf.stats), cfg.metrics.host, cfg.metrics.port)
-    buf.set_learner_status({"metrics_addr": f"{cfg.metrics.host}:{port}"})
+    bind, advertised = metrics_endpoint(cfg.metrics.host)
+    port, stop = serve(learner_collectors(exporter, buf.stats), bind, cfg.metrics.port)
+    buf.set_learner_status({"metrics_addr": f"{advertised}:{port}"})
 
     def close() -> None:
         stop()
@@ -96,9 +106,56 @@ def _learner_metrics(cfg):
     return exporter, close
 
 
+def _tracker(cfg, rdir: Path) -> list:
+    """TensorBoard / W&B step logging on rank 0 (none when both are off)."""
+    if int(os.environ.get("RANK", "0")) != 0 or not (cfg.tracking.tensorboard or cfg.tracking.wandb):
+        return []
+    from asyncrl.learner.tracking import Tracker
+
+    return [Tracker(cfg, rdir)]
+
+
+def _export_or_eval(args) -> int:
+    import json
+    import tempfile
+
+    from asyncrl.export import EXPORT_CONFIG, EXPORT_INFO, export_version, load_run_config
+
+    if args.cmd == "export":
+        out = export_version(Path(args.run_dir), Path(args.out_dir), args.version)
+        info = json.loads((out / EXPORT_INFO).read_text())
+        print(f"{out}  (run {info['run']}, version {info['version']})")
+        return 0
+    from asyncrl.evaluate import eval_model_dir
+
+    target = Path(args.target)
+    with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
+        if (target / "config.yaml").exists() and (target / "weights").is_dir():  # a run dir
+            cfg = load_run_config(target, args.overrides)
+            model_dir = export_version(target, Path(tmp) / "model", args.version)
+        elif (target / "config.json").exists():  # a model dir: the run's config when it is an export
+            if args.version is not None:
+                raise ConfigError("--version applies to a run dir, not to a model dir")
+            run_cfg = target / EXPORT_CONFIG
+            cfg = load_config(args.config or (run_cfg if run_cfg.exists() else None), args.overrides)
+            model_dir = target
+        else:
+            raise FileNotFoundError(f"{target}: neither a run dir (config.yaml + weights/) nor a model dir")
+        info_file = model_dir / EXPORT_INFO
+        version = json.loads(info_file.read_text())["version"] if info_file.exists() else -1
+        result = eval_model_dir(cfg, str(model_dir), version).to_dict()
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.cmd in ("export", "eval"):  # their config comes from the run / export, not -c
+            return _export_or_eval(args)
         if args.cmd == "plot":
             from asyncrl.plot import plot_run
 
@@ -141,12 +198,15 @@ def main(argv: list[str] | None = None) -> int:
 
             start = float(os.environ.get("ASYNCRL_START_TIME", time.time()))
             exporter, stop_metrics = _learner_metrics(cfg)
+            tracker = _tracker(cfg, rdir)
             try:
-                learn(cfg, rdir, resume=args.resume, start_time=start, on_step=[exporter])
+                learn(cfg, rdir, resume=args.resume, start_time=start, on_step=[exporter, *tracker])
             finally:
+                for t in tracker:
+                    t.close()
                 stop_metrics()
             return 0
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"asyncrl: error: {e}", file=sys.stderr)
         return 2
     raise AssertionError(args.cmd)

@@ -86,6 +86,12 @@ BUFFER_METRICS: tuple[Metric, ...] = (
         "asyncrl_buffer_credits_groups", "gauge", "Admission credits returned for dropped groups.", "credits"
     ),
     Metric("asyncrl_buffer_admission_bound_groups", "gauge", "Current admission bound.", "bound"),
+    Metric(
+        "asyncrl_buffer_staleness_bound_steps",
+        "gauge",
+        "Staleness bound admission applies now: max_staleness, or the adaptive controller's lower bound.",
+        "staleness_bound",
+    ),
 )
 
 LOSS_TERMS = (("policy", "loss_policy"), ("rollout_kl", "loss_rollout_kl"), ("entropy", "loss_entropy"),
@@ -159,6 +165,20 @@ LEARNER_METRICS: tuple[Metric, ...] = (
     ),  # fmt: skip
     Metric(
         "asyncrl_learner_last_step_timestamp_seconds", "gauge", "Unix time of the last step.", "step_time"
+    ),
+    # Periodic eval (asyncrl.evaluate): the newest result the learner has seen (eval_version -1 = none).
+    Metric(
+        "asyncrl_learner_eval_policy_version", "gauge", "Policy version of the newest eval.", "eval_version"
+    ),
+    Metric("asyncrl_learner_eval_reward_mean", "gauge", "Mean reward on the eval split.", "eval_reward_mean"),
+    Metric(
+        "asyncrl_learner_eval_pass_at_k_ratio",
+        "gauge",
+        "Share of eval prompts passed within k samples.",
+        "eval_pass_at_k",
+    ),  # fmt: skip
+    Metric(
+        "asyncrl_learner_eval_length_mean_tokens", "gauge", "Mean eval completion length.", "eval_length_mean"
     ),
 )
 
@@ -255,6 +275,33 @@ def serve(
         thread.join(timeout=5)
 
     return port, stop
+
+
+#: Bind hosts meaning "every interface": advertised as this node's address (nobody can connect to 0.0.0.0).
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def node_address() -> str:
+    """This machine's address on the network: the source address of its default route (a UDP
+    connect sends no packet), else its resolved host name."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def metrics_endpoint(host: str, node_ip: str | None = None) -> tuple[str, str]:
+    """(bind host, advertised host) for ``metrics.host``: ``node`` binds and advertises this node's
+    address, a wildcard binds every interface and advertises this node's address, anything else is
+    used for both. ``node_ip``: the node's address as the caller knows it (Ray's, in an actor)."""
+    if host == "node":
+        ip = node_ip or node_address()
+        return ip, ip
+    if host in WILDCARD_HOSTS:
+        return host or "0.0.0.0", node_ip or node_address()
+    return host, host
 
 
 class ThreadSafeStats(dict):

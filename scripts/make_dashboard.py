@@ -29,7 +29,15 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Learner wait fraction", "percentunit", [
             ("waiting for data", "sum(rate(asyncrl_learner_wait_seconds_total[1m]))"),
         ]),
-        ("Reward", "short", [("mean reward", "asyncrl_learner_reward_mean")]),
+        ("Reward", "short", [
+            ("mean reward (train)", "asyncrl_learner_reward_mean"),
+            ("mean reward (eval)", "asyncrl_learner_eval_reward_mean"),
+            ("pass@k (eval)", "asyncrl_learner_eval_pass_at_k_ratio"),
+        ]),
+        ("Eval", "short", [
+            ("evaluated version", "asyncrl_learner_eval_policy_version"),
+            ("mean length (tokens)", "asyncrl_learner_eval_length_mean_tokens"),
+        ]),
         ("Actors", "short", [
             ("in flight {{actor}}", "asyncrl_actor_inflight_requests"),
             ("engine errors/s {{actor}}", "rate(asyncrl_actor_engine_errors_total[5m])"),
@@ -41,6 +49,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("p99", "histogram_quantile(0.99, sum by (le) (rate(asyncrl_learner_staleness_steps_bucket[5m])))"),
             ("max", "asyncrl_learner_staleness_max_steps"),
             ("bound", "asyncrl_learner_max_staleness_steps"),
+            ("admission bound (adaptive)", "asyncrl_buffer_staleness_bound_steps"),
         ]),
         ("Dropped stale groups / min", "short", [
             ("dropped", "sum(rate(asyncrl_learner_dropped_stale_total[5m])) * 60"),

@@ -43,11 +43,13 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.buffer import decode, encode
-from asyncrl.learner.checkpoint import LearnerState, load_checkpoint, read_latest, save_checkpoint
+from asyncrl.learner import tracking
+from asyncrl.learner.checkpoint import LearnerState, Skipped, load_checkpoint, read_latest, save_checkpoint
 from asyncrl.learner.engine import LearnerEngine, build_engine, init_distributed
+from asyncrl.learner import adaptive
 from asyncrl.learner.feed import Batch, Rank0, broadcast
 from asyncrl.learner.logprobs import ReferenceModel
-from asyncrl.learner.records import StepRecord
+from asyncrl.learner.records import OBJECTIVE_FIELDS, StepRecord
 from asyncrl.learner.step import StepResult, Trainer
 from asyncrl.tinymodel import resolve_model_path
 
@@ -212,6 +214,7 @@ def learn(
             if r0 is not None:
                 rec = _record(cfg, state, res, groups, batch, counters, start_time, t_step, train_s,
                               publish_s, published, bool(due), trainer.lr_now())  # fmt: skip
+                tracking.attach_eval(rec, r0.buffer)  # the newest periodic eval of actor 0
                 r0.writer.write(rec)
                 r0.buffer.set_learner_status({"step": rec.step, "version": rec.version, "time": rec.time,
                                               "state": "stepped"})  # fmt: skip

@@ -90,6 +90,11 @@ class StepRecord:
     wait_s_total: float = 0.0
     dropped_stale_total: int = 0
     dropped_filtered_total: int = 0
+    # newest periodic eval (asyncrl.evaluate) known at this step; eval_version -1 = none yet
+    eval_version: int = -1  # policy version the eval scored
+    eval_reward_mean: float = 0.0  # mean reward on the eval split
+    eval_pass_at_k: float = 0.0  # share of eval prompts with a completion >= eval.pass_threshold
+    eval_length_mean: float = 0.0  # mean eval completion length, tokens
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict: non-finite floats become strings ("nan", "inf"), which JSON lacks."""

@@ -1,0 +1,127 @@
+"""Experiment tracking: every step record to TensorBoard (on by default) and Weights & Biases.
+
+:class:`Tracker` is an ``on_step`` callback of :func:`asyncrl.learner.loop.learn` (rank 0): each
+:class:`~asyncrl.learner.records.StepRecord` becomes scalars at ``global_step = record.step``:
+
+* ``train/<field>`` for every numeric field (reward_mean, loss, staleness_mean, ...; the cumulative
+  ``*_total`` counters under ``totals/``);
+* ``eval/reward_mean``, ``eval/pass_at_k``, ``eval/length_mean`` once per new periodic eval, at the step
+  it arrived (and ``eval/by_version/*`` with the evaluated version as the x axis).
+
+TensorBoard event files go to ``<run_dir>/tensorboard`` (``tensorboard --logdir runs/``). W&B runs in
+offline mode when no API key is configured (``wandb sync <run_dir>/wandb/offline-run-*`` uploads it
+later); the run id is derived from the run dir, so a resumed learner continues the same W&B run.
+
+:func:`attach_eval` copies the newest periodic eval result (carried in actor 0's heartbeat, see
+:mod:`asyncrl.evaluate`) into a record before it is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from asyncrl.learner.records import StepRecord
+
+__all__ = ["Tracker", "attach_eval", "EVAL_FIELDS", "TENSORBOARD_DIR"]
+
+log = logging.getLogger(__name__)
+TENSORBOARD_DIR = "tensorboard"
+#: StepRecord field -> key of the eval result (asyncrl.evaluate.EvalResult).
+EVAL_FIELDS = {"eval_version": "version", "eval_reward_mean": "reward_mean", "eval_pass_at_k": "pass_at_k",
+               "eval_length_mean": "length_mean"}  # fmt: skip
+_last_eval: dict[str, Any] = {}
+
+
+def attach_eval(rec: StepRecord, buffer: Any) -> None:
+    """Set ``rec.eval_*`` to the newest eval in the actors' heartbeats (or the last one seen)."""
+    try:
+        results = [a["eval"] for a in buffer.actors().values() if isinstance(a.get("eval"), dict)]
+    except Exception as e:  # tracking must never stop training; the next step tries again
+        log.warning("reading eval results: %s", e)
+        results = []
+    for r in results:
+        if int(r.get("version", -1)) > int(_last_eval.get("version", -1)):
+            _last_eval.clear()
+            _last_eval.update(r)
+    if _last_eval:
+        for field, key in EVAL_FIELDS.items():
+            setattr(rec, field, type(getattr(rec, field))(_last_eval[key]))
+
+
+def _scalars(rec: StepRecord) -> dict[str, float]:
+    out = {}
+    for k, v in rec.to_dict().items():
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, int | float)
+            or k in ("step", "step_time")
+            or k in EVAL_FIELDS
+        ):
+            continue
+        out[f"totals/{k}" if k.endswith("_total") else f"train/{k}"] = float(v)
+    return out
+
+
+class Tracker:
+    """TensorBoard and/or W&B logging of step records (see the module doc)."""
+
+    def __init__(self, cfg: Any, run_dir: str | os.PathLike) -> None:
+        self.run_dir = Path(run_dir)
+        self.tb: Any = None
+        self.wandb: Any = None
+        self._eval_version = -1
+        t = cfg.tracking
+        if t.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), flush_secs=5)
+        if t.wandb:
+            self.wandb = self._init_wandb(cfg)
+
+    def _init_wandb(self, cfg: Any) -> Any:
+        import wandb
+
+        from asyncrl.config import to_yaml
+
+        t = cfg.tracking
+        mode = t.wandb_mode
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        run_id = f"{cfg.run.name}-{hashlib.sha1(str(self.run_dir.resolve()).encode()).hexdigest()[:8]}"
+        import yaml
+
+        return wandb.init(project=t.wandb_project, entity=t.wandb_entity or None, name=cfg.run.name, id=run_id,
+                          resume="allow", dir=str(self.run_dir), mode=mode,
+                          config=yaml.safe_load(to_yaml(cfg)))  # fmt: skip
+
+    def __call__(self, rec: StepRecord) -> None:
+        scalars = _scalars(rec)
+        new_eval = rec.eval_version >= 0 and rec.eval_version != self._eval_version
+        if new_eval:
+            self._eval_version = rec.eval_version
+            for field, key in EVAL_FIELDS.items():
+                if field != "eval_version":
+                    scalars[f"eval/{key}"] = float(getattr(rec, field))
+        if self.tb is not None:
+            for tag, v in scalars.items():
+                self.tb.add_scalar(tag, v, rec.step, walltime=rec.step_time or None)
+            if new_eval:
+                for field, key in EVAL_FIELDS.items():
+                    if field != "eval_version":
+                        self.tb.add_scalar(
+                            f"eval/by_version/{key}", float(getattr(rec, field)), rec.eval_version
+                        )
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=rec.step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None

@@ -1,0 +1,58 @@
+"""Experiment tracking: TensorBoard event files hold every step record; W&B offline; eval results attach."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from asyncrl.config import Config
+from asyncrl.learner import tracking
+from asyncrl.learner.records import StepRecord
+
+
+def read_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+class FakeActors:
+    """The only buffer call attach_eval makes; the heartbeat payloads as actors write them."""
+
+    def __init__(self):
+        self.hb = {"actor-0": {"version": 3}, "actor-1": {"version": 3}}
+
+    def actors(self):
+        return self.hb
+
+
+def test_tensorboard_and_wandb_offline_get_every_record(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = Config()
+    cfg.tracking.wandb = True
+    tracking._last_eval.clear()
+    t = tracking.Tracker(cfg, tmp_path)
+    buf = FakeActors()
+    rewards = [0.1, 0.25, 0.5, 0.7]
+    for step, r in enumerate(rewards, start=1):
+        if step == 3:  # actor 0 reports an eval of version 2 between steps 2 and 3
+            buf.hb["actor-0"]["eval"] = {"version": 2, "reward_mean": 0.4, "pass_at_k": 0.25, "length_mean": 3.5,
+                                         "prompts": 8, "samples": 4, "seconds": 0.1}  # fmt: skip
+        if step == 4:
+            del buf.hb["actor-0"]["eval"]  # a restarted actor 0: the last result is carried forward
+        rec = StepRecord(step=step, version=step, reward_mean=r, tokens_total=10 * step)
+        tracking.attach_eval(rec, buf)
+        t(rec)
+        assert rec.eval_version == (-1 if step < 3 else 2)
+    assert dataclasses.asdict(rec)["eval_reward_mean"] == 0.4
+    t.close()
+    s = read_scalars(tmp_path / tracking.TENSORBOARD_DIR)
+    assert [(st, round(v, 6)) for st, v in s["train/reward_mean"]] == list(enumerate(rewards, 1))
+    assert [x[0] for x in s["totals/tokens_total"]] == [1, 2, 3, 4]
+    assert [(st, round(v, 6)) for st, v in s["eval/reward_mean"]] == [(3, 0.4)]  # logged once, when new
+    assert [(st, round(v, 6)) for st, v in s["eval/by_version/pass_at_k"]] == [(2, 0.25)]
+    assert "train/eval_version" not in s and "train/step" not in s
+    offline = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
