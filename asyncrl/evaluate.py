@@ -7,7 +7,8 @@ Two entry points share :func:`evaluate_llm` (so a score means the same thing in 
 * periodic evaluation during a run (``eval.every = N``): :class:`PeriodicEval`, run by actor 0.
 
 Which process runs the periodic eval, and why (decision): actor 0, on its own engine, right after it
-swapped to a version ``v`` with ``v % eval.every == 0``. Its version watcher awaits the eval before it
+swapped to the first version ``v`` of a new block of ``eval.every`` versions (v0, then the first
+version >= N, >= 2N, ...; an actor can skip versions when the learner publishes fast). Its version watcher awaits the eval before it
 looks at newer manifests, so every eval token is sampled by exactly version ``v`` (the engine serves
 no other weights meanwhile), while its group workers keep generating training data in the same
 continuous batch and the other actors and the learner carry on: training never stops. The cost is that
@@ -96,7 +97,7 @@ class PeriodicEval:
         self.cfg = cfg
         self.task = task
         self.last: EvalResult | None = None
-        self._done: set[int] = set()
+        self._bucket = -1  # version // eval.every of the last evaluated version
 
     @classmethod
     def for_actor(cls, cfg: Any, task: Task, actor_index: int) -> PeriodicEval | None:
@@ -109,11 +110,13 @@ class PeriodicEval:
         return cls(cfg, task)
 
     def due(self, version: int | None) -> bool:
-        return version is not None and version % self.cfg.eval.every == 0 and version not in self._done
+        """True for the first version served in each block of ``eval.every`` versions (v0, then the first
+        >= every, >= 2 * every, ...): the actor may skip versions when the learner publishes fast."""
+        return version is not None and version // self.cfg.eval.every > self._bucket
 
     async def run(self, llm: Any, tokenizer: Any, version: int) -> EvalResult:
         """Evaluate the served ``version``; the caller must not swap weights until this returns."""
-        self._done.add(version)
+        self._bucket = version // self.cfg.eval.every
         res = await evaluate_llm(llm, tokenizer, self.task, self.cfg, version, "periodic-eval")
         self.last = res
         log.info("eval v%d: reward %.3f  pass@%d %.3f  length %.2f  (%d prompts, %.1fs)", version,

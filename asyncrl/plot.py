@@ -14,6 +14,17 @@ def load_records(run_dir: Path) -> list[dict]:
     return read_jsonl(path)
 
 
+def eval_points(recs: list[dict]) -> list[tuple[float, float, int]]:
+    """(time, eval reward, evaluated version) at each record where a new periodic eval arrived."""
+    out, seen = [], -1
+    for r in recs:
+        v = int(r.get("eval_version", -1))
+        if v >= 0 and v != seen:
+            seen = v
+            out.append((r["time"], r["eval_reward_mean"], v))
+    return out
+
+
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     import matplotlib
 
@@ -25,7 +36,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         raise ValueError(f"{run_dir}/metrics.jsonl has no steps yet")
     t = [r["time"] for r in recs]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].plot(t, [r["reward_mean"] for r in recs], marker=".")
+    axes[0].plot(t, [r["reward_mean"] for r in recs], marker=".", label="train")
+    evals = eval_points(recs)
+    if evals:
+        axes[0].plot([e[0] for e in evals], [e[1] for e in evals], marker="o", label="eval (held out)")
+        axes[0].legend()
     axes[0].set(xlabel="wall time since start (s)", ylabel="mean reward", title="reward")
     axes[1].plot([r["step"] for r in recs], [r["staleness_mean"] for r in recs], label="mean")
     axes[1].plot([r["step"] for r in recs], [r["staleness_max"] for r in recs], label="max")
