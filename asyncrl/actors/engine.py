@@ -4,13 +4,24 @@ Per-token version attribution is exact and comes from the engine itself. vLLM's 
 every step's outputs with its current *weight version label*, which only changes while generation
 is paused; the output processor turns the stamps into ``CompletionOutput.weight_versions`` spans
 ``[start, end) -> label`` on a request's final output. A swap therefore runs, in the engine's
-input order, with no model step in between:
+input order, with no model step in between (vLLM's weight-transfer API, engine ``asyncrl_file``
+from :mod:`asyncrl.actors.worker_ext`):
 
-    pause_generation(mode="keep")          # freeze running requests; the engine goes idle
-    collective_rpc("reload_weights_from")  # new weights, in place
+    engine_core.pause_scheduler_async("keep")   # freeze running requests; the engine goes idle
+    start_weight_update()                       # layerwise reload begins
+    update_weights({"path": ..., "version": v}) # new weights, in place
+    finish_weight_update(weight_version=str(v)) # re-process (e.g. oneDNN repack); label for later steps
     reset_prefix_cache(reset_running_requests=True)   # (recompute_kv) drop KV of the old weights
-    update_weight_version(str(v))          # label for every later step
     resume_generation()
+
+Why not ``AsyncLLM.pause_generation``: it ends with a fixed ``asyncio.sleep(0.02)`` (so that final
+outputs of in-flight requests are delivered first; vLLM documents it as not needed for
+correctness), which was 20 ms of every swap. The scheduler pause it wraps is awaited directly.
+
+Staging: everything that can happen while generating does: the actor verifies the manifest
+(sha256 or sizes) in a thread, and :meth:`Engine.swap_weights` checks the file's header (tensor
+names, version tag) before pausing, so only the copy into the model and its re-processing fall
+inside the pause.
 
 Token ``t`` carries the label of the step that sampled it, whenever its delta reaches us (deltas
 merged across the pause are still split correctly). Labels are ``str(policy version)``.
@@ -38,12 +49,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .worker_ext import EXTENSION_CLS
-
 __all__ = ["Engine", "EngineError", "SampledCompletion", "SwapResult", "LOGPROBS_MODE", "SWAP_MODES"]
 
 LOGPROBS_MODE = "processed_logprobs"
 SWAP_MODES = ("in_flight", "between_groups")
+# Strings, not imports: the worker extension imports vLLM, this module must not at import time.
+EXTENSION_CLS = "asyncrl.actors.worker_ext.WeightReloadExtension"
+FILE_BACKEND = "asyncrl_file"  # == worker_ext.FILE_BACKEND
+_TIED_OK = {"lm_head.weight"}
 
 
 class EngineError(RuntimeError):
@@ -90,6 +103,7 @@ class Engine:
         seed: int = 0,
         recompute_kv: bool = True,
     ) -> None:
+        from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -104,6 +118,7 @@ class Engine:
             max_model_len=max_model_len,
             seed=seed,
             worker_extension_cls=EXTENSION_CLS,
+            weight_transfer_config=WeightTransferConfig(backend=FILE_BACKEND),
             logprobs_mode=LOGPROBS_MODE,
             disable_log_stats=True,
         )
@@ -117,6 +132,7 @@ class Engine:
         self._idle.set()
         self._active = 0
         self._swap_lock = asyncio.Lock()
+        self._expected_names: set[str] | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str | os.PathLike) -> Engine:
@@ -222,6 +238,8 @@ class Engine:
         ``in_flight``: freeze running requests, reload, resume them (see the module doc).
         ``between_groups``: hold back new groups, wait until the running ones finish, then reload.
         """
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
         if mode not in SWAP_MODES:
             raise ValueError(f"swap mode {mode!r}; expected one of {SWAP_MODES}")
         async with self._swap_lock:
@@ -232,16 +250,22 @@ class Engine:
                 await self._idle.wait()
                 drain_s = time.perf_counter() - t0
             try:
-                await self.llm.pause_generation(mode="keep", clear_cache=False)
+                # Off the pause: the header checks (names, version tag) of the new file.
+                await asyncio.to_thread(self._check_file, Path(path), int(version))
+                # The scheduler pause without AsyncLLM.pause_generation's fixed 20 ms sleep.
+                await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
                 try:
                     t1 = time.perf_counter()
-                    await self.llm.collective_rpc("reload_weights_from", args=(str(path),))
+                    await self.llm.start_weight_update()
+                    await self.llm.update_weights(
+                        WeightTransferUpdateRequest(update_info={"path": str(path), "version": int(version)})
+                    )
+                    await self.llm.finish_weight_update(weight_version=str(version))
                     reload_s = time.perf_counter() - t1
                     if self.recompute_kv:
                         # Preempt running requests: they re-prefill under the new weights.
                         if not await self.llm.reset_prefix_cache(reset_running_requests=True):
                             raise EngineError("reset_prefix_cache failed after a weight reload")
-                    await self.llm.update_weight_version(str(version))
                     self.version = int(version)
                 finally:
                     # Resume even on failure: the old weights (or a failed reload's error) must not
@@ -250,6 +274,35 @@ class Engine:
             finally:
                 self._admit.set()
             return SwapResult(int(version), mode, time.perf_counter() - t0, drain_s, reload_s)
+
+    def _check_file(self, path: Path, version: int) -> None:
+        """Raise ValueError unless ``path`` holds exactly the served tensors, tagged ``version``.
+
+        The worker checks again, but a failure there costs a pause; here it costs nothing.
+        """
+        from safetensors import safe_open
+
+        if self._expected_names is None:
+            names: set[str] = set()
+            for f in sorted(self.model_path.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as fh:
+                    names.update(fh.keys())
+            self._expected_names = names
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        got: set[str] = set()
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                tag = (fh.metadata() or {}).get("asyncrl_version")
+                if tag is not None and tag != str(version):
+                    raise ValueError(f"{f}: holds weights v{tag}, announced as v{version}")
+                got.update(fh.keys())
+        if self._expected_names:
+            missing, extra = self._expected_names - got, got - self._expected_names - _TIED_OK
+            if missing or extra:
+                raise ValueError(
+                    f"{path}: tensor names do not match the served model "
+                    f"(missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]})"
+                )
 
     def shutdown(self) -> None:
         """Stop the engine core and its worker processes (idempotent)."""

@@ -1,12 +1,25 @@
-"""vLLM worker extension: in-place weight reload from a published safetensors file.
+"""What runs inside the vLLM worker: a weight-transfer engine for published safetensors files.
 
-vLLM mixes this class into its worker (``worker_extension_cls``), so ``self`` is the worker and
-``self.reload_weights`` / ``self.vllm_config`` are vLLM's. The engine wrapper reaches these methods
-through ``AsyncLLM.collective_rpc`` while generation is paused.
+vLLM 0.32 has a weight-transfer API (``AsyncLLM.init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``) with pluggable engines
+(NCCL and CUDA IPC built in). :class:`FileWeightTransferEngine` is ours, registered as
+``asyncrl_file``: ``update_weights({"path": ..., "version": N})`` loads a published file (file or
+shared-memory transport) into the running model. Its lifecycle is the one vLLM's NCCL engine uses
+(layerwise reload started in ``start_weight_update``, finalized in ``finish_weight_update``), so
+models whose weights are re-processed after loading (on CPU every linear layer is repacked into a
+oneDNN handle) are re-processed exactly as vLLM does after a first load. CUDA actors use vLLM's
+``nccl`` engine through the same calls (see ``asyncrl.actors.engine``).
 
-Invariant: a reload either loads every tensor the served checkpoint has, or raises before touching
-the model. vLLM itself only logs a warning for weights missing from an iterator, which would leave
-a silently half-updated policy; the name check below turns that into an error.
+This module is imported by vLLM in the worker process (``worker_extension_cls``), which is where
+the engine registry must know ``asyncrl_file`` before the worker creates its engine; the import
+registers it. The front end never needs it.
+
+Invariant: an update either loads every tensor the served checkpoint has, or raises before
+touching the model. vLLM itself only logs a warning for weights missing from an iterator, which
+would leave a silently half-updated policy; the name check below turns that into an error. The
+file's ``asyncrl_version`` metadata tag (written by every asyncrl transport) must equal the version
+being loaded: the shared-memory transport has no sha256, so this is what proves the bytes are the
+version the manifest names.
 """
 
 from __future__ import annotations
@@ -14,12 +27,35 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["WeightReloadExtension", "EXTENSION_CLS"]
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+__all__ = ["WeightReloadExtension", "FileWeightTransferEngine", "EXTENSION_CLS", "FILE_BACKEND"]
 
 EXTENSION_CLS = f"{__name__}.WeightReloadExtension"
+FILE_BACKEND = "asyncrl_file"
 _TIED_OK = {"lm_head.weight"}
+
+
+def _mark_computed_buffers() -> None:
+    """vLLM's layerwise reload counts every buffer of a layer as loadable, but RotaryEmbedding's
+    ``cos_sin_cache`` is computed at construction and is in no checkpoint: every swap logged the
+    WARNING "RotaryEmbedding: Failed to load weights" and put the (correct) cache back. Declaring it
+    never-loaded (vLLM's ``SKIP_LOAD_TENSORS``) states exactly that: no warning, the cache is kept."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    SKIP_LOAD_TENSORS.add("cos_sin_cache")
+
+
+_mark_computed_buffers()  # this module is imported in the worker process, before any reload
 
 
 def _checkpoint_names(model_dir: Path) -> set[str]:
@@ -33,45 +69,113 @@ def _checkpoint_names(model_dir: Path) -> set[str]:
     return names
 
 
-class WeightReloadExtension:
-    """Methods added to every vLLM worker."""
+@dataclass
+class FileInitInfo(WeightTransferInitInfo):
+    """Nothing to set up: the bytes come from a path named by each update."""
 
-    def reload_weights_from(self, path: str) -> dict:
-        """Load all tensors of ``path`` into the running model, in place.
 
-        ``path`` is a safetensors file, or a directory whose ``*.safetensors`` files are loaded
-        together (a sharded checkpoint). Returns ``{"seconds": ..., "tensors": ...}``. Raises
-        ``ValueError`` if the weights miss a tensor of the original checkpoint or have one it does
-        not know (weights of another model), before any parameter is touched.
-        """
+@dataclass
+class FileUpdateInfo(WeightTransferUpdateInfo):
+    path: str  # a safetensors file, or a directory of them (a sharded checkpoint)
+    version: int = -1  # expected ``asyncrl_version`` metadata tag; -1 = files without one
+
+
+class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
+    """Loads published safetensors files into the worker's model (see the module doc)."""
+
+    init_info_cls = FileInitInfo
+    update_info_cls = FileUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._expected: set[str] | None = None
+        self.last: dict[str, Any] = {}
+
+    def init_transfer_engine(self, init_info: FileInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes the accelerator afterwards, which raises on a CPU-only
+        # torch; the copies below are ordered on the current stream anyway.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: FileUpdateInfo) -> None:
         from safetensors import safe_open
 
         t0 = time.perf_counter()
-        expected = getattr(self, "_asyncrl_expected_names", None)
-        if expected is None:
-            expected = _checkpoint_names(Path(self.vllm_config.model_config.model))
-            self._asyncrl_expected_names = expected
-        p = Path(path)
+        p = Path(update_info.path)
         files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-        if not files:
-            raise ValueError(f"{path}: no safetensors files")
         with ExitStack() as stack:
-            handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
-            owner = {name: fh for fh in handles for name in fh.keys()}
-            names = set(owner)
-            if expected:
-                # A tied lm_head is saved by some trainers and skipped by vLLM: not an error.
-                missing, extra = sorted(expected - names), sorted(names - expected - _TIED_OK)
-                if missing or extra:
-                    raise ValueError(
-                        f"{path}: tensor names do not match the served model "
-                        f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                        f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''})"
-                    )
+            try:
+                handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+                owner = self._check(p, files, handles, update_info.version)
+            except BaseException:
+                # Nothing was loaded: finalizing puts every layer's current tensors back, so the
+                # model keeps serving the old weights (vLLM ends the update session on a raise).
+                self.finish_weight_update()
+                raise
 
             def tensors() -> Iterator:
-                for name in sorted(names):
+                for name in sorted(owner):
                     yield name, owner[name].get_tensor(name)
 
-            self.reload_weights(weights_iterator=tensors())
-        return {"seconds": time.perf_counter() - t0, "tensors": len(names)}
+            self.model.load_weights(tensors())
+        self.last = {"seconds": time.perf_counter() - t0, "tensors": len(owner)}
+
+    def _check(self, p: Path, files: list[Path], handles: list[Any], version: int) -> dict[str, Any]:
+        """name -> open file, after checking the version tags and the tensor names."""
+        if not files:
+            raise ValueError(f"{p}: no safetensors files")
+        if self._expected is None:
+            self._expected = _checkpoint_names(Path(self.model_config.model))
+        if version >= 0:
+            for f, fh in zip(files, handles, strict=True):
+                tag = (fh.metadata() or {}).get("asyncrl_version")
+                if tag is not None and tag != str(version):  # untagged: a file not written by us
+                    raise ValueError(f"{f}: holds version {tag!r}, expected {version}")
+        owner = {name: fh for fh in handles for name in fh.keys()}
+        if self._expected:
+            names = set(owner)
+            # A tied lm_head is saved by some trainers and skipped by vLLM: not an error.
+            missing, extra = sorted(self._expected - names), sorted(names - self._expected - _TIED_OK)
+            if missing or extra:
+                raise ValueError(
+                    f"{p}: tensor names do not match the served model "
+                    f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                    f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''})"
+                )
+        return owner
+
+    def shutdown(self) -> None:
+        pass
+
+
+def register() -> None:
+    """Make ``asyncrl_file`` known to vLLM's engine registry in this process (idempotent)."""
+    try:
+        WeightTransferEngineFactory.register_engine(FILE_BACKEND, FileWeightTransferEngine)
+    except ValueError:  # already registered (re-import)
+        pass
+
+
+register()
+
+
+class WeightReloadExtension:
+    """Methods added to every vLLM worker (``self`` is the worker)."""
+
+    def asyncrl_last_update(self) -> dict:
+        """Timing of the last file update in this worker: ``{"seconds", "tensors"}``."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "last", {}) or {})

@@ -10,6 +10,12 @@ Directory digest: for a directory the top-level ``sha256`` is the sha256 of the 
 ``sha256sum`` prints for its files, sorted by relative POSIX path, i.e. lines
 ``"<hex>  <relpath>\\n"``. It is reproducible with ``(cd dir && sha256sum $(find . ...))``
 and is what :func:`verify` checks after checking every per-file entry.
+
+Digest kinds (``WeightManifest.digest``): ``"sha256"`` (the default, and the contract of every
+transport whose bytes cross a disk or a network) or ``"none"`` for a transport that never leaves
+the learner's machine and memory (``/dev/shm``): there :func:`verify` checks presence and sizes,
+and the loader checks the version tag inside the file. Hashing 1 GB costs ~0.8 s per side on a
+core here, i.e. more than the whole copy it would protect.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ __all__ = [
 MANIFEST_SCHEMA = 1
 #: Name a transport may use to store the manifest next to the weights; never hashed.
 MANIFEST_FILENAME = "manifest.msgpack"
+#: Allowed values of ``WeightManifest.digest`` (see the module doc).
+DIGESTS = ("sha256", "none")
 _CHUNK = 1 << 20
 
 
@@ -61,6 +69,8 @@ class WeightManifest:
     ``path`` is where the weights live (a file or a directory), ``size`` the total bytes,
     ``dtype`` the parameter dtype as a string (e.g. ``"bfloat16"``), ``created`` a unix time.
     ``files`` maps relative path -> digest for a directory, and is None for a single file.
+    ``digest`` is ``"sha256"`` (``sha256`` fields hold hex digests) or ``"none"`` (same-host memory
+    transport: the ``sha256`` fields are empty and only sizes are checked).
     """
 
     version: int
@@ -70,6 +80,11 @@ class WeightManifest:
     dtype: str
     created: float = field(default_factory=time.time)
     files: dict[str, FileDigest] | None = None
+    digest: str = "sha256"
+
+    def __post_init__(self) -> None:
+        if self.digest not in DIGESTS:
+            raise ValueError(f"manifest.digest: {self.digest!r}; expected one of {DIGESTS}")
 
     def to_dict(self) -> dict[str, Any]:
         """A msgpack-safe dict (plain str/int/float/dict values)."""
@@ -82,6 +97,8 @@ class WeightManifest:
             "dtype": self.dtype,
             "created": self.created,
         }
+        if self.digest != "sha256":  # omitted by default: older readers keep working
+            d["digest"] = self.digest
         if self.files is not None:
             d["files"] = {name: {"sha256": f.sha256, "size": f.size} for name, f in self.files.items()}
         return d
@@ -114,6 +131,9 @@ class WeightManifest:
                     files[str(name)] = FileDigest(sha256=str(f["sha256"]), size=int(f["size"]))
                 except (KeyError, TypeError, ValueError) as exc:
                     raise ValueError(f"manifest.files[{name!r}]: malformed ({exc})") from None
+        digest = d.get("digest", "sha256")
+        if digest not in DIGESTS:
+            raise ValueError(f"manifest.digest: {digest!r}; expected one of {DIGESTS}")
         return cls(
             version=d["version"],
             path=d["path"],
@@ -122,6 +142,7 @@ class WeightManifest:
             dtype=d["dtype"],
             created=float(created),
             files=files,
+            digest=digest,
         )
 
     def to_bytes(self) -> bytes:
@@ -186,16 +207,20 @@ def verify(manifest: WeightManifest, path: str | os.PathLike[str] | None = None)
     """Raise :class:`WeightIntegrityError` unless the weights match ``manifest``.
 
     ``path`` overrides ``manifest.path`` (e.g. a local copy a transport fetched).
-    Sizes are checked before hashing so a truncated file fails fast.
+    Sizes are checked before hashing so a truncated file fails fast. With ``digest == "none"``
+    only presence and sizes are checked (see the module doc).
     """
     p = Path(path if path is not None else manifest.path)
     tag = f"weights v{manifest.version} at {p}"
+    hashed = manifest.digest == "sha256"
     if manifest.files is None:
         if not p.is_file():
             raise WeightIntegrityError(f"{tag}: file does not exist")
         size = p.stat().st_size
         if size != manifest.size:
             raise WeightIntegrityError(f"{tag}: size {size} != expected {manifest.size}")
+        if not hashed:
+            return
         got = sha256_file(p)
         if got != manifest.sha256:
             raise WeightIntegrityError(f"{tag}: sha256 {got} != expected {manifest.sha256}")
@@ -209,11 +234,13 @@ def verify(manifest: WeightManifest, path: str | os.PathLike[str] | None = None)
         size = fp.stat().st_size
         if size != want.size:
             raise WeightIntegrityError(f"{tag}: {name} size {size} != expected {want.size}")
+        if not hashed:
+            continue
         got = sha256_file(fp)
         if got != want.sha256:
             raise WeightIntegrityError(f"{tag}: {name} sha256 {got} != expected {want.sha256}")
     combined = _combine(manifest.files)
-    if combined != manifest.sha256:
+    if hashed and combined != manifest.sha256:
         raise WeightIntegrityError(f"{tag}: file list digest {combined} != expected {manifest.sha256}")
     total = sum(f.size for f in manifest.files.values())
     if total != manifest.size:

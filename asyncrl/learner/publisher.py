@@ -1,14 +1,24 @@
-"""Publishing policy weights: the shared-filesystem :class:`WeightTransport` and the publish sequence.
+"""Publishing policy weights: the :class:`WeightTransport` s of the learner and the publish sequence.
 
-Layout under the transport root (``<run_dir>/weights`` by default)::
+Layout under a transport root (``<run_dir>/weights`` for files, ``/dev/shm/asyncrl-...`` for shm)::
 
     v{N}/model.safetensors     every tensor of the served checkpoint, HF names, module dtype
     v{N}/manifest.msgpack      the manifest (also stored in Redis), for humans and recovery
 
-Atomicity: a version is written into ``.tmp-v{N}-...``, fsynced, hashed, and only then renamed
-to ``v{N}``; the manifest naming it is registered in Redis after the rename. A reader that
-follows a manifest therefore never sees a partial file, and :func:`asyncrl.buffer.verify` catches
-anything that changed the bytes afterwards.
+Write path (one pass over the bytes): the safetensors file is streamed tensor by tensor and
+hashed while it is written (:func:`write_safetensors`), then fsynced once; no second read to
+hash, no directory fsyncs. Why one fsync is enough: Redis, not the directory, is the record of
+what was published, and a version whose rename was lost in a power cut is simply missing on
+restart, which ``Publisher.usable`` detects and the learner re-publishes.
+
+Atomicity: a version is written into ``.tmp-v{N}-...`` and only then renamed to ``v{N}``; the
+manifest naming it is registered in Redis after the rename. A reader that follows a manifest
+therefore never sees a partial file, and :func:`asyncrl.buffer.verify` catches anything that
+changed the bytes afterwards.
+
+:class:`ShmTransport` is the same layout on ``/dev/shm`` for actors on the learner's machine:
+no disk, no fsync, and no hash (manifest ``digest="none"``: sizes are checked, and the loader
+checks the version tag in the file's metadata), see :mod:`asyncrl.buffer.weights`.
 
 Invariant: a version number names one set of weights forever (the learner never re-publishes a
 version number with different weights; see asyncrl.learner.loop on resume), so a leftover
@@ -17,10 +27,13 @@ version number with different weights; see asyncrl.learner.loop on resume), so a
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
+import json
 import logging
 import os
 import shutil
+import struct
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -31,15 +44,93 @@ from asyncrl.buffer import (
     WeightIntegrityError,
     WeightManifest,
     WeightTransport,
-    build_manifest,
     verify,
 )
 from asyncrl.buffer.weights import MANIFEST_FILENAME
 
-__all__ = ["FilesystemTransport", "Publisher", "checkpoint_tensor_names", "WEIGHTS_FILE"]
+__all__ = [
+    "FilesystemTransport",
+    "ShmTransport",
+    "Publisher",
+    "checkpoint_tensor_names",
+    "make_transport",
+    "write_safetensors",
+    "WEIGHTS_FILE",
+    "TRANSPORTS",
+]
 
 log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
+#: Values of ``learner.weight_transport``.
+TRANSPORTS = ("auto", "file", "shm")
+_CHUNK = 4 << 20  # hash-and-write granularity: stays in cache between the two passes
+# torch dtype name -> safetensors dtype code.
+_ST_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str],
+    *,
+    digest: bool = True,
+    fsync: bool = True,
+) -> tuple[str, int]:
+    """Stream ``tensors`` (CPU, contiguous) into a safetensors file; returns (sha256 hex or "", size).
+
+    Each tensor's bytes are hashed and written chunk by chunk from its own memory: no serialized
+    copy of the whole model is built (``safetensors.torch.save`` would), and the file is never
+    read back. The header is safetensors' format: u64 LE length, JSON (padded to 8 bytes with
+    spaces), then the tensors back to back in the header's (sorted-name) order.
+    """
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    order = sorted(tensors)
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        code = _ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if code is None:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors code")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    h = hashlib.sha256() if digest else None
+    with open(path, "wb") as f:
+        for part in (struct.pack("<Q", len(head)), head):
+            if h is not None:
+                h.update(part)
+            f.write(part)
+        for name in order:
+            t = tensors[name]
+            if t.numel() == 0:
+                continue
+            mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            for i in range(0, len(mv), _CHUNK):
+                chunk = mv[i : i + _CHUNK]
+                if h is not None:
+                    h.update(chunk)
+                f.write(chunk)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return (h.hexdigest() if h is not None else ""), 8 + len(head) + offset
 
 
 def checkpoint_tensor_names(model_dir: str | os.PathLike[str]) -> set[str]:
@@ -57,16 +148,13 @@ def checkpoint_tensor_names(model_dir: str | os.PathLike[str]) -> set[str]:
     return names
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class FilesystemTransport(WeightTransport):
     """Weights on a filesystem every actor can read (local disk, NFS, a shared volume)."""
+
+    #: Manifest digest kind; the shared-memory subclass sets "none".
+    digest = "sha256"
+    #: fsync the weights file before the rename (pointless on tmpfs).
+    fsync = True
 
     def __init__(self, root: str | os.PathLike[str], expected_names: set[str] | None = None) -> None:
         self.root = Path(root)
@@ -85,8 +173,6 @@ class FilesystemTransport(WeightTransport):
         ``(name, tensor)`` pairs; the iterable is always consumed to the end (ZeRO-3 ranks gather
         inside it). With ``expected_names`` only those names are written, and all must be present.
         """
-        from safetensors.torch import save_file
-
         items: Iterable = state_dict.items() if isinstance(state_dict, Mapping) else state_dict()
         tensors = {}
         for name, t in items:
@@ -104,21 +190,23 @@ class FilesystemTransport(WeightTransport):
         tmp = self.root / f".tmp-v{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         try:
-            file = tmp / WEIGHTS_FILE
-            save_file(tensors, str(file), metadata={"format": "pt", "asyncrl_version": str(version)})
-            with open(file, "rb") as fh:
-                os.fsync(fh.fileno())
             final = self.version_dir(version)
-            manifest = dataclasses.replace(
-                build_manifest(version, file, dtype), path=str(final / WEIGHTS_FILE)
+            sha, size = write_safetensors(
+                tmp / WEIGHTS_FILE,
+                tensors,
+                {"format": "pt", "asyncrl_version": str(version)},
+                digest=self.digest == "sha256",
+                fsync=self.fsync,
             )
+            manifest = WeightManifest(
+                version, str(final / WEIGHTS_FILE), sha, size, dtype, digest=self.digest
+            )
+            # A copy for humans and recovery; Redis holds the authoritative one, so no fsync.
             (tmp / MANIFEST_FILENAME).write_bytes(manifest.to_bytes())
-            _fsync_dir(tmp)
             if final.exists():
                 log.warning("replacing unregistered leftover %s", final)
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -130,6 +218,51 @@ class FilesystemTransport(WeightTransport):
 
     def delete(self, version: int) -> None:
         shutil.rmtree(self.version_dir(version), ignore_errors=True)
+
+
+class ShmTransport(FilesystemTransport):
+    """Weights in shared memory (``/dev/shm``) for actors on the learner's machine.
+
+    Same layout, atomic rename and manifest as the file transport, but the bytes never touch a
+    disk: no fsync, and no sha256 (``digest="none"``; the directory is private to this user, mode
+    0700, and lives only in this host's memory). What is checked instead: sizes (``verify``) and
+    the ``asyncrl_version`` tag in the file's metadata (the actors' loader). ``keep_versions``
+    bounds the memory held; the directory is removed by :meth:`cleanup`.
+    """
+
+    digest = "none"
+    fsync = False
+
+    def __init__(self, root: str | os.PathLike[str], expected_names: set[str] | None = None) -> None:
+        super().__init__(root, expected_names)
+        os.chmod(self.root, 0o700)
+
+    def cleanup(self) -> None:
+        """Remove every version (the run is over; a resumed learner re-publishes its version)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def shm_root(run_dir: str | os.PathLike[str], run_name: str) -> Path:
+    """A per-run directory under /dev/shm (the run dir's hash keeps two runs of one name apart)."""
+    tag = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"asyncrl-{os.getuid()}-{run_name}-{tag}"
+
+
+def make_transport(
+    kind: str, run_dir: str | os.PathLike[str], run_name: str, expected_names: set[str] | None, *, local: bool
+) -> FilesystemTransport:
+    """The transport ``learner.weight_transport`` names; ``local``: every actor runs on this host.
+
+    ``auto`` is ``shm`` for a local run (actors on this machine) and ``file`` otherwise.
+    """
+    if kind not in TRANSPORTS:
+        raise ValueError(f"learner.weight_transport={kind!r}; expected one of {TRANSPORTS}")
+    if kind == "auto":
+        kind = "shm" if local and Path("/dev/shm").is_dir() else "file"
+    if kind == "shm":
+        return ShmTransport(shm_root(run_dir, run_name), expected_names)
+    return FilesystemTransport(Path(run_dir) / "weights", expected_names)
 
 
 class Publisher:

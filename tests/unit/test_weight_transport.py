@@ -1,0 +1,147 @@
+"""The learner's weight transports: streamed safetensors + hash-while-writing, one fsync, shm.
+
+No Redis, no vLLM: the bytes on disk against safetensors' own reader and hashlib.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from asyncrl.buffer import WeightIntegrityError, WeightManifest, sha256_file, verify
+from asyncrl.learner.publisher import (
+    FilesystemTransport,
+    ShmTransport,
+    make_transport,
+    shm_root,
+    write_safetensors,
+)
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "b.f32": torch.randn(7, 5, generator=g),
+        "a.bf16": torch.randn(3, 33, generator=g).to(torch.bfloat16),
+        "c.f16": torch.randn(4, generator=g).to(torch.float16),
+        "d.i64": torch.randint(-(2**40), 2**40, (6,), generator=g),
+        "e.bool": torch.rand(5, generator=g) > 0.5,
+        "f.empty": torch.empty(0, 3),
+        "g.scalar": torch.tensor(3.5),
+        # a non-contiguous view is written as its logical (contiguous) values
+        "h.t": torch.randn(4, 6, generator=g).t().contiguous(),
+    }
+
+
+def test_streamed_file_is_safetensors_and_hash_equals_a_reread(tmp_path: Path) -> None:
+    ts = _tensors()
+    path = tmp_path / "x.safetensors"
+    sha, size = write_safetensors(path, ts, {"asyncrl_version": "7", "format": "pt"})
+    assert size == path.stat().st_size
+    assert sha == sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    back = load_file(str(path))
+    assert back.keys() == ts.keys()
+    for k, t in ts.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape and torch.equal(back[k], t), k
+    with safe_open(str(path), framework="pt") as fh:
+        assert fh.metadata() == {"asyncrl_version": "7", "format": "pt"}
+    # header is 8-byte aligned (safetensors' own writer pads the same way)
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    assert n % 8 == 0
+
+
+def test_no_digest_mode_writes_identical_bytes(tmp_path: Path) -> None:
+    ts = _tensors(1)
+    a, b = tmp_path / "a", tmp_path / "b"
+    sha, _ = write_safetensors(a, ts, {"k": "v"})
+    empty, size = write_safetensors(b, ts, {"k": "v"}, digest=False, fsync=False)
+    assert empty == "" and a.read_bytes() == b.read_bytes() and size == b.stat().st_size
+
+
+def test_unsupported_dtype_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="complex64"):
+        write_safetensors(tmp_path / "c", {"z": torch.zeros(2, dtype=torch.complex64)}, {})
+
+
+def test_file_transport_one_fsync_manifest_and_tamper(tmp_path: Path, monkeypatch) -> None:
+    calls: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    tr = FilesystemTransport(tmp_path / "w", expected_names={"b.f32", "a.bf16"})
+    ts = {"b.f32": torch.randn(3, 3), "a.bf16": torch.randn(2).to(torch.bfloat16), "extra": torch.ones(1)}
+    with pytest.raises(ValueError, match="not float32"):
+        tr.publish(1, ts, "float32")  # a.bf16 is not the announced dtype
+    ts["a.bf16"] = ts["a.bf16"].float()
+    m = tr.publish(1, lambda: iter(ts.items()), "float32")
+    assert len(calls) == 1  # the weights file, once; no directory fsyncs
+    assert m.digest == "sha256" and m.sha256 == sha256_file(m.path) and m.size == Path(m.path).stat().st_size
+    assert set(load_file(m.path)) == {"b.f32", "a.bf16"}  # only the served names
+    on_disk = WeightManifest.from_bytes((Path(m.path).parent / "manifest.msgpack").read_bytes())
+    assert on_disk == m
+    verify(m)
+    data = bytearray(Path(m.path).read_bytes())
+    data[-1] ^= 0xFF
+    Path(m.path).write_bytes(bytes(data))
+    with pytest.raises(WeightIntegrityError, match="sha256"):
+        verify(m)
+    with pytest.raises(ValueError, match="no tensor"):
+        tr.publish(2, {"b.f32": torch.ones(1)}, "float32")
+    assert not list((tmp_path / "w").glob(".tmp-*"))  # a failed publish leaves nothing behind
+
+
+def test_shm_transport_no_fsync_no_hash_sizes_checked(tmp_path: Path, monkeypatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(fd))
+    root = shm_root(tmp_path, "unit")
+    tr = ShmTransport(root)
+    try:
+        m = tr.publish(3, {"w": torch.ones(4, 4)}, "float32")
+        assert calls == [] and m.digest == "none" and m.sha256 == ""
+        assert Path(m.path).is_relative_to(root)
+        if Path("/dev/shm").is_dir():
+            assert str(root).startswith("/dev/shm/")
+        assert stat.S_IMODE(root.stat().st_mode) == 0o700
+        with safe_open(m.path, framework="pt") as fh:
+            assert fh.metadata()["asyncrl_version"] == "3"
+        verify(m)
+        back = WeightManifest.from_bytes(m.to_bytes())
+        assert back == m and back.digest == "none"
+        with open(m.path, "r+b") as f:
+            f.truncate(m.size - 4)
+        with pytest.raises(WeightIntegrityError, match="size"):
+            verify(m)
+    finally:
+        tr.cleanup()
+    assert not root.exists()
+
+
+def test_manifest_digest_field_is_validated_and_defaults_to_sha256() -> None:
+    d = WeightManifest(1, "/x", "ab", 3, "float32").to_dict()
+    assert "digest" not in d  # older readers see the schema they know
+    assert WeightManifest.from_dict(d).digest == "sha256"
+    with pytest.raises(ValueError, match="manifest.digest"):
+        WeightManifest.from_dict({**d, "digest": "md5"})
+    with pytest.raises(ValueError, match="manifest.digest"):
+        WeightManifest(1, "/x", "ab", 3, "float32", digest="crc")
+
+
+def test_make_transport_picks_shm_only_for_local_runs(tmp_path: Path) -> None:
+    names = {"w"}
+    remote = make_transport("auto", tmp_path, "r", names, local=False)
+    assert type(remote) is FilesystemTransport and remote.root == tmp_path / "weights"
+    local = make_transport("auto", tmp_path, "r", names, local=True)
+    try:
+        assert isinstance(local, ShmTransport) == Path("/dev/shm").is_dir()
+        assert type(make_transport("file", tmp_path, "r", names, local=True)) is FilesystemTransport
+    finally:
+        if isinstance(local, ShmTransport):
+            local.cleanup()
+    with pytest.raises(ValueError, match="learner.weight_transport"):
+        make_transport("nfs", tmp_path, "r", names, local=True)
