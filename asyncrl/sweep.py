@@ -1,11 +1,15 @@
-"""`asyncrl sweep`: run the pipeline over a max_staleness x objective grid and report it.
+"""`asyncrl sweep`: run the pipeline over a max_staleness x objective grid, several seeds per cell.
 
-Each cell is a separate ``python -m asyncrl.cli run`` subprocess, so every cell gets fresh Ray, Redis
-and vLLM processes and a crash in one cannot poison the next. Cells share the seed, budget and task
-(the sweep's common overrides) and differ only in ``buffer.max_staleness`` and the objective's
-overrides. The sweep is resumable: a cell whose run dir holds ``summary.json`` and that did not fail is
-not re-run. The sweep file format is documented in ``configs/sweep_staleness.yaml``; the report (csv,
-markdown, plots) is :mod:`asyncrl.sweep_report`.
+Each (cell, seed) is a separate ``python -m asyncrl.cli run`` subprocess in ``<cell>/seed<k>/``, so
+every run gets fresh Ray, Redis and vLLM processes and a crash in one cannot poison the next. Runs
+share the budget and task (the sweep's common overrides) and differ only in ``run.seed``,
+``buffer.max_staleness`` and the objective's overrides; the same seed in two cells means the same
+initial weights, prompt order and sampling seeds, which is what makes the paired comparison of
+objectives at one staleness level meaningful. Seeds are the outer loop, so an interrupted sweep has
+complete grids for its first seeds. The sweep is resumable: a run whose dir holds ``summary.json``
+and that did not fail is not re-run. The sweep file format is documented in
+``configs/sweep_staleness.yaml``; the report (statistics, csv, markdown, plots) is
+:mod:`asyncrl.sweep_report`.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.orchestrator import stop_process
-from asyncrl.sweep_report import CellSpec, write_report
+from asyncrl.sweep_report import CellSpec, Marks, SeedRun, write_report
 
-SWEEP_KEYS = ("name", "dir", "base_config", "grid", "objectives", "overrides", "marks_s", "cell_timeout_s")
+SWEEP_KEYS = ("name", "dir", "base_config", "grid", "objectives", "overrides", "seeds", "baseline", "marks_s",
+              "step_marks", "cell_timeout_s")  # fmt: skip
 GRID_KEYS = ("max_staleness", "objective")
-#: Keys the sweep sets per cell; a common or objective override may not fight over them.
-RESERVED = ("run.name", "run.dir", "run.progress", "buffer.max_staleness")
+#: Keys the sweep sets per run; a common or objective override may not fight over them.
+RESERVED = ("run.name", "run.dir", "run.progress", "run.seed", "buffer.max_staleness")
+DEFAULT_SEEDS = (0, 1, 2)
 MARKER = "sweep_cell.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -48,6 +54,17 @@ class SweepSpec:
     overrides: list[str] = field(default_factory=list)
     marks_s: list[float] = field(default_factory=list)
     cell_timeout_s: float = 0.0
+    seeds: list[int] = field(default_factory=lambda: list(DEFAULT_SEEDS))
+    step_marks: list[int] = field(default_factory=list)
+    baseline: str | None = None  # objective the others are compared with (paired by seed)
+
+    @property
+    def marks(self) -> Marks:
+        return Marks(tuple(self.marks_s), tuple(self.step_marks))
+
+    def runs(self) -> list[SeedRun]:
+        """Every (cell, seed) in run order: seed outer, then staleness, then objective."""
+        return [SeedRun(c, s) for s in self.seeds for c in self.cells()]
 
     def cells(self) -> list[CellSpec]:
         """Grid points in run order: staleness outer, objective inner."""
@@ -57,22 +74,24 @@ class SweepSpec:
             for obj in self.objectives
         ]
 
-    def cell_overrides(self, cell: CellSpec) -> list[str]:
-        """Dotlist of a cell: common, then objective, then what the sweep owns (last wins)."""
+    def run_overrides(self, run: SeedRun) -> list[str]:
+        """Dotlist of a run: common, then objective, then what the sweep owns (last wins)."""
+        cell = run.cell
         return [
             *self.overrides,
             *self.objectives[cell.objective],
             f"buffer.max_staleness={cell.max_staleness}",
-            f"run.name={cell.name}",
-            f"run.dir={cell.dir}",
+            f"run.seed={run.seed}",
+            f"run.name={cell.name}-seed{run.seed}",
+            f"run.dir={run.dir}",
             "run.progress=false",
         ]
 
-    def command(self, cell: CellSpec) -> list[str]:
+    def command(self, run: SeedRun) -> list[str]:
         cmd = [sys.executable, "-m", "asyncrl.cli", "run"]
         if self.base_config is not None:
             cmd += ["--config", str(self.base_config)]
-        return cmd + self.cell_overrides(cell)
+        return cmd + self.run_overrides(run)
 
 
 # ---------------------------------------------------------------------------------------- validation
@@ -157,6 +176,21 @@ def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepS
     for m in marks:
         if isinstance(m, bool) or not isinstance(m, int | float) or m <= 0:
             raise _fail("sweep.marks_s", f"{m!r} is not a number of seconds > 0")
+    seeds = _unique_list(s.get("seeds", list(DEFAULT_SEEDS)), "sweep.seeds")
+    for v in seeds:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise _fail("sweep.seeds", f"{v!r} is not an integer >= 0")
+    step_marks = s.get("step_marks") or []
+    if not isinstance(step_marks, list):
+        raise _fail("sweep.step_marks", f"must be a list of learner steps, got {step_marks!r}")
+    for m in step_marks:
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise _fail("sweep.step_marks", f"{m!r} is not a learner step (integer >= 1)")
+    baseline = s.get("baseline", "naive" if "naive" in objectives else None)
+    if baseline is not None and baseline not in objectives:
+        raise _fail(
+            "sweep.baseline", f"{baseline!r} is not an objective of the grid ({', '.join(objectives)})"
+        )
     timeout = s.get("cell_timeout_s", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
         raise _fail("sweep.cell_timeout_s", f"{timeout!r} is not a number of seconds >= 0")
@@ -175,6 +209,9 @@ def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepS
         overrides=_dotlist(s.get("overrides"), "sweep.overrides"),
         marks_s=sorted({float(m) for m in marks}),
         cell_timeout_s=float(timeout),
+        seeds=list(seeds),
+        step_marks=sorted(set(step_marks)),
+        baseline=baseline,
     )
 
 
@@ -196,9 +233,9 @@ def load_spec(path: str | Path | None, overrides: list[str] | None = None) -> Sw
     spec.overrides += _dotlist([o for o in overrides if not o.startswith("sweep.")], "command-line overrides")
     from asyncrl.cli import _check_model_path  # what `asyncrl run` checks, before any cell pays start-up
 
-    for cell in spec.cells():
+    for cell in spec.cells():  # the seed changes nothing a config check looks at: one run per cell
         try:
-            _check_model_path(load_config(spec.base_config, spec.cell_overrides(cell)))
+            _check_model_path(load_config(spec.base_config, spec.run_overrides(SeedRun(cell, spec.seeds[0]))))
         except ConfigError as e:
             raise ConfigError(f"sweep cell {cell.name}: {e}") from None
     return spec
@@ -208,26 +245,26 @@ def load_spec(path: str | Path | None, overrides: list[str] | None = None) -> Sw
 
 
 class _Interrupted(Exception):
-    """SIGINT/SIGTERM reached the sweep; the running cell is stopped and marked for a re-run."""
+    """SIGINT/SIGTERM reached the sweep; the running seed run is stopped and marked for a re-run."""
 
 
 def _raise_interrupt(*_: Any) -> None:
     raise _Interrupted
 
 
-def read_marker(cell: CellSpec) -> dict[str, Any]:
-    p = cell.dir / MARKER
+def read_marker(run: SeedRun) -> dict[str, Any]:
+    p = run.dir / MARKER
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def _write_marker(cell: CellSpec, **info: Any) -> None:
-    (cell.dir / MARKER).write_text(json.dumps(info, indent=2))
+def _write_marker(run: SeedRun, **info: Any) -> None:
+    (run.dir / MARKER).write_text(json.dumps(info, indent=2))
 
 
-def is_finished(cell: CellSpec) -> bool:
+def is_finished(run: SeedRun) -> bool:
     """summary.json exists and the sweep did not record a failure or interruption (a run writes its
     summary even when its learner crashed or it was stopped, so summary.json alone is not success)."""
-    return (cell.dir / "summary.json").exists() and read_marker(cell).get("status", "ok") == "ok"
+    return (run.dir / "summary.json").exists() and read_marker(run).get("status", "ok") == "ok"
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
@@ -235,23 +272,23 @@ def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
     stop_process(proc, grace_s)
 
 
-def run_cell(spec: SweepSpec, cell: CellSpec) -> tuple[str, int | None]:
-    """Run one cell to completion; returns (status, exit code). Output goes to <cell>/run.log."""
-    if cell.dir.exists():
+def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
+    """Run one seed of a cell to completion; returns (status, exit code). Output in <run dir>/run.log."""
+    if run.dir.exists():
         # A failed or interrupted attempt: keep it for forensics, start clean (the run would otherwise
         # resume its checkpoints and append to metrics.jsonl with a second clock).
-        aside = cell.dir.with_name(cell.name + ".failed")
+        aside = run.dir.with_name(run.dir.name + ".failed")
         shutil.rmtree(aside, ignore_errors=True)
-        cell.dir.rename(aside)
-    cell.dir.mkdir(parents=True)
-    cmd = spec.command(cell)
+        run.dir.rename(aside)
+    run.dir.mkdir(parents=True)
+    cmd = spec.command(run)
     started = time.time()
-    _write_marker(cell, status="running", started=started, cmd=cmd)
+    _write_marker(run, status="running", started=started, cmd=cmd)
     proc: subprocess.Popen | None = None
     timed_out = False
     try:
-        with (cell.dir / "run.log").open("ab") as log:
-            # Own session: a terminal Ctrl-C reaches the sweep only, which then stops the cell in order.
+        with (run.dir / "run.log").open("ab") as log:
+            # Own session: a terminal Ctrl-C reaches the sweep only, which then stops the run in order.
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         while proc.poll() is None:
             if spec.cell_timeout_s and time.time() - started > spec.cell_timeout_s:
@@ -265,29 +302,22 @@ def run_cell(spec: SweepSpec, cell: CellSpec) -> tuple[str, int | None]:
         if proc is not None:
             _stop(proc)
             code = proc.returncode
-        _write_marker(cell, status="interrupted", started=started, ended=time.time(), exit_code=code, cmd=cmd)
+        _write_marker(run, status="interrupted", started=started, ended=time.time(), exit_code=code, cmd=cmd)
         raise
     status = "ok" if proc.returncode == 0 and not timed_out else "failed"
-    _write_marker(
-        cell,
-        status=status,
-        started=started,
-        ended=time.time(),
-        exit_code=proc.returncode,
-        timed_out=timed_out,
-        cmd=cmd,
-    )
+    _write_marker(run, status=status, started=started, ended=time.time(), exit_code=proc.returncode,
+                  timed_out=timed_out, cmd=cmd)  # fmt: skip
     return status, proc.returncode
 
 
-def _status_line(cell: CellSpec, status: str, code: int | None, elapsed: float | None) -> str:
+def _status_line(run: SeedRun, status: str, code: int | None, elapsed: float | None) -> str:
     if status != "ok":
-        why = "timed out" if read_marker(cell).get("timed_out") else f"exit {code}"
-        return f"FAILED ({why})  log: {cell.dir / 'run.log'}"
-    summary = json.loads((cell.dir / "summary.json").read_text())
+        why = "timed out" if read_marker(run).get("timed_out") else f"exit {code}"
+        return f"FAILED ({why})  log: {run.dir / 'run.log'}"
+    summary = json.loads((run.dir / "summary.json").read_text())
     from asyncrl.sweep_report import load_metrics
 
-    recs = load_metrics(cell.dir / "metrics.jsonl")
+    recs = load_metrics(run.dir / "metrics.jsonl")
     smean = sum(r["staleness_mean"] for r in recs) / len(recs) if recs else 0.0
     smax = max((r["staleness_max"] for r in recs), default=0)
     dropped = sum(r["dropped_stale"] for r in recs)
@@ -296,43 +326,48 @@ def _status_line(cell: CellSpec, status: str, code: int | None, elapsed: float |
     took = f"{elapsed:.0f}s" if elapsed is not None else "skipped (done)"
     return (
         f"ok  {took}  steps {len(recs)}  reward {rew}  staleness {smean:.2f}/{smax:g} "
-        f"(bound {cell.max_staleness})  dropped {dropped}"
+        f"(bound {run.cell.max_staleness})  dropped {dropped}"
     )
 
 
 def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None) -> int:
-    """`asyncrl sweep`: run every unfinished cell, then write the report. 0 iff every cell succeeded."""
+    """`asyncrl sweep`: run every unfinished seed of every cell, then write the report.
+
+    Returns 0 iff every run succeeded (130 when interrupted).
+    """
     spec = load_spec(config_path, overrides)
     spec.dir.mkdir(parents=True, exist_ok=True)
-    cells = spec.cells()
-    print(f"sweep {spec.name}: {len(cells)} cells in {spec.dir}", flush=True)
+    runs = spec.runs()
+    print(f"sweep {spec.name}: {len(spec.cells())} cells x {len(spec.seeds)} seeds in {spec.dir}", flush=True)
     statuses: dict[str, tuple[str, int | None]] = {}
     prev = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     interrupted = False
     try:
-        for i, cell in enumerate(cells, 1):
-            print(f"[{i}/{len(cells)}] {cell.name:<20} ", end="", flush=True)
-            if is_finished(cell):
-                statuses[cell.name] = ("ok", read_marker(cell).get("exit_code", 0))
-                print(_status_line(cell, "ok", None, None), flush=True)
+        for i, run in enumerate(runs, 1):
+            print(f"[{i}/{len(runs)}] {run.name:<26} ", end="", flush=True)
+            if is_finished(run):
+                statuses[run.name] = ("ok", read_marker(run).get("exit_code", 0))
+                print(_status_line(run, "ok", None, None), flush=True)
                 continue
             t0 = time.time()
-            statuses[cell.name] = run_cell(spec, cell)
-            print(_status_line(cell, *statuses[cell.name], time.time() - t0), flush=True)
+            statuses[run.name] = run_one(spec, run)
+            print(_status_line(run, *statuses[run.name], time.time() - t0), flush=True)
     except _Interrupted:
         interrupted = True
-        print("interrupted; the cell is marked for a re-run", flush=True)
+        print("interrupted; the run is marked for a re-run", flush=True)
     finally:
         for s, h in prev.items():
             signal.signal(s, h)
-    for cell in cells:  # cells not reached (interrupt) still get a row, with whatever is on disk
-        if cell.name not in statuses:
-            marker = read_marker(cell)
-            done = is_finished(cell)
-            statuses[cell.name] = ("ok" if done else marker.get("status", "missing"), marker.get("exit_code"))
-    write_report(cells, statuses, spec.marks_s, spec.dir)
+    for run in runs:  # runs not reached (interrupt) still get a row, with whatever is on disk
+        if run.name not in statuses:
+            marker = read_marker(run)
+            done = is_finished(run)
+            statuses[run.name] = ("ok" if done else marker.get("status", "missing"), marker.get("exit_code"))
+    write_report(spec.cells(), spec.seeds, statuses, spec.marks, spec.dir, spec.baseline)
     failed = [n for n, (st, _) in statuses.items() if st != "ok"]
-    print(f"results: {spec.dir / 'results.csv'}  {spec.dir / 'results.md'}  (+ 4 PNGs)")
+    print(
+        f"results: {spec.dir / 'results.md'}  {spec.dir / 'results.csv'}  (+ runs.csv, comparison.csv, PNGs)"
+    )
     if failed:
         print(f"not ok: {', '.join(failed)}; re-run the same command to retry them", file=sys.stderr)
     return 130 if interrupted else (1 if failed else 0)

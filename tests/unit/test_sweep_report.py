@@ -11,14 +11,20 @@ import yaml
 
 from asyncrl.config import ConfigError, load_config, to_yaml
 from asyncrl.sweep import SweepSpec, is_finished, load_spec, parse_spec
+from asyncrl.sweep_plots import PNGS
 from asyncrl.sweep_report import (
-    HEAD_COLUMNS,
-    TAIL_COLUMNS,
     CellSpec,
+    Marks,
+    SeedRun,
     columns,
     final_reward,
+    metric_columns,
     reward_at,
+    reward_at_step,
     reward_auc,
+    run_columns,
+    staleness_hist,
+    startup_s,
     write_report,
 )
 
@@ -53,16 +59,14 @@ def _record(step: int, t: float, reward: float, **kw) -> dict:
     return rec
 
 
-def _make_cell(
-    tmp: Path, name: str, s: int, obj: str, recs: list[dict], summary: dict | None = None
-) -> CellSpec:
-    d = tmp / name
-    d.mkdir(parents=True)
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (d / "config.yaml").write_text(to_yaml(load_config(overrides=[f"actors.group_size={GROUP_SIZE}"])))
+def _make_run(tmp: Path, cell: CellSpec, seed: int, recs: list[dict], summary: dict | None = None) -> SeedRun:
+    run = SeedRun(cell, seed)
+    run.dir.mkdir(parents=True)
+    (run.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run.dir / "config.yaml").write_text(to_yaml(load_config(overrides=[f"actors.group_size={GROUP_SIZE}"])))
     if summary is not None:
-        (d / "summary.json").write_text(json.dumps(summary))
-    return CellSpec(name, s, obj, d)
+        (run.dir / "summary.json").write_text(json.dumps(summary))
+    return run
 
 
 # Irregular times and rewards so that an off-by-one in a window shows.
@@ -78,72 +82,107 @@ def test_reward_math_against_reference():
     recs = [_record(i + 1, t, r) for i, (t, r) in enumerate(zip(TIMES, REWARDS, strict=True))]
     assert final_reward(recs) == pytest.approx((0.2 + 0.6 + 0.5) / 3)
     assert reward_auc(recs) == pytest.approx(_ref_trapz(TIMES, REWARDS))
-    assert reward_at(recs, 60) is None  # nothing finished by 60 s
-    assert reward_at(recs, 62) == pytest.approx(0.1)  # a step finishing exactly at the mark counts
-    assert reward_at(recs, 80) == pytest.approx((0.1 + 0.3 + 0.2) / 3)
-    assert reward_at(recs, 100) == pytest.approx((0.3 + 0.2 + 0.6) / 3)
+    # The clock starts when the first batch was ready: first step end minus its train and publish time.
+    assert startup_s(recs) == 62.0
+    timed = [dict(r, train_s=1.5, publish_s=0.5) if r["step"] == 1 else r for r in recs]
+    assert startup_s(timed) == 60.0
+    assert reward_at(timed, 1.0) is None  # the first step ended 2 s after start-up
+    assert reward_at(recs, 0) == pytest.approx(0.1)  # a step finishing exactly at the mark counts
+    assert reward_at(recs, 18) == pytest.approx((0.1 + 0.3 + 0.2) / 3)
+    assert reward_at(recs, 38) == pytest.approx((0.3 + 0.2 + 0.6) / 3)
     assert reward_at(recs, 1e9) == final_reward(recs)
+    # Equal-steps view: the last 3 steps up to step n; a run that stopped before n has no value.
+    assert reward_at_step(recs, 1) == pytest.approx(0.1)
+    assert reward_at_step(recs, 4) == pytest.approx((0.3 + 0.2 + 0.6) / 3)
+    assert reward_at_step(recs, 6) is None
     assert reward_auc(recs[:1]) == pytest.approx(0.1)
-    assert final_reward([]) is None and reward_auc([]) is None
+    assert final_reward([]) is None and reward_auc([]) is None and reward_at_step([], 1) is None
+    h = [_record(1, 1.0, 0.0, staleness_hist={"0": 3, "2": 1}), _record(2, 2.0, 0.0, staleness_hist={"2": 4})]
+    assert staleness_hist(h) == {0: 3, 2: 5}
 
 
-def test_report_csv_md_and_plots(tmp_path: Path):
-    recs = [
-        _record(
-            i + 1, t, r, staleness_mean=float(i % 2), staleness_max=i % 3, dropped_stale=i, wait_s=0.5 * i
-        )
-        for i, (t, r) in enumerate(zip(TIMES, REWARDS, strict=True))
-    ]
-    summary = {
-        "wall_s": 140.0,
-        "actors": {"actor-0": {"generated_tokens": 700}, "actor-1": {"generated_tokens": 700}},
-    }
-    good = _make_cell(tmp_path, "s2-corrected", 2, "corrected", recs, summary)
-    one = _make_cell(tmp_path, "s0-naive", 0, "naive", recs[:1], {"wall_s": 70.0})
-    failed = _make_cell(tmp_path, "s2-naive", 2, "naive", [], {"wall_s": 5.0})
-    marks = [60.0, 100.0]
-    rows = write_report(
-        [one, failed, good],
-        {"s0-naive": ("ok", 0), "s2-naive": ("failed", 1), "s2-corrected": ("ok", 0)},
-        marks,
-        tmp_path,
-    )
-    with (tmp_path / "results.csv").open() as f:
-        table = list(csv.DictReader(f))
-    assert list(table[0]) == columns(marks)
-    assert list(table[0]) == [*HEAD_COLUMNS, "reward_at_60s", "reward_at_100s", *TAIL_COLUMNS]
-    assert [r["cell"] for r in table] == ["s0-naive", "s2-naive", "s2-corrected"]
-    g = table[2]
+def test_report_runs_cells_intervals_comparison_and_plots(tmp_path: Path):
+    from asyncrl.sweep_stats import bootstrap_ci, paired_ci
+
+    marks = Marks(seconds=(10.0, 40.0), steps=(2, 5))
+    cells = [CellSpec(n, s, o, tmp_path / n) for n, s, o in
+             (("s0-naive", 0, "naive"), ("s2-naive", 2, "naive"), ("s2-full", 2, "full"))]  # fmt: skip
+    statuses = {}
+    rewards: dict[tuple[str, int], list[float]] = {}
+    for ci, cell in enumerate(cells):
+        for seed in (0, 1, 2):
+            rw = [r + 0.05 * seed + 0.1 * ci for r in REWARDS]
+            recs = [_record(i + 1, t, y, staleness_hist={"0": 10, "1": 5 * i}, dropped_stale=i, wait_s=0.5 * i)
+                    for i, (t, y) in enumerate(zip(TIMES, rw, strict=True))]  # fmt: skip
+            if (cell.name, seed) == ("s2-naive", 2):  # a failed seed: no steps, not in any mean
+                recs = []
+            rewards[(cell.name, seed)] = rw
+            _make_run(
+                tmp_path, cell, seed, recs, {"wall_s": 140.0, "actors": {"a": {"generated_tokens": 700}}}
+            )
+            failed = (cell.name, seed) == ("s2-naive", 2)
+            statuses[SeedRun(cell, seed).name] = ("failed", 1) if failed else ("ok", 0)
+    rows = write_report(cells, [0, 1, 2], statuses, marks, tmp_path, baseline="naive")
+
+    with (tmp_path / "runs.csv").open() as f:
+        runs = list(csv.DictReader(f))
+    assert list(runs[0]) == run_columns(marks) and len(runs) == 9
+    r = next(x for x in runs if x["cell"] == "s2-full" and x["seed"] == "1")
     window = TIMES[-1] - TIMES[0]
-    assert int(g["max_staleness"]) == 2 and g["objective"] == "corrected" and g["status"] == "ok"
-    assert int(g["steps"]) == 5
-    assert float(g["final_reward"]) == pytest.approx((0.2 + 0.6 + 0.5) / 3, rel=1e-5)
-    assert g["reward_at_60s"] == ""
-    assert float(g["reward_at_100s"]) == pytest.approx((0.3 + 0.2 + 0.6) / 3, rel=1e-5)
-    assert float(g["reward_auc"]) == pytest.approx(_ref_trapz(TIMES, REWARDS), rel=1e-5)
-    # Rates over the training window: steps after the first, between first and last step ends.
-    assert float(g["samples_per_s"]) == pytest.approx(4 * 2 * GROUP_SIZE / window, rel=1e-5)
-    assert float(g["trained_tokens_per_s"]) == pytest.approx(4 * 50 / window, rel=1e-5)
-    assert float(g["learner_wait_frac"]) == pytest.approx(0.5 * (1 + 2 + 3 + 4) / window, rel=1e-5)
-    assert float(g["gen_tokens_per_s"]) == pytest.approx(1400 / 140.0, rel=1e-5)
-    assert float(g["staleness_mean"]) == pytest.approx(sum(i % 2 for i in range(5)) / 5, rel=1e-5)
-    assert int(g["staleness_max"]) == 2
-    assert float(g["mismatch_kl_mean"]) == pytest.approx(0.01) and float(
-        g["rollout_kl_mean"]
-    ) == pytest.approx(0.02)
-    assert int(g["dropped_groups"]) == 0 + 1 + 2 + 3 + 4
-    assert float(g["wall_s"]) == 140.0
-    # One step: no window, so no rates; no actor info, so no generated tokens/s.
-    assert table[0]["samples_per_s"] == "" and table[0]["gen_tokens_per_s"] == ""
-    assert float(table[0]["reward_auc"]) == pytest.approx(0.1)
-    f = table[1]
-    assert f["status"] == "failed" and f["exit_code"] == "1" and f["steps"] == "0" and f["final_reward"] == ""
-    assert rows[2]["cell"] == "s2-corrected"
-    md = (tmp_path / "results.md").read_text().splitlines()
-    assert len(md) == 2 + 3 and "s2-corrected" in md[-1]
-    for png in ("reward_vs_step", "reward_vs_time", "final_reward_vs_staleness", "throughput_vs_staleness"):
-        p = tmp_path / f"{png}.png"
-        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int(r["steps"]) == 5 and r["status"] == "ok"
+    assert float(r["final_reward"]) == pytest.approx(sum(rewards[("s2-full", 1)][-3:]) / 3, rel=1e-5)
+    assert float(r["reward_mean_steps"]) == pytest.approx(sum(rewards[("s2-full", 1)]) / 5, rel=1e-5)
+    assert float(r["reward_at_step_2"]) == pytest.approx(sum(rewards[("s2-full", 1)][:2]) / 2, rel=1e-5)
+    assert float(r["reward_at_10s"]) == pytest.approx(
+        sum(rewards[("s2-full", 1)][:2]) / 2, rel=1e-5
+    )  # t <= 72
+    assert float(r["samples_per_s"]) == pytest.approx(4 * 2 * GROUP_SIZE / window, rel=1e-5)
+    assert float(r["learner_wait_frac"]) == pytest.approx(0.5 * (1 + 2 + 3 + 4) / window, rel=1e-5)
+    # Token-weighted staleness from the distribution: 50 tokens at 0, 5*(0+1+2+3+4)=50 at 1.
+    assert float(r["staleness_mean"]) == pytest.approx(0.5) and int(r["staleness_max"]) == 1
+    assert int(r["dropped_groups"]) == 10 and float(r["gen_tokens_per_s"]) == pytest.approx(5.0)
+
+    with (tmp_path / "results.csv").open() as f:
+        table = {x["cell"]: x for x in csv.DictReader(f)}
+    assert list(next(iter(table.values()))) == columns(marks)
+    for cell in cells:
+        ok = [s for s in (0, 1, 2) if statuses[SeedRun(cell, s).name][0] == "ok"]
+        finals = [sum(rewards[(cell.name, s)][-3:]) / 3 for s in ok]
+        ci = bootstrap_ci(finals)
+        row = table[cell.name]
+        assert int(row["seeds"]) == 3 and int(row["seeds_ok"]) == len(ok)
+        for sfx, v in (("", ci.mean), ("_lo", ci.lo), ("_hi", ci.hi)):
+            assert float(row["final_reward" + sfx]) == pytest.approx(v, rel=1e-5)
+        for col in metric_columns(marks):  # every column has its interval, and it brackets the mean
+            if row[col] != "":
+                assert float(row[col + "_lo"]) <= float(row[col]) + 1e-9 <= float(row[col + "_hi"]) + 2e-9, (
+                    col
+                )
+    assert table["s2-naive"]["seeds_ok"] == "2"
+    assert rows[0]["cell"] == "s0-naive"
+
+    with (tmp_path / "comparison.csv").open() as f:
+        comp = list(csv.DictReader(f))
+    assert {c["max_staleness"] for c in comp} == {"2"} and {c["objective"] for c in comp} == {"full"}
+    fin = next(c for c in comp if c["metric"] == "final_reward")
+    want = paired_ci({s: sum(rewards[("s2-full", s)][-3:]) / 3 for s in (0, 1, 2)},
+                     {s: sum(rewards[("s2-naive", s)][-3:]) / 3 for s in (0, 1)})  # fmt: skip
+    assert int(fin["n"]) == 2 and float(fin["diff"]) == pytest.approx(0.1, rel=1e-5) == want.mean
+    assert fin["significant"] == "True"  # +0.1 on both paired seeds
+    assert {c["metric"] for c in comp} >= {
+        "final_reward",
+        "reward_at_step_5",
+        "reward_auc_time",
+        "reward_at_40s",
+    }
+
+    with (tmp_path / "staleness.csv").open() as f:
+        dist = [x for x in csv.DictReader(f) if x["cell"] == "s0-naive"]
+    assert [(d["staleness"], d["tokens"]) for d in dist] == [("0", "150"), ("1", "150")]
+    md = (tmp_path / "results.md").read_text()
+    assert "| s2-naive | 2/3 |" in md and "Paired difference" in md and "[" in md
+    for png in PNGS:
+        assert (tmp_path / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
 
 def _raw(**sweep) -> dict:
@@ -165,10 +204,14 @@ def test_parse_spec_builds_cells_and_overrides():
     cells = spec.cells()
     assert [c.name for c in cells] == ["s0-naive", "s0-corrected", "s2-naive", "s2-corrected"]
     assert all(c.dir == spec.dir / c.name for c in cells)
-    ov = spec.cell_overrides(cells[2])
+    assert spec.seeds == [0, 1, 2] and spec.baseline == "naive"
+    runs = spec.runs()  # seeds outer: a sweep interrupted half-way has whole grids for its first seeds
+    assert [r.name for r in runs[:5]] == [*(f"{c.name}/seed0" for c in cells), "s0-naive/seed1"]
+    ov = spec.run_overrides(runs[2 + 4])
     assert ov[:2] == ["run.max_steps=3", "learner.loss.is_mode=none"]
-    assert "buffer.max_staleness=2" in ov and "run.name=s2-naive" in ov and "run.progress=false" in ov
-    cmd = spec.command(cells[2])
+    assert "buffer.max_staleness=2" in ov and "run.name=s2-naive-seed1" in ov and "run.progress=false" in ov
+    assert "run.seed=1" in ov and f"run.dir={spec.dir / 's2-naive' / 'seed1'}" in ov
+    cmd = spec.command(runs[2])
     assert cmd[1:4] == ["-m", "asyncrl.cli", "run"] and "--config" not in cmd
     spec2 = parse_spec(_raw(), ["sweep.grid.max_staleness=[4]", "sweep.dir=/tmp/x"])
     assert spec2.max_staleness == [4] and spec2.dir == Path("/tmp/x")
@@ -190,7 +233,13 @@ def test_parse_spec_builds_cells_and_overrides():
         (_raw(grid={"max_staleness": [0], "objective": ["magic"]}), "sweep.objectives.magic"),
         (_raw(objectives={"naive": "learner.lr=1", "corrected": []}), "sweep.objectives.naive"),
         (_raw(overrides=["run.max_steps"]), "sweep.overrides[0]"),
-        (_raw(overrides=["run.seed=1", "buffer.max_staleness=3"]), "sweep.overrides[1]"),
+        (_raw(overrides=["run.max_steps=1", "buffer.max_staleness=3"]), "sweep.overrides[1]"),
+        (_raw(overrides=["run.seed=1"]), "sweep.overrides[0]"),
+        (_raw(seeds=[0, 0]), "sweep.seeds"),
+        (_raw(seeds=[-1]), "sweep.seeds"),
+        (_raw(seeds=[]), "sweep.seeds"),
+        (_raw(step_marks=[0]), "sweep.step_marks"),
+        (_raw(baseline="nope"), "sweep.baseline"),
         (_raw(objectives={"naive": ["run.dir=/x"], "corrected": []}), "sweep.objectives.naive[0]"),
         (_raw(marks_s=[60, -1]), "sweep.marks_s"),
         (_raw(cell_timeout_s=-5), "sweep.cell_timeout_s"),
@@ -220,15 +269,23 @@ def test_load_spec_checks_cell_configs(tmp_path: Path):
 def test_shipped_sweep_configs_validate(name, monkeypatch):
     monkeypatch.chdir(REPO)
     spec = load_spec(REPO / "configs" / name)
-    assert spec.objectives["naive"] and spec.objectives["corrected"] == []
-    assert any(o.startswith("learner.fill_window=") for o in spec.overrides)
-    n = 10 if name == "sweep_staleness.yaml" else 4
-    assert len(spec.cells()) == n
+    assert spec.objectives["naive"] and spec.objectives["full"] == [] and spec.baseline == "naive"
+    assert "learner.fill_window=true" in spec.overrides
+    if name == "sweep_staleness.yaml":
+        assert spec.max_staleness == [0, 1, 2, 4, 8, 16] and list(spec.objectives) == [
+            "naive",
+            "dppo",
+            "dppo-k2",
+            "full",
+        ]
+        assert len(spec.seeds) >= 3 and spec.step_marks and spec.marks_s
+    else:
+        assert len(spec.cells()) == 2 and len(spec.seeds) == 2
 
 
 def test_finished_means_summary_and_no_failure_marker(tmp_path: Path):
-    cell = CellSpec("s0-naive", 0, "naive", tmp_path / "s0-naive")
-    cell.dir.mkdir()
+    cell = SeedRun(CellSpec("s0-naive", 0, "naive", tmp_path / "s0-naive"), 1)
+    cell.dir.mkdir(parents=True)
     assert not is_finished(cell)
     (cell.dir / "summary.json").write_text("{}")
     assert is_finished(cell)  # a summary without a marker: finished (the sweep died after the cell)
@@ -261,27 +318,35 @@ def test_run_sweep_failure_row_retry_and_skip(tmp_path: Path, monkeypatch, capsy
     from asyncrl.sweep import run_sweep
 
     monkeypatch.setattr(
-        SweepSpec, "command", lambda self, cell: [sys.executable, "-c", FAKE_RUN, *self.cell_overrides(cell)]
+        SweepSpec, "command", lambda self, run: [sys.executable, "-c", FAKE_RUN, *self.run_overrides(run)]
     )
     p = tmp_path / "s.yaml"
-    p.write_text(yaml.safe_dump(_raw(dir=str(tmp_path / "out"))))
-    monkeypatch.setenv("FAIL_CELLS", "s2-naive")
-    assert run_sweep(p) == 1  # one failed cell does not stop the others
+    p.write_text(yaml.safe_dump(_raw(dir=str(tmp_path / "out"), seeds=[0, 1])))
+    monkeypatch.setenv("FAIL_CELLS", "s2-naive-seed1")
+    assert run_sweep(p) == 1  # one failed run does not stop the others
+    with (tmp_path / "out" / "runs.csv").open() as f:
+        runs = {(r["cell"], r["seed"]): r for r in csv.DictReader(f)}
+    assert (
+        len(runs) == 8
+        and runs[("s2-naive", "1")]["status"] == "failed"
+        and runs[("s2-naive", "1")]["exit_code"] == "1"
+    )
+    assert sum(r["status"] == "ok" for r in runs.values()) == 7
     with (tmp_path / "out" / "results.csv").open() as f:
         table = {r["cell"]: r for r in csv.DictReader(f)}
-    assert (
-        len(table) == 4 and table["s2-naive"]["status"] == "failed" and table["s2-naive"]["exit_code"] == "1"
-    )
-    assert all(table[c]["status"] == "ok" for c in ("s0-naive", "s0-corrected", "s2-corrected"))
+    assert table["s2-naive"]["seeds_ok"] == "1" and table["s0-naive"]["seeds_ok"] == "2"
     assert float(table["s0-naive"]["final_reward"]) == pytest.approx(0.3)
     assert "FAILED (exit 1)" in capsys.readouterr().out
-    mtimes = {c: (tmp_path / "out" / c / "summary.json").stat().st_mtime_ns for c in table}
+    dirs = [tmp_path / "out" / c / f"seed{s}" for c, s in runs]
+    mtimes = {d: (d / "summary.json").stat().st_mtime_ns for d in dirs}
     monkeypatch.setenv("FAIL_CELLS", "")
-    assert run_sweep(p) == 0  # the failed cell is retried from scratch, the others skipped
+    assert run_sweep(p) == 0  # the failed run is retried from scratch, the others skipped
     out = capsys.readouterr().out
-    assert out.count("skipped (done)") == 3
-    assert (tmp_path / "out" / "s2-naive.failed" / "run.log").exists()
-    for c, m in mtimes.items():
-        assert ((tmp_path / "out" / c / "summary.json").stat().st_mtime_ns == m) == (c != "s2-naive")
+    assert out.count("skipped (done)") == 7
+    assert (tmp_path / "out" / "s2-naive" / "seed1.failed" / "run.log").exists()
+    for d, m in mtimes.items():
+        assert ((d / "summary.json").stat().st_mtime_ns == m) == (
+            d.parent.name != "s2-naive" or d.name != "seed1"
+        )
     with (tmp_path / "out" / "results.csv").open() as f:
-        assert all(r["status"] == "ok" for r in csv.DictReader(f))
+        assert all(r["seeds_ok"] == "2" for r in csv.DictReader(f))
