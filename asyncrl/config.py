@@ -265,6 +265,28 @@ class ActorsConfig:
 
 
 @dataclass
+class AdaptiveStalenessConfig:
+    enabled: bool = F(
+        False,
+        "Let the learner move the admission bound in [min_bound, max_staleness] at run time from measured "
+        "signals (learner idle fraction, ESS of the importance weights, drift KL per staleness bucket; "
+        "asyncrl.learner.adaptive). max_staleness stays the hard drop bound and the ceiling.",
+    )
+    start: int = F(-1, "Admission bound at learner start (-1 = max_staleness).", ge=-1)
+    min_bound: int = F(0, "Lowest admission bound the controller may set (<= max_staleness).", ge=0)
+    every_steps: int = F(5, "Learner steps per decision; the signals are averaged over them.", ge=1)
+    target_idle: float = F(
+        0.2, "Raise the bound by 1 when the learner waited for data more than this share of the time.", ge=0, le=1
+    )
+    min_ess: float = F(
+        0.5, "Lower the bound by 1 when the mean normalised ESS of the importance weights falls below.", ge=0, le=1
+    )
+    max_drift_kl: float = F(
+        0.05, "Lower the bound by 1 when the KL(mu || pi_prox) of any token-staleness bucket exceeds this.", gt=0
+    )
+
+
+@dataclass
 class BufferConfig:
     max_staleness: int = F(
         1,
@@ -275,6 +297,9 @@ class BufferConfig:
     groups_per_step: int = F(4, "Groups the learner consumes per optimizer step.", ge=1)
     maxlen: int = F(
         100000, "Approximate cap on the rollouts stream length (admission is the real bound).", ge=1
+    )
+    adaptive: AdaptiveStalenessConfig = F(
+        AdaptiveStalenessConfig(), "Adaptive admission bound (off by default; asyncrl.learner.adaptive)."
     )
 
 
@@ -393,6 +418,10 @@ def _validate(obj: Any, prefix: str) -> None:
             bound = m.get(op)
             if bound is not None and not ok(value, bound):
                 raise ConfigError(f"{key}={value!r} is out of range; must be {word} {bound}")
+    if isinstance(obj, BufferConfig) and obj.adaptive.min_bound > obj.max_staleness:
+        raise ConfigError(
+            f"{prefix}adaptive.min_bound={obj.adaptive.min_bound} must be <= {prefix}max_staleness={obj.max_staleness}"
+        )
     if isinstance(obj, TinyModelConfig):
         if obj.hidden_size % obj.num_heads or obj.hidden_size // obj.num_heads < 32:
             raise ConfigError(

@@ -47,6 +47,7 @@ from asyncrl.learner import tracking
 from asyncrl.learner.checkpoint import LearnerState, Skipped, load_checkpoint, read_latest, save_checkpoint
 from asyncrl.learner.engine import LearnerEngine, build_engine, init_distributed
 from asyncrl.learner import adaptive
+from asyncrl.learner import adaptive
 from asyncrl.learner.feed import Batch, Rank0, broadcast
 from asyncrl.learner.logprobs import ReferenceModel
 from asyncrl.learner.records import OBJECTIVE_FIELDS, StepRecord
@@ -133,6 +134,9 @@ def learn(
         pad_id = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
         trainer = Trainer(cfg, le, ref, int(pad_id))
         r0 = Rank0(cfg, run_dir, model_path, le.dtype_name) if rank == 0 else None
+        if r0 is not None:  # the adaptive admission bound: set (or cleared) in Redis, moved after steps
+            adapt = adaptive.install(cfg, r0.buffer, run_dir)
+            callbacks += [adapt] if adapt is not None else []
 
         if not resume and rank == 0 and (r0.published_max() >= 0 or read_latest(run_dir) is not None):
             raise RuntimeError(

@@ -1,0 +1,70 @@
+"""The adaptive staleness controller's decisions (pure logic; the Redis side is in tests/integration)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.learner.adaptive import StalenessController
+
+
+def _rec(
+    step: int, wait_s: float = 0.0, step_s: float = 1.0, ess: float = 0.9, kl: dict | None = None
+) -> dict:
+    return {
+        "step": step,
+        "wait_s": wait_s,
+        "step_s": step_s,
+        "ess": ess,
+        "drift_kl": {"1": 0.001} if kl is None else kl,
+    }
+
+
+def _feed(ctrl: StalenessController, recs: list[dict]) -> list:
+    return [d for d in (ctrl.observe(r) for r in recs) if d is not None]
+
+
+def test_decides_every_n_steps_on_window_means() -> None:
+    c = StalenessController(8, start=2, every_steps=4, target_idle=0.2)
+    # Idle 0.1, 0.1, 0.1, 0.5 -> window mean 0.8 s / 4 s = 0.2: not above the target, hold.
+    ds = _feed(c, [_rec(1, 0.1), _rec(2, 0.1), _rec(3, 0.1), _rec(4, 0.5)])
+    assert len(ds) == 1 and ds[0].reason == "hold" and ds[0].bound == 2 and ds[0].step == 4
+    assert ds[0].idle_frac == pytest.approx(0.2)
+    # The idle fraction is total wait / total step time (long steps weigh more), not a mean of ratios.
+    ds = _feed(c, [_rec(5, 0.0, 10.0), _rec(6, 0.8, 1.0), _rec(7, 0.8, 1.0), _rec(8, 0.8, 1.0)])
+    assert ds[0].idle_frac == pytest.approx(2.4 / 13) and ds[0].reason == "hold"  # mean of ratios: 0.6
+    ds = _feed(c, [_rec(s, 0.5) for s in range(9, 13)])
+    assert [(d.previous, d.bound, d.reason) for d in ds] == [(2, 3, "starved")]
+
+
+def test_starved_learner_raises_up_to_max_staleness() -> None:
+    c = StalenessController(3, start=0, every_steps=1)
+    ds = _feed(c, [_rec(s, wait_s=0.9) for s in range(1, 6)])
+    assert [d.bound for d in ds] == [1, 2, 3, 3, 3]
+    assert [d.reason for d in ds[-2:]] == ["at limit", "at limit"]
+
+
+def test_off_policy_signals_lower_the_bound_and_win_over_starvation() -> None:
+    c = StalenessController(8, every_steps=2, min_ess=0.5, max_drift_kl=0.05)
+    assert c.bound == 8  # start -1 = max_staleness
+    ds = _feed(c, [_rec(1, 0.9, ess=0.3), _rec(2, 0.9, ess=0.5)])  # mean ESS 0.4 < 0.5, learner starving
+    assert (ds[0].bound, ds[0].reason) == (7, "ess") and ds[0].ess == pytest.approx(0.4)
+    # The worst staleness bucket decides (bucket means over the window): bucket 4 averages 0.06.
+    ds = _feed(c, [_rec(3, kl={"1": 0.01, "4": 0.02}), _rec(4, kl={"1": 0.01, "4": 0.10})])
+    assert (ds[0].bound, ds[0].reason) == (6, "drift_kl") and ds[0].drift_kl == pytest.approx(0.06)
+    ds = _feed(c, [_rec(5, kl={"1": 0.01, "4": 0.04}), _rec(6, kl={"4": 0.05})])  # 0.045 <= 0.05
+    assert ds[0].reason == "hold"
+
+
+def test_floor_missing_signals_and_bad_values() -> None:
+    c = StalenessController(4, min_bound=2, start=2, every_steps=1)
+    (d,) = _feed(c, [_rec(1, ess=0.1)])
+    assert (d.bound, d.reason) == (2, "at limit")
+    # ess 0 (a step without importance weights) and NaN KL are no evidence: neither lowers the bound.
+    c = StalenessController(4, start=1, every_steps=2)
+    ds = _feed(c, [_rec(1, 0.9, ess=0.0, kl={"2": float("nan")}), _rec(2, 0.9, ess=float("nan"), kl={})])
+    assert ds[0].ess is None and ds[0].drift_kl is None and (ds[0].bound, ds[0].reason) == (2, "starved")
+    assert (
+        StalenessController(4, start=9).bound == 4 and StalenessController(4, start=0, min_bound=1).bound == 1
+    )
+    with pytest.raises(ValueError):
+        StalenessController(2, min_bound=3)
