@@ -14,33 +14,42 @@ otherwise dropped groups would permanently use up admission and the pipeline wou
 deadlock waiting for groups that will never arrive. With ``max_staleness = 0`` the bound
 is ``(V + 1) * groups_per_step`` (+ credits): actors produce exactly one step's worth of
 groups per version, i.e. synchronous on-policy training.
+
+Retry safety (connection.py retries commands through Redis outages): a retried admission or
+credit whose first execution succeeded but whose reply was lost must not count twice. Each call
+carries a request id; the script records it in a dedup key (``Keys.request``, expiring after
+:data:`DEDUP_TTL_S`, far longer than any retry budget) in the same atomic step as its effect, and a
+repeat of the same request returns the recorded outcome without touching the counters.
 """
 
 from __future__ import annotations
+
+import uuid
 
 import redis
 
 from asyncrl.buffer.layout import Keys
 
-__all__ = ["ADMIT_LUA", "admission_bound_formula", "check_admission_args", "Admission"]
+__all__ = ["ADMIT_LUA", "DEDUP_TTL_S", "admission_bound_formula", "check_admission_args", "Admission"]
 
-# KEYS: admitted, credits, version, inflight, staleness_bound (always last: the script reads KEYS[#KEYS]).
-# ARGV: max_staleness, groups_per_step, sampler_version (-1 = any), owner ('' = untracked).
+#: Lifetime of a request-id dedup key (seconds): far above any retry budget, short enough to not pile up.
+DEDUP_TTL_S = 3600
+
+# KEYS: admitted, credits, version, inflight, dedup.
+# ARGV: max_staleness, groups_per_step, sampler_version (-1 = any), owner ('' = untracked), dedup ttl.
 # Returns {admitted_flag, admitted_after, bound}; flag -1 = refused because the caller's weights are
-# already staler than max_staleness (it must swap first). Missing keys count as 0.
+# already staler than max_staleness (it must swap first). Missing keys count as 0. A repeated request
+# (same dedup key) that was admitted returns {1, ...} again without a second INCR.
 ADMIT_LUA = """
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  return {1, tonumber(redis.call('GET', KEYS[1]) or '0'), -1}
+end
 local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
 local credits = tonumber(redis.call('GET', KEYS[2]) or '0')
 local version = tonumber(redis.call('GET', KEYS[3]) or '0')
--- The learner's adaptive bound (the last key; unset = off) can only tighten max_staleness.
-local eta = tonumber(ARGV[1])
-local adaptive = redis.call('GET', KEYS[#KEYS])
-if adaptive then
-  eta = math.min(eta, tonumber(adaptive))
-end
-local bound = (version + eta + 1) * tonumber(ARGV[2]) + credits
+local bound = (version + tonumber(ARGV[1]) + 1) * tonumber(ARGV[2]) + credits
 local sampler = tonumber(ARGV[3] or '-1')
-if sampler >= 0 and version - sampler > eta then
+if sampler >= 0 and version - sampler > tonumber(ARGV[1]) then
   return {-1, admitted, bound}
 end
 if admitted < bound then
@@ -48,6 +57,7 @@ if admitted < bound then
   if ARGV[4] and ARGV[4] ~= '' then
     redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
   end
+  redis.call('SET', KEYS[5], '1', 'EX', tonumber(ARGV[5]))
   return {1, admitted, bound}
 end
 return {0, admitted, bound}
@@ -76,6 +86,20 @@ end
 return n
 """
 
+# KEYS: credits, inflight, dedup. ARGV: n, owner ('' = none), dedup ttl. Returns total credits.
+# A repeated request (same dedup key) changes nothing.
+CREDIT_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return tonumber(redis.call('GET', KEYS[1]) or '0')
+end
+local total = redis.call('INCRBY', KEYS[1], tonumber(ARGV[1]))
+if ARGV[2] ~= '' then
+  redis.call('HINCRBY', KEYS[2], ARGV[2], -tonumber(ARGV[1]))
+end
+redis.call('SET', KEYS[3], '1', 'EX', tonumber(ARGV[3]))
+return total
+"""
+
 
 class Admission:
     """Redis-side admission for one run. Thread-safe (stateless apart from the script)."""
@@ -87,6 +111,7 @@ class Admission:
         # (which empties the script cache) is handled transparently.
         self._script = client.register_script(ADMIT_LUA)
         self._reclaim = client.register_script(RECLAIM_LUA)
+        self._credit = client.register_script(CREDIT_LUA)
 
     def try_admit(
         self,
@@ -107,9 +132,17 @@ class Admission:
         check_admission_args(max_staleness, groups_per_step)
         k = self._keys
         sv = -1 if sampler_version is None else int(sampler_version)
+        # One request id per call: redis-py's retries resend the same arguments, so a lost reply
+        # re-runs into the dedup key instead of a second INCR (see the module docstring).
         ok, _admitted, _bound = self._script(
-            keys=[k.admitted, k.credits, k.version, k.inflight, k.staleness_bound],
-            args=[max_staleness, groups_per_step, sv, owner or ""],
+            keys=[
+                k.admitted,
+                k.credits,
+                k.version,
+                k.inflight,
+                k.request(uuid.uuid4().hex),
+            ],
+            args=[max_staleness, groups_per_step, sv, owner or "", DEDUP_TTL_S],
         )
         return ok == 1
 
@@ -117,22 +150,23 @@ class Admission:
         """Credit back every slot ``owner`` was admitted for and never wrote nor credited (it died)."""
         return int(self._reclaim(keys=[self._keys.inflight, self._keys.credits], args=[owner]))
 
-    def credit(self, n: int = 1, owner: str | None = None) -> int:
+    def credit(self, n: int = 1, owner: str | None = None, request_id: str | None = None) -> int:
         """Return ``n`` admission slots (one per dropped group). Returns total credits.
 
         ``owner``: the actor giving back slots it was admitted for (aborted groups): its in-flight
-        tally drops by ``n`` in the same transaction.
+        tally drops by ``n`` in the same transaction. ``request_id``: makes the credit idempotent
+        across calls too (e.g. the group id of the group given up); default: unique per call, which
+        still makes redis-py's retries of this call safe.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"credit count must be an int >= 0, got {n!r}")
         if n == 0:
             return int(self._client.get(self._keys.credits) or 0)
-        if owner:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.incrby(self._keys.credits, n)
-            pipe.hincrby(self._keys.inflight, owner, -n)
-            return int(pipe.execute()[0])
-        return int(self._client.incrby(self._keys.credits, n))
+        k = self._keys
+        rid = f"credit:{request_id}" if request_id else uuid.uuid4().hex
+        return int(
+            self._credit(keys=[k.credits, k.inflight, k.request(rid)], args=[n, owner or "", DEDUP_TTL_S])
+        )
 
     def counters(self) -> tuple[int, int, int]:
         """(version, admitted, credits), read in one round trip (MGET is atomic)."""
@@ -141,25 +175,7 @@ class Admission:
         return int(version or 0), int(admitted or 0), int(credits or 0)
 
     def bound(self, max_staleness: int, groups_per_step: int) -> int:
-        """Current admission bound for these settings (with the adaptive bound when one is set)."""
+        """Current admission bound for these settings."""
         check_admission_args(max_staleness, groups_per_step)
         version, _admitted, credits = self.counters()
-        return admission_bound_formula(version, self.staleness_bound(max_staleness), groups_per_step, credits)
-
-    def set_staleness_bound(self, bound: int | None) -> None:
-        """Set the adaptive staleness bound the admission script reads (None removes it).
-
-        It can only tighten: the script uses ``min(max_staleness, bound)``, so a bound above
-        ``max_staleness`` changes nothing and the hard drop bound at train time is never exceeded.
-        """
-        if bound is None:
-            self._client.delete(self._keys.staleness_bound)
-            return
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
-            raise ValueError(f"staleness bound must be an int >= 0 or None, got {bound!r}")
-        self._client.set(self._keys.staleness_bound, bound)
-
-    def staleness_bound(self, max_staleness: int) -> int:
-        """The staleness bound admission applies now: ``max_staleness``, or the adaptive one if lower."""
-        v = self._client.get(self._keys.staleness_bound)
-        return max_staleness if v is None else min(max_staleness, int(v))
+        return admission_bound_formula(version, max_staleness, groups_per_step, credits)

@@ -13,11 +13,12 @@ key                                 type    contents
 ``asyncrl:{R}:version``             string  current learner policy version V (int, unset = 0)
 ``asyncrl:{R}:admitted``            string  groups admitted since the run started (int)
 ``asyncrl:{R}:credits``             string  groups the learner dropped, returned to admission
-``asyncrl:{R}:staleness_bound``     string  adaptive admission bound (int <= max_staleness; unset = off)
 ``asyncrl:{R}:weights``             hash    version (decimal) -> msgpack weight manifest
 ``asyncrl:{R}:actors``              hash    actor_id -> msgpack {version, time, groups, ...}
 ``asyncrl:{R}:learner``             hash    status field -> msgpack value
 ``asyncrl:{R}:versions``            pubsub  msgpack {schema, version, path, sha256} per publish
+``asyncrl:{R}:req:<id>``            string  dedup key of one retried write (expires, admission.py)
+``asyncrl:{R}:pool:<n>``            string  lease of actor pool number n (serve-actors; actor ids)
 ==================================  ======  ================================================
 
 The consumer group on the rollouts stream is ``learner`` unless configured otherwise.
@@ -90,11 +91,6 @@ class Keys:
         return self._k("inflight")
 
     @property
-    def staleness_bound(self) -> str:
-        """The admission bound the learner's adaptive controller set (read by the admission script)."""
-        return self._k("staleness_bound")
-
-    @property
     def weights(self) -> str:
         return self._k("weights")
 
@@ -105,6 +101,14 @@ class Keys:
     @property
     def learner(self) -> str:
         return self._k("learner")
+
+    def request(self, request_id: str) -> str:
+        """Dedup key of one idempotent write (its request id); expires (admission.DEDUP_TTL_S)."""
+        return self._k(f"req:{request_id}")
+
+    def pool_lease(self, n: int) -> str:
+        """Lease of actor pool number ``n``: two live actor pools of a run never share actor ids."""
+        return self._k(f"pool:{int(n)}")
 
     @property
     def versions_channel(self) -> str:
@@ -119,7 +123,6 @@ class Keys:
             self.admitted,
             self.credits,
             self.inflight,
-            self.staleness_bound,
             self.weights,
             self.actors,
             self.learner,
