@@ -8,6 +8,7 @@ While it waits it broadcasts ``{"kind": "wait"}`` keep-alives every ``KEEPALIVE_
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -17,9 +18,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from asyncrl.buffer import ReplayBuffer
+from asyncrl.buffer import ReplayBuffer, encode
 from asyncrl.learner.publisher import FilesystemTransport, Publisher, checkpoint_tensor_names
 from asyncrl.learner.records import MetricsWriter
+from asyncrl.learner.validate import RunSpec, check_group
 
 __all__ = ["Batch", "Rank0", "batch_order_key", "broadcast", "KEEPALIVE_S", "SATURATED_S"]
 
@@ -37,6 +39,8 @@ class Batch:
     wait_s: float = 0.0
     dropped_stale: int = 0
     dropped_filtered: int = 0
+    #: Groups that do not fit the run (asyncrl.learner.validate): dead-lettered with the reason, credited.
+    dropped_invalid: int = 0
 
 
 def batch_order_key(group: Any) -> tuple[int, int, str]:
@@ -62,13 +66,15 @@ class Rank0:
     """Rank 0's side: Redis, publisher, records."""
 
     def __init__(self, cfg: Any, run_dir: Path, model_path: Path, dtype: str) -> None:
-        rc = cfg.redis
         self.cfg = cfg
-        self.buffer = ReplayBuffer.connect(
-            rc.url, cfg.run.name, password=rc.password or None, tls=rc.tls, tls_ca=rc.tls_ca_certs or None,
-            max_staleness=cfg.buffer.max_staleness, groups_per_step=cfg.buffer.groups_per_step,
-            socket_timeout=max(30.0, cfg.learner.read_block_ms / 1000.0 + 10.0),
+        # Redis options (AUTH, ACL user, TLS, retry budget) from the config; the socket timeout must
+        # exceed one blocking read.
+        self.buffer = ReplayBuffer.from_config(
+            cfg, max_deliveries=cfg.learner.max_deliveries,
+            socket_timeout=max(cfg.redis.socket_timeout_s, cfg.learner.read_block_ms / 1000.0 + 10.0),
         )  # fmt: skip
+        vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+        self.spec = RunSpec.from_config(cfg, vocab_size)
         transport = FilesystemTransport(run_dir / "weights", checkpoint_tensor_names(model_path))
         self.publisher = Publisher(self.buffer, transport, cfg.learner.keep_versions, dtype)
         self.writer = MetricsWriter(run_dir, uuid.uuid4().hex[:12])
@@ -101,7 +107,12 @@ class Rank0:
             drop: list[str] = []
             for e in entries:
                 g = e.group
-                if g.staleness(version) > eta:
+                reason = check_group(g, self.spec, version)
+                if reason is not None:
+                    # Poison for this run: never trained; dead letter with the reason, slot credited.
+                    buf.dead_letter([(e.entry_id, reason, encode(g))])
+                    b.dropped_invalid += 1
+                elif g.staleness(version) > eta:
                     b.dropped_stale += 1
                     drop.append(e.entry_id)
                 elif cfg.learner.dynamic_sampling and len({float(c.reward) for c in g.completions}) <= 1:
@@ -111,9 +122,9 @@ class Rank0:
                     b.entry_ids.append(e.entry_id)
                     b.groups.append(g)
             if drop:
-                # A drop is final and has no effect on the weights: acknowledge now, give the credit back.
-                buf.ack(drop)
-                buf.credit(len(drop))
+                # A drop is final and has no effect on the weights: acknowledge now, give the credit back
+                # (one script, crediting exactly what it acknowledged: safe to retry).
+                buf.drop(drop)
             if world > 1 and len(b.groups) < want and time.monotonic() - last_keepalive > KEEPALIVE_S:
                 broadcast({"kind": "wait"}, world)
                 last_keepalive = time.monotonic()
@@ -137,8 +148,6 @@ class Rank0:
         while not stop.is_set():
             st = self.buffer.stats()
             unread = st["depth"] - st["pending"]
-            if st.get("staleness_bound") is not None:  # the adaptive bound, when it tightened admission
-                window = (st["staleness_bound"] + 1) * cfg.buffer.groups_per_step
             if unread >= window:
                 return True
             if unread != last:
