@@ -290,25 +290,40 @@ COMPARE = ("final_reward", "reward_mean_steps", "reward_auc_time")
 
 
 def comparisons(
-    cells: Sequence[CellSpec], runs: dict[str, list[dict[str, Any]]], marks: Marks, baseline: str
+    cells: Sequence[CellSpec], runs: dict[str, list[dict[str, Any]]], marks: Marks, baseline: str | None
 ) -> list[dict[str, Any]]:
-    """Per staleness level and objective other than ``baseline``: the per-seed paired difference
-    ``objective - baseline`` of each compared column, its mean and bootstrap interval."""
+    """Paired (by seed) differences of the compared columns, with their mean and bootstrap interval:
+
+    * per staleness level, every objective other than ``baseline`` minus ``baseline``;
+    * every ``<X>-adaptive`` cell (the adaptive controller on objective X, ``max_staleness`` its
+      ceiling) minus the X cell at the best fixed bound (highest mean final reward over seeds).
+    """
     metrics = [*COMPARE[:2], *(step_column(n) for n in marks.steps[-1:]), *COMPARE[2:],
                *(mark_column(m) for m in marks.seconds[-1:])]  # fmt: skip
     by_key = {(c.max_staleness, c.objective): c for c in cells}
-    out = []
+
+    def per_seed(name: str, m: str) -> dict[int, float | None]:
+        return {r["seed"]: r[m] for r in runs.get(name, []) if r["status"] == "ok"}
+
+    def best_fixed(obj: str) -> CellSpec | None:
+        scored = [(bootstrap_ci(list(per_seed(c.name, "final_reward").values())).mean, -c.max_staleness, c)
+                  for c in cells if c.objective == obj]  # fmt: skip
+        scored = [t for t in scored if math.isfinite(t[0])]
+        return max(scored, key=lambda t: t[:2])[2] if scored else None
+
+    pairs: list[tuple[CellSpec, CellSpec, str]] = []
     for c in cells:
-        base = by_key.get((c.max_staleness, baseline))
-        if c.objective == baseline or base is None:
-            continue
+        base = by_key.get((c.max_staleness, baseline)) if baseline else None
+        if base is not None and c.objective != baseline:
+            pairs.append((c, base, baseline))
+        fixed = c.objective.removesuffix("-adaptive")
+        if c.objective.endswith("-adaptive") and (ref := best_fixed(fixed)) is not None:
+            pairs.append((c, ref, f"{fixed} at best fixed bound {ref.max_staleness}"))
+    out = []
+    for c, base, label in pairs:
         for m in metrics:
-
-            def per_seed(name: str, m: str = m) -> dict[int, float | None]:
-                return {r["seed"]: r[m] for r in runs.get(name, []) if r["status"] == "ok"}
-
-            ci: Interval = paired_ci(per_seed(c.name), per_seed(base.name))
-            out.append({"max_staleness": c.max_staleness, "objective": c.objective, "baseline": baseline,
+            ci: Interval = paired_ci(per_seed(c.name, m), per_seed(base.name, m))
+            out.append({"max_staleness": c.max_staleness, "objective": c.objective, "baseline": label,
                         "metric": m, "diff": ci.mean, "diff_lo": ci.lo, "diff_hi": ci.hi, "n": ci.n,
                         "significant": ci.excludes_zero()})  # fmt: skip
     return out
@@ -393,7 +408,7 @@ def write_report(
     _write_csv([r for c in cells for r in runs[c.name]], run_columns(marks), out_dir / "runs.csv")
     rows = [cell_row(c, runs[c.name], marks) for c in cells]
     _write_csv(rows, columns(marks), out_dir / "results.csv")
-    comps = comparisons(cells, runs, marks, baseline) if baseline else []
+    comps = comparisons(cells, runs, marks, baseline)
     comp_cols = [
         "max_staleness",
         "objective",

@@ -350,3 +350,22 @@ def test_run_sweep_failure_row_retry_and_skip(tmp_path: Path, monkeypatch, capsy
         )
     with (tmp_path / "out" / "results.csv").open() as f:
         assert all(r["seeds_ok"] == "2" for r in csv.DictReader(f))
+
+
+def test_adaptive_cell_is_compared_with_the_best_fixed_bound(tmp_path: Path):
+    from asyncrl.sweep_report import comparisons, run_row
+
+    marks = Marks()
+    spec = {("full", 0): 0.5, ("full", 2): 0.7, ("full", 4): 0.6, ("full-adaptive", 4): 0.75}
+    cells, runs = [], {}
+    for (obj, s), level in spec.items():
+        cell = CellSpec(f"s{s}-{obj}", s, obj, tmp_path / f"s{s}-{obj}")
+        cells.append(cell)
+        for seed in (0, 1):
+            recs = [_record(i + 1, 10.0 * i, level + 0.01 * seed) for i in range(4)]
+            _make_run(tmp_path, cell, seed, recs, {"wall_s": 50.0})
+        runs[cell.name] = [run_row(SeedRun(cell, seed), marks, "ok", 0) for seed in (0, 1)]
+    rows = [c for c in comparisons(cells, runs, marks, None) if c["metric"] == "final_reward"]
+    assert len(rows) == 1 and rows[0]["objective"] == "full-adaptive"
+    assert rows[0]["baseline"] == "full at best fixed bound 2" and rows[0]["n"] == 2
+    assert rows[0]["diff"] == pytest.approx(0.05) and rows[0]["significant"]
