@@ -277,6 +277,7 @@ def test_shipped_sweep_configs_validate(name, monkeypatch):
             "dppo",
             "dppo-k2",
             "full",
+            "full-adaptive",
         ]
         assert len(spec.seeds) >= 3 and spec.step_marks and spec.marks_s
     else:
