@@ -171,21 +171,6 @@ class TaskConfig:
     reward_fault_every: int = F(10, "Period of the injected reward fault, in reward calls per actor.", ge=1)
     reward_fault_hang_s: float = F(3600.0, "How long an injected 'hang' fault blocks its reward call.", gt=0)
 
-    reward_timeout_s: float = F(
-        30.0,
-        "Longest a group's rewards may take (they run off the actor's event loop). A group whose reward "
-        "raises or times out is dropped with its reason (dead-letter stream, admission credit returned).",
-        gt=0,
-    )
-    reward_fault: str = F(
-        "none",
-        "Fault injection for tests and chaos runs: make every reward_fault_every-th reward call of each "
-        "actor raise or hang (sleep reward_fault_hang_s). none = off.",
-        choices=("none", "raise", "hang"),
-    )
-    reward_fault_every: int = F(10, "Period of the injected reward fault, in reward calls per actor.", ge=1)
-    reward_fault_hang_s: float = F(3600.0, "How long an injected 'hang' fault blocks its reward call.", gt=0)
-
 
 @dataclass
 class EvalConfig:
@@ -273,6 +258,13 @@ class ActorsConfig:
         "behind V (it would be dropped anyway); makes max_staleness=0 exactly synchronous.",
     )
     admission_poll_s: float = F(0.05, "Seconds between admission retries while the bound is reached.", gt=0)
+    seeded_sampling: bool = F(
+        True,
+        "Give every group its own vLLM sampling seed, derived from (run.seed, actor index, prompt position): "
+        "the same seed reproduces the same samples whatever the engine's batching, which is what makes a "
+        "max_staleness=0 run match the synchronous reference loop bitwise (asyncrl.reference). Costs a "
+        "per-request generator in vLLM's sampler (small on CPU; turn off for large GPU batches).",
+    )
     pool_index: int = F(
         0,
         "Which actor pool of the run this is: actor ids are actor-<i> in pool 0 (asyncrl run) and "
@@ -287,25 +279,26 @@ class ActorsConfig:
         ge=0,
     )
 
-    seeded_sampling: bool = F(
-        True,
-        "Give every group its own vLLM sampling seed, derived from (run.seed, actor index, prompt position): "
-        "the same seed reproduces the same samples whatever the engine's batching, which is what makes a "
-        "max_staleness=0 run match the synchronous reference loop bitwise (asyncrl.reference). Costs a "
-        "per-request generator in vLLM's sampler (small on CPU; turn off for large GPU batches).",
+
+@dataclass
+class AdaptiveStalenessConfig:
+    enabled: bool = F(
+        False,
+        "Let the learner move the admission bound in [min_bound, max_staleness] at run time from measured "
+        "signals (learner idle fraction, ESS of the importance weights, drift KL per staleness bucket; "
+        "asyncrl.learner.adaptive). max_staleness stays the hard drop bound and the ceiling.",
     )
-    seeded_sampling: bool = F(
-        True,
-        "Give every group its own vLLM sampling seed, derived from (run.seed, actor index, prompt position): "
-        "the same seed reproduces the same samples whatever the engine's batching, which is what makes a "
-        "max_staleness=0 run match the synchronous reference loop bitwise (asyncrl.reference). Costs a "
-        "per-request generator in vLLM's sampler (small on CPU; turn off for large GPU batches).",
+    start: int = F(-1, "Admission bound at learner start (-1 = max_staleness).", ge=-1)
+    min_bound: int = F(0, "Lowest admission bound the controller may set (<= max_staleness).", ge=0)
+    every_steps: int = F(5, "Learner steps per decision; the signals are averaged over them.", ge=1)
+    target_idle: float = F(
+        0.2, "Raise the bound by 1 when the learner waited for data more than this share of the time.", ge=0, le=1
     )
-    loop_restarts: int = F(
-        5,
-        "Restarts of an actor's failed generation loop (engine rebuilt, slots reclaimed, backoff) in a row "
-        "without a group written in between, before the failure reaches the pool (and Ray's max_restarts).",
-        ge=0,
+    min_ess: float = F(
+        0.5, "Lower the bound by 1 when the mean normalised ESS of the importance weights falls below.", ge=0, le=1
+    )
+    max_drift_kl: float = F(
+        0.05, "Lower the bound by 1 when the KL(mu || pi_prox) of any token-staleness bucket exceeds this.", gt=0
     )
 
 
@@ -320,6 +313,9 @@ class BufferConfig:
     groups_per_step: int = F(4, "Groups the learner consumes per optimizer step.", ge=1)
     maxlen: int = F(
         100000, "Approximate cap on the rollouts stream length (admission is the real bound).", ge=1
+    )
+    adaptive: AdaptiveStalenessConfig = F(
+        AdaptiveStalenessConfig(), "Adaptive admission bound (off by default; asyncrl.learner.adaptive)."
     )
 
 
@@ -444,6 +440,10 @@ def _validate(obj: Any, prefix: str) -> None:
             bound = m.get(op)
             if bound is not None and not ok(value, bound):
                 raise ConfigError(f"{key}={value!r} is out of range; must be {word} {bound}")
+    if isinstance(obj, BufferConfig) and obj.adaptive.min_bound > obj.max_staleness:
+        raise ConfigError(
+            f"{prefix}adaptive.min_bound={obj.adaptive.min_bound} must be <= {prefix}max_staleness={obj.max_staleness}"
+        )
     if isinstance(obj, TinyModelConfig):
         if obj.hidden_size % obj.num_heads or obj.hidden_size // obj.num_heads < 32:
             raise ConfigError(

@@ -35,7 +35,7 @@ __all__ = ["ADMIT_LUA", "DEDUP_TTL_S", "admission_bound_formula", "check_admissi
 #: Lifetime of a request-id dedup key (seconds): far above any retry budget, short enough to not pile up.
 DEDUP_TTL_S = 3600
 
-# KEYS: admitted, credits, version, inflight, dedup.
+# KEYS: admitted, credits, version, inflight, dedup, staleness_bound (always last: the script reads KEYS[#KEYS]).
 # ARGV: max_staleness, groups_per_step, sampler_version (-1 = any), owner ('' = untracked), dedup ttl.
 # Returns {admitted_flag, admitted_after, bound}; flag -1 = refused because the caller's weights are
 # already staler than max_staleness (it must swap first). Missing keys count as 0. A repeated request
@@ -47,9 +47,15 @@ end
 local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
 local credits = tonumber(redis.call('GET', KEYS[2]) or '0')
 local version = tonumber(redis.call('GET', KEYS[3]) or '0')
-local bound = (version + tonumber(ARGV[1]) + 1) * tonumber(ARGV[2]) + credits
+-- The learner's adaptive bound (the last key; unset = off) can only tighten max_staleness.
+local eta = tonumber(ARGV[1])
+local adaptive = redis.call('GET', KEYS[#KEYS])
+if adaptive then
+  eta = math.min(eta, tonumber(adaptive))
+end
+local bound = (version + eta + 1) * tonumber(ARGV[2]) + credits
 local sampler = tonumber(ARGV[3] or '-1')
-if sampler >= 0 and version - sampler > tonumber(ARGV[1]) then
+if sampler >= 0 and version - sampler > eta then
   return {-1, admitted, bound}
 end
 if admitted < bound then
@@ -141,6 +147,7 @@ class Admission:
                 k.version,
                 k.inflight,
                 k.request(uuid.uuid4().hex),
+                k.staleness_bound,
             ],
             args=[max_staleness, groups_per_step, sv, owner or "", DEDUP_TTL_S],
         )
@@ -175,7 +182,25 @@ class Admission:
         return int(version or 0), int(admitted or 0), int(credits or 0)
 
     def bound(self, max_staleness: int, groups_per_step: int) -> int:
-        """Current admission bound for these settings."""
+        """Current admission bound for these settings (with the adaptive bound when one is set)."""
         check_admission_args(max_staleness, groups_per_step)
         version, _admitted, credits = self.counters()
-        return admission_bound_formula(version, max_staleness, groups_per_step, credits)
+        return admission_bound_formula(version, self.staleness_bound(max_staleness), groups_per_step, credits)
+
+    def set_staleness_bound(self, bound: int | None) -> None:
+        """Set the adaptive staleness bound the admission script reads (None removes it).
+
+        It can only tighten: the script uses ``min(max_staleness, bound)``, so a bound above
+        ``max_staleness`` changes nothing and the hard drop bound at train time is never exceeded.
+        """
+        if bound is None:
+            self._client.delete(self._keys.staleness_bound)
+            return
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise ValueError(f"staleness bound must be an int >= 0 or None, got {bound!r}")
+        self._client.set(self._keys.staleness_bound, bound)
+
+    def staleness_bound(self, max_staleness: int) -> int:
+        """The staleness bound admission applies now: ``max_staleness``, or the adaptive one if lower."""
+        v = self._client.get(self._keys.staleness_bound)
+        return max_staleness if v is None else min(max_staleness, int(v))

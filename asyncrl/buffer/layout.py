@@ -13,6 +13,7 @@ key                                 type    contents
 ``asyncrl:{R}:version``             string  current learner policy version V (int, unset = 0)
 ``asyncrl:{R}:admitted``            string  groups admitted since the run started (int)
 ``asyncrl:{R}:credits``             string  groups the learner dropped, returned to admission
+``asyncrl:{R}:staleness_bound``     string  adaptive admission bound (int <= max_staleness; unset = off)
 ``asyncrl:{R}:weights``             hash    version (decimal) -> msgpack weight manifest
 ``asyncrl:{R}:actors``              hash    actor_id -> msgpack {version, time, groups, ...}
 ``asyncrl:{R}:learner``             hash    status field -> msgpack value
@@ -91,6 +92,11 @@ class Keys:
         return self._k("inflight")
 
     @property
+    def staleness_bound(self) -> str:
+        """The admission bound the learner's adaptive controller set (read by the admission script)."""
+        return self._k("staleness_bound")
+
+    @property
     def weights(self) -> str:
         return self._k("weights")
 
@@ -123,6 +129,7 @@ class Keys:
             self.admitted,
             self.credits,
             self.inflight,
+            self.staleness_bound,
             self.weights,
             self.actors,
             self.learner,

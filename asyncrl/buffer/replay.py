@@ -486,18 +486,22 @@ class ReplayBuffer(RunRegistry):
         return out
 
     def stats(self) -> dict[str, Any]:
-        """depth (stream length), pending, dead, admitted, credits, version, bound (or None)."""
+        """depth (stream length), pending, dead, admitted, credits, version, bound and staleness_bound
+        (the staleness admission applies: max_staleness or the adaptive bound; both None when the
+        buffer was opened without admission settings)."""
         k = self.keys
         pipe = self._client.pipeline(transaction=True)
         pipe.xlen(k.rollouts)
         pipe.xpending(k.rollouts, self.group_name)
         pipe.xlen(k.dead)
-        pipe.mget([k.version, k.admitted, k.credits])
-        depth, pending, dead, (version, admitted, credits) = pipe.execute()
+        pipe.mget([k.version, k.admitted, k.credits, k.staleness_bound])
+        depth, pending, dead, (version, admitted, credits, adaptive) = pipe.execute()
         version, admitted, credits = int(version or 0), int(admitted or 0), int(credits or 0)
-        bound = None
+        bound = eta = None
         if self._max_staleness is not None and self._groups_per_step is not None:
-            bound = admission_bound_formula(version, self._max_staleness, self._groups_per_step, credits)
+            # The staleness bound admission applies (the adaptive one can only tighten max_staleness).
+            eta = self._max_staleness if adaptive is None else min(self._max_staleness, int(adaptive))
+            bound = admission_bound_formula(version, eta, self._groups_per_step, credits)
         return {
             "depth": int(depth),
             "pending": int(pending["pending"]),
@@ -506,6 +510,7 @@ class ReplayBuffer(RunRegistry):
             "credits": credits,
             "version": version,
             "bound": bound,
+            "staleness_bound": eta,
         }
 
     # ------------------------------------------------------------------ version + admission
@@ -550,6 +555,14 @@ class ReplayBuffer(RunRegistry):
 
     def admission_bound(self, max_staleness: int | None = None, groups_per_step: int | None = None) -> int:
         return self._admission.bound(*self._admission_args(max_staleness, groups_per_step))
+
+    def set_staleness_bound(self, bound: int | None) -> None:
+        """The adaptive admission bound (asyncrl.learner.adaptive); None = max_staleness as configured."""
+        self._admission.set_staleness_bound(bound)
+
+    def staleness_bound(self, max_staleness: int | None = None) -> int:
+        """The staleness bound admission applies now (<= max_staleness)."""
+        return self._admission.staleness_bound(self._admission_args(max_staleness, 1)[0])
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -148,6 +148,8 @@ class Rank0:
         while not stop.is_set():
             st = self.buffer.stats()
             unread = st["depth"] - st["pending"]
+            if st.get("staleness_bound") is not None:  # the adaptive bound, when it tightened admission
+                window = (st["staleness_bound"] + 1) * cfg.buffer.groups_per_step
             if unread >= window:
                 return True
             if unread != last:
