@@ -258,6 +258,23 @@ class ActorsConfig:
         "behind V (it would be dropped anyway); makes max_staleness=0 exactly synchronous.",
     )
     admission_poll_s: float = F(0.05, "Seconds between admission retries while the bound is reached.", gt=0)
+    tensor_parallel_size: int = F(
+        1, "GPUs one vLLM engine shards each layer over (vLLM tensor_parallel_size; one node).", ge=1
+    )
+    pipeline_parallel_size: int = F(
+        1, "Pipeline stages of one vLLM engine (vLLM pipeline_parallel_size; one node).", ge=1
+    )
+    resources: dict[str, float] = F(
+        {},
+        "Custom Ray resources each actor's placement-group bundle asks for (e.g. {rollout_node: 1}, with "
+        "`ray start --resources='{\"rollout_node\": 8}'` on the rollout nodes), to place actors on chosen nodes.",
+    )
+    placement_strategy: str = F(
+        "PACK",
+        "Ray placement-group strategy over the actors' bundles (one bundle per actor = its CPUs, "
+        "num_gpus_per_actor * tensor_parallel_size * pipeline_parallel_size GPUs and `resources`).",
+        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    )
     seeded_sampling: bool = F(
         True,
         "Give every group its own vLLM sampling seed, derived from (run.seed, actor index, prompt position): "
@@ -403,7 +420,12 @@ class LearnerConfig:
 
 @dataclass
 class MetricsConfig:
-    host: str = F("127.0.0.1", "Bind address of /metrics endpoints (0.0.0.0 exposes them to the network).")
+    host: str = F(
+        "127.0.0.1",
+        "Bind address of /metrics endpoints. 127.0.0.1 = this machine only; node = this node's address "
+        "(Ray's node IP in actors); 0.0.0.0 = every interface. node and 0.0.0.0 are advertised (Redis, "
+        "prometheus_targets.json) as the node's address, so a Prometheus on another machine can scrape them.",
+    )
     port: int = F(
         0, "Learner /metrics port (0 = pick a free port); actors use free ports too.", ge=0, le=65535
     )

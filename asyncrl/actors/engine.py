@@ -102,6 +102,8 @@ class Engine:
         max_model_len: int = 256,
         seed: int = 0,
         recompute_kv: bool = True,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -118,6 +120,11 @@ class Engine:
             max_model_len=max_model_len,
             seed=seed,
             worker_extension_cls=EXTENSION_CLS,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            # One engine = one node: its workers are this actor's own processes on the GPUs of its Ray
+            # bundle (inside a placement group vLLM would otherwise pick its Ray executor and ask for more).
+            distributed_executor_backend="mp" if tensor_parallel_size * pipeline_parallel_size > 1 else None,
             weight_transfer_config=WeightTransferConfig(backend=FILE_BACKEND),
             logprobs_mode=LOGPROBS_MODE,
             disable_log_stats=True,
@@ -147,6 +154,8 @@ class Engine:
             max_model_len=cfg.model.max_model_len,
             seed=cfg.run.seed,
             recompute_kv=a.swap_recompute_kv,
+            tensor_parallel_size=a.tensor_parallel_size,
+            pipeline_parallel_size=a.pipeline_parallel_size,
         )
 
     # ------------------------------------------------------------------ generation

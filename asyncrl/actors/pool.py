@@ -82,6 +82,7 @@ class ActorPool:
         self.run_refs: list[Any] = []
         self._started_ray = False
         self._stopped = False
+        self._pg: Any = None  # the actors' placement group: bundle i is actor slot i's reservation
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -105,13 +106,13 @@ class ActorPool:
                     logging_level=logging.WARNING,
                 )
             self._started_ray = True
+        self._pg = self._placement_group()
         a = self.cfg.actors
         remote_cls = ray.remote(RayRolloutActor)
         for i in range(a.num_actors):
             handle = remote_cls.options(
                 name=f"asyncrl-{self.cfg.run.name}-actor-{i}",
-                num_cpus=a.num_cpus_per_actor,
-                num_gpus=a.num_gpus_per_actor,
+                **self._placement(i),
                 max_restarts=a.max_restarts,
                 max_task_retries=a.max_restarts,
                 max_concurrency=64,
@@ -120,6 +121,47 @@ class ActorPool:
             self.actors.append(handle)
         self.run_refs = [h.run.remote(max_groups_per_actor) for h in self.actors]
         return self
+
+    def bundle(self) -> dict[str, float]:
+        """One actor's reservation: its CPUs, GPUs for every tensor/pipeline-parallel worker of its engine,
+        and the custom resources that pin it to chosen nodes."""
+        a = self.cfg.actors
+        gpus = a.num_gpus_per_actor * a.tensor_parallel_size * a.pipeline_parallel_size
+        b = {"CPU": float(a.num_cpus_per_actor), **{k: float(v) for k, v in a.resources.items()}}
+        if gpus:
+            b["GPU"] = float(gpus)
+        return b
+
+    def _placement_group(self, timeout: float = 120.0) -> Any:
+        """Reserve every actor's bundle at once (Ray schedules the group atomically, so a pool that does
+        not fit fails here, naming what it asked for, instead of leaving actors pending forever)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        a = self.cfg.actors
+        pg = placement_group([self.bundle()] * a.num_actors, strategy=a.placement_strategy)
+        ready, _ = ray.wait([pg.ready()], timeout=timeout)
+        if not ready:
+            ray.util.remove_placement_group(pg)
+            raise RuntimeError(
+                f"the Ray cluster cannot place {a.num_actors} actor(s) x {self.bundle()} "
+                f"({a.placement_strategy}) within {timeout:.0f}s; cluster resources: {ray.cluster_resources()}"
+            )
+        return pg
+
+    def _placement(self, i: int) -> dict[str, Any]:
+        """Ray options that run actor slot ``i`` inside bundle ``i`` of the pool's placement group."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        b = self.bundle()
+        return {
+            "num_cpus": b["CPU"],
+            "num_gpus": b.get("GPU", 0.0),
+            "resources": {k: v for k, v in b.items() if k not in ("CPU", "GPU")},
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=i
+            ),
+        }
 
     def check(self) -> None:
         """Raise if an actor's loop failed for good (an error, or Ray ran out of restarts)."""
@@ -182,6 +224,9 @@ class ActorPool:
         finally:
             for h in self.actors:
                 ray.kill(h, no_restart=True)
+            if self._pg is not None:
+                ray.util.remove_placement_group(self._pg)
+                self._pg = None
             if self._started_ray:
                 ray.shutdown()
         if errors:

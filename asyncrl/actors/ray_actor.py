@@ -36,12 +36,17 @@ class RayRolloutActor:
         )
         self._stop_metrics = None
         if cfg.metrics.enabled:
-            from asyncrl.metrics import actor_collector, serve
+            import ray
 
+            from asyncrl.metrics import actor_collector, metrics_endpoint, serve
+
+            # Advertise the node's address, as Ray knows it, for a wildcard or `node` bind: that is
+            # what a Prometheus on another machine can reach (never the literal 0.0.0.0).
+            bind, advertised = metrics_endpoint(cfg.metrics.host, ray.util.get_node_ip_address())
             port, self._stop_metrics = serve(
-                [actor_collector(self.actor.actor_id, lambda: self.actor.last_stats)], cfg.metrics.host, 0
+                [actor_collector(self.actor.actor_id, lambda: self.actor.last_stats)], bind, 0
             )
-            self.actor.metrics_addr = f"{cfg.metrics.host}:{port}"
+            self.actor.metrics_addr = f"{advertised}:{port}"
 
     async def run(self, max_groups: int | None = None) -> dict[str, Any]:
         return await self.actor.run(max_groups)
