@@ -304,33 +304,6 @@ def metrics_endpoint(host: str, node_ip: str | None = None) -> tuple[str, str]:
     return host, host
 
 
-#: Bind hosts meaning "every interface": advertised as this node's address (nobody can connect to 0.0.0.0).
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-
-
-def node_address() -> str:
-    """This machine's address on the network: the source address of its default route (a UDP
-    connect sends no packet), else its resolved host name."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
-
-
-def metrics_endpoint(host: str, node_ip: str | None = None) -> tuple[str, str]:
-    """(bind host, advertised host) for ``metrics.host``: ``node`` binds and advertises this node's
-    address, a wildcard binds every interface and advertises this node's address, anything else is
-    used for both. ``node_ip``: the node's address as the caller knows it (Ray's, in an actor)."""
-    if host == "node":
-        ip = node_ip or node_address()
-        return ip, ip
-    if host in WILDCARD_HOSTS:
-        return host or "0.0.0.0", node_ip or node_address()
-    return host, host
-
-
 class ThreadSafeStats(dict):
     """A dict a role updates from its loop while the scrape thread snapshots it."""
 
