@@ -7,7 +7,16 @@ One :class:`RolloutActor` owns one vLLM engine and runs one asyncio loop with
 * a version watcher: on a newer manifest (pub/sub hint + poll of the registry), verify the sha256
   and swap per ``actors.swap_mode``; a manifest that fails verification is refused and logged and
   the actor keeps generating on the weights it has;
-* a heartbeat writer (every ``actors.heartbeat_s``).
+* a heartbeat writer (every ``actors.heartbeat_s``), kept alive across loop restarts.
+
+Supervision (issue 12): Ray restarts a dead actor *process*, not a failed loop. :meth:`RolloutActor.run`
+therefore restarts its own generation loop when it raises (a Redis outage past the retry budget, an
+engine error): in-flight groups are cancelled and credited, the engine is rebuilt if it died, slots the
+failed incarnation still held are reclaimed, and the loop starts again after an exponential backoff.
+``actors.loop_restarts`` failures in a row without a group written in between give up (the error then
+reaches the pool and ``asyncrl run``'s supervision). Rewards run off the event loop with a time limit
+(:mod:`asyncrl.actors.rewards`): a reward that raises or hangs costs its group (dead letter with the
+reason, credit returned, ``groups_reward_failed``), never the actor.
 
 Invariants:
 * no token is generated before a published version is loaded (a (re)started actor waits for v0);
@@ -31,11 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.buffer import ReplayBuffer, WeightIntegrityError, WeightManifest, verify
+from asyncrl.buffer.paths import confine, weight_roots
 from asyncrl.evaluate import PeriodicEval
 from asyncrl.tasks import Prompt, PromptSource, make_task, prompt_token_ids
 
 from .engine import SWAP_MODES, Engine
 from .groups import build_group
+from .rewards import RewardFailure, RewardRunner
 from .seeding import prompt_seq, request_seed
 
 __all__ = ["RolloutActor"]
@@ -64,18 +75,15 @@ class RolloutActor:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.index = actor_index
-        self.actor_id = actor_id or f"actor-{actor_index}"
+        pool = cfg.actors.pool_index  # leased per serve-actors process: pools never share ids
+        self.actor_id = actor_id or (f"actor-{actor_index}" if pool == 0 else f"actor-{pool}-{actor_index}")
         self.model_path = Path(model_path) if model_path else resolve_model_path(cfg, self.run_dir)
-        self.buffer = ReplayBuffer.connect(
-            redis_url,
-            cfg.run.name,
-            password=redis_password or cfg.redis.password or None,
-            tls=cfg.redis.tls,
-            tls_ca=cfg.redis.tls_ca_certs or None,
-            max_staleness=cfg.buffer.max_staleness,
-            groups_per_step=cfg.buffer.groups_per_step,
-        )
+        # AUTH, ACL user, TLS client certificate, timeouts and the outage retry budget from the config.
+        self.buffer = ReplayBuffer.from_config(cfg, redis_url, password=redis_password)
         self.task = make_task(cfg.task, cfg.run.seed)
+        self.rewards = RewardRunner.from_config(self.task, cfg.task)
+        # Weights are loaded only from this run's weight directories (manifest paths come from Redis).
+        self.weight_roots = weight_roots(self.run_dir, cfg.run.name)
         self.evaluator = PeriodicEval.for_actor(cfg, self.task, actor_index)
         self.source: PromptSource | None = None  # set by run(), from the resumed cursor
         self.engine: Engine | None = None
@@ -110,6 +118,8 @@ class RolloutActor:
             "weight_rejects": 0,
             "engine_errors": 0,
             "reconstructed": False,
+            "groups_reward_failed": 0,
+            "loop_restarts": 0,
         }
 
     # ------------------------------------------------------------------ public
@@ -122,6 +132,7 @@ class RolloutActor:
         # Tokens received so far by the groups in flight (progress inside long generations).
         out["in_flight_tokens"] = sum(self.engine.progress.values()) if self.engine else 0
         out["swap_mode"] = self.swap_mode
+        out["reward_threads"] = self.rewards.running
         return out
 
     def set_swap_mode(self, mode: str) -> None:
@@ -144,16 +155,61 @@ class RolloutActor:
             await self._done.wait()
 
     async def run(self, max_groups: int | None = None) -> dict[str, Any]:
-        """Generate until stopped (or ``max_groups`` groups were admitted); returns :meth:`stats`."""
+        """Generate until stopped (or ``max_groups`` groups were admitted); returns :meth:`stats`.
+
+        Restarts a failed generation loop (see the module doc); raises once ``actors.loop_restarts``
+        failures in a row (no group written in between) are exceeded.
+        """
         self._done, self._wake = asyncio.Event(), asyncio.Event()
         self._max_groups = max_groups
+        # The prompt position first: the first heartbeat must carry it, not overwrite the one a
+        # previous incarnation left (the cursor this one resumes from).
+        cursor = await asyncio.to_thread(self._resume_cursor)
+        self.source = self.task.source(
+            self.cfg.run.seed, self.index, self.cfg.actors.num_actors, cursor=cursor
+        )
+        heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        failures = 0
+        try:
+            while True:
+                written = self.counters["groups_written"]
+                try:
+                    await self._run_once()
+                    return self.stats()
+                except Exception as e:
+                    if self._stop_requested:
+                        raise
+                    failures = 1 if self.counters["groups_written"] > written else failures + 1
+                    limit = self.cfg.actors.loop_restarts
+                    if failures > limit:
+                        log.error("%s: generation loop failed %d times in a row (actors.loop_restarts=%d): "
+                                  "giving up", self.actor_id, failures, limit)  # fmt: skip
+                        raise
+                    self.counters["loop_restarts"] += 1
+                    delay = min(2.0 ** (failures - 1), 30.0)
+                    log.exception("%s: generation loop failed (%s: %s); restart %d/%d in %.0f s",
+                                  self.actor_id, type(e).__name__, e, failures, limit, delay)  # fmt: skip
+                    await self._sleep(delay)
+                    if self._stop_requested:
+                        return self.stats()
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            if self.engine is not None:
+                self.engine.shutdown()
+            self._set_state("stopped")
+            try:
+                self._heartbeat_now()
+            except Exception as e:  # Redis gone for longer than the retry budget: nothing to record it in
+                log.warning("%s: final heartbeat not written: %s", self.actor_id, e)
+            self.buffer.close()
+            self._done.set()
+
+    async def _run_once(self) -> None:
+        """One incarnation of the generation loop; the engine survives it unless it died."""
         tasks: list[asyncio.Task] = []
         try:
             self._set_state("starting")
-            cursor = self._resume_cursor()
-            self.source = self.task.source(
-                self.cfg.run.seed, self.index, self.cfg.actors.num_actors, cursor=cursor
-            )
             # Slots a crashed previous incarnation of this actor was admitted for will never be
             # written: turn them into credits before admitting anything (admission cannot leak).
             reclaimed = await asyncio.to_thread(self.buffer.reclaim_inflight, self.actor_id)
@@ -162,9 +218,12 @@ class RolloutActor:
                     "%s: reclaimed %d admission slots of a previous incarnation", self.actor_id, reclaimed
                 )
             self.counters["reclaimed_slots"] = reclaimed
-            await self._start_engine()
-            tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
-            await self._load_first_version()
+            if self.engine is not None and (self.engine.llm is None or self.engine.llm.errored):
+                self.engine.shutdown()
+                self.engine = None
+            if self.engine is None:
+                await self._start_engine()
+                await self._load_first_version()
             if not self._stop_requested:
                 await self._generate(tasks)
         finally:
@@ -172,13 +231,6 @@ class RolloutActor:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if self.engine is not None:
-                self.engine.shutdown()
-            self._set_state("stopped")
-            self._heartbeat_now()
-            self.buffer.close()
-            self._done.set()
-        return self.stats()
 
     async def _generate(self, tasks: list[asyncio.Task]) -> None:
         self._set_state("running")
@@ -271,6 +323,7 @@ class RolloutActor:
             if m is None or (m.version, m.sha256) in self._rejected:
                 continue
             try:
+                confine(m.path, self.weight_roots)  # a manifest path from Redis: never outside the run
                 await asyncio.to_thread(verify, m)
             except WeightIntegrityError as e:
                 self._rejected.add((m.version, m.sha256))
@@ -378,12 +431,12 @@ class RolloutActor:
                 )
             except BaseException:
                 # Cancelled (stop with abort) or failed: nothing is written, the slot goes back.
-                self.buffer.credit(1, self.actor_id)
+                self.buffer.credit(1, self.actor_id, request_id=group_id)
                 self.counters["groups_aborted"] += 1
                 raise
             self.counters["generated_tokens"] += sum(len(s.token_ids) for s in seqs)
             if any(s.finish_reason == "abort" for s in seqs):
-                self.buffer.credit(1, self.actor_id)
+                await asyncio.to_thread(self.buffer.credit, 1, self.actor_id, group_id)
                 self.counters["groups_aborted"] += 1
                 continue
             assert v_start is not None and self.engine.version is not None
@@ -399,7 +452,13 @@ class RolloutActor:
                 "swap_mode": self.swap_mode,
                 "prompt_seq": seq,
             }
-            rewards = [await self.task.score(prompt, s.text) for s in seqs]  # sync or async reward fns
+            try:  # off the event loop, within task.reward_timeout_s (asyncrl.actors.rewards)
+                rewards = await self.rewards.score(prompt, [s.text for s in seqs])
+            except RewardFailure as e:
+                self.counters["groups_reward_failed"] += 1
+                log.warning("%s: group %s dropped: %s", self.actor_id, group_id, e)
+                await asyncio.to_thread(self.buffer.abandon, group_id, self.actor_id, str(e))
+                continue
             group = build_group(group_id, rewards, prompt, prompt_ids, seqs, self.actor_id, meta)
             await asyncio.to_thread(self.buffer.put, group, self.actor_id)
             self.counters["groups_written"] += 1
@@ -438,6 +497,11 @@ class RolloutActor:
         await asyncio.to_thread(self.buffer.heartbeat, self.actor_id, info)
 
     async def _heartbeat_loop(self) -> None:
+        # Best effort: a missing heartbeat is how a supervisor sees trouble, so one that cannot be
+        # written (Redis gone past the retry budget) is logged and the next one tried.
         while True:
-            await self._heartbeat_async()
+            try:
+                await self._heartbeat_async()
+            except Exception as e:
+                log.warning("%s: heartbeat not written: %s: %s", self.actor_id, type(e).__name__, e)
             await asyncio.sleep(self.cfg.actors.heartbeat_s)

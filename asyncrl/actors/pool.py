@@ -253,16 +253,53 @@ def serve_actors(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stop_event.set())
+    lease = _PoolLease(cfg, redis_url, redis_password)
     pool = ActorPool(cfg, run_dir, redis_url=redis_url, redis_password=redis_password)
     try:
         pool.start()
-        log.info("actor pool: %d actors writing to run %r", cfg.actors.num_actors, cfg.run.name)
+        log.info("actor pool %d: %d actors writing to run %r", cfg.actors.pool_index, cfg.actors.num_actors,
+                 cfg.run.name)  # fmt: skip
         while not stop_event.wait(poll_s):
+            lease.renew()
             pool.check()
     finally:
         try:
             results = pool.stop(abort=True)
         finally:
+            lease.release()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     return results
+
+
+class _PoolLease:
+    """Leases this process's actor-pool number in Redis and puts it in ``cfg.actors.pool_index`` (actor
+    ids ``actor-<pool>-<i>``), so two ``asyncrl serve-actors`` of one run never share actor ids, while a
+    restarted one gets its number back and reclaims its dead incarnation's admission slots."""
+
+    TTL_S = 15.0
+
+    def __init__(self, cfg: Any, redis_url: str | None, redis_password: str | None) -> None:
+        import uuid
+
+        from asyncrl.buffer import ReplayBuffer
+
+        self.token = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.buffer = ReplayBuffer.from_config(cfg, redis_url or cfg.redis.url, password=redis_password)
+        self.n = self.buffer.lease_pool(self.token, self.TTL_S)
+        cfg.actors.pool_index = self.n
+
+    def renew(self) -> None:
+        try:
+            ok = self.buffer.renew_pool(self.n, self.token, self.TTL_S)
+        except Exception as e:  # a Redis outage past the retry budget: the actors ride it out themselves
+            log.warning("actor pool %d: lease not renewed: %s", self.n, e)
+            return
+        if not ok:
+            log.error("actor pool %d: lost its Redis lease (another pool may share its actor ids)", self.n)
+
+    def release(self) -> None:
+        try:
+            self.buffer.release_pool(self.n, self.token)
+        finally:
+            self.buffer.close()

@@ -1,0 +1,137 @@
+"""Scoring a group off the actor's event loop, with a time limit, and injected reward faults.
+
+A reward function is user code: it may raise, return garbage, block on I/O or loop forever. None of
+that may cost more than the group being scored (issue 12, "Failed tasks"):
+
+* each completion's ``task.reward`` runs in its own daemon thread, so a slow or blocking reward never
+  stalls the event loop that drives the engine, the heartbeats and the weight swaps; a reward that
+  returns an awaitable (``async def``) is awaited on the loop;
+* the whole group gets ``task.reward_timeout_s``; past it, or on any exception or non-finite value,
+  :meth:`RewardRunner.score` raises :class:`RewardFailure` with a reason and the actor drops the group
+  (dead letter, admission credit returned, counter, log line) and goes on.
+
+Why daemon threads and not a pool: Python cannot kill a thread, and a hung reward in a
+``ThreadPoolExecutor`` would both occupy a worker for good and block interpreter exit (the executor
+joins its workers at exit). A daemon thread per call costs ~0.1 ms, never blocks exit, and a hung
+one only costs its own stack; ``running`` counts them (the actor exports it).
+
+``task.reward_fault`` (raise / hang every N-th call) injects these faults for tests and chaos runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["RewardFailure", "RewardRunner", "InjectedRewardFault"]
+
+
+class RewardFailure(Exception):
+    """A group's rewards could not be computed; ``str(exc)`` is the reason."""
+
+
+class InjectedRewardFault(RuntimeError):
+    """Raised by the ``task.reward_fault=raise`` injection."""
+
+
+def _finite(value: Any, task: str, prompt_id: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"task {task!r}: reward for {prompt_id} is {value!r}, not a finite number")
+    return float(value)
+
+
+class RewardRunner:
+    """Runs one task's reward function for the actor (see the module doc). Used from one event loop."""
+
+    def __init__(
+        self,
+        task: Any,
+        timeout_s: float,
+        fault: str = "none",
+        fault_every: int = 10,
+        fault_hang_s: float = 3600.0,
+    ) -> None:
+        if fault not in ("none", "raise", "hang"):
+            raise ValueError(f"task.reward_fault={fault!r}; expected none, raise or hang")
+        self.task = task
+        self.timeout_s = float(timeout_s)
+        self.fault, self.fault_every, self.fault_hang_s = fault, int(fault_every), float(fault_hang_s)
+        self.calls = 0
+        self.running = 0  # reward threads alive now (a hung reward stays counted until it returns)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, task: Any, task_cfg: Any) -> RewardRunner:
+        return cls(task, task_cfg.reward_timeout_s, task_cfg.reward_fault, task_cfg.reward_fault_every,
+                   task_cfg.reward_fault_hang_s)  # fmt: skip
+
+    def _target(self) -> Callable[[Any, str], Any]:
+        self.calls += 1
+        if self.fault == "none" or self.calls % self.fault_every:
+            return self.task.reward
+        if self.fault == "raise":
+
+            def fail(_prompt: Any, _text: str) -> Any:
+                raise InjectedRewardFault(f"injected reward fault (call {self.calls})")
+
+            return fail
+
+        def hang(_prompt: Any, _text: str) -> Any:
+            time.sleep(self.fault_hang_s)
+            return 0.0
+
+        return hang
+
+    async def score(self, prompt: Any, texts: Sequence[str]) -> list[float]:
+        """The reward of each text for ``prompt``; :class:`RewardFailure` with the reason otherwise."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(self._one(prompt, t) for t in texts)), self.timeout_s
+            )
+        except TimeoutError:
+            raise RewardFailure(
+                f"reward: timed out after {self.timeout_s:g} s (task.reward_timeout_s)"
+            ) from None
+        except Exception as e:
+            raise RewardFailure(f"reward: {type(e).__name__}: {e}") from e
+
+    async def _one(self, prompt: Any, text: str) -> float:
+        value = await self._in_thread(self._target(), prompt, text)
+        if inspect.isawaitable(value):
+            value = await value
+        return _finite(value, getattr(self.task, "name", "task"), getattr(prompt, "prompt_id", "?"))
+
+    def _in_thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def deliver(ok: bool, value: Any) -> None:
+            if fut.done():  # cancelled: the group already timed out
+                return
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+        def run() -> None:
+            with self._lock:
+                self.running += 1
+            try:
+                result: tuple[bool, Any] = (True, fn(*args))
+            except BaseException as e:  # handed to the awaiting coroutine
+                result = (False, e)
+            finally:
+                with self._lock:
+                    self.running -= 1
+            try:
+                loop.call_soon_threadsafe(deliver, *result)
+            except RuntimeError:
+                pass  # the loop is gone (actor stopped while this reward hung)
+
+        threading.Thread(target=run, name="asyncrl-reward", daemon=True).start()
+        return fut

@@ -1,0 +1,131 @@
+"""asyncrl.actors.rewards: a reward that raises, hangs or returns garbage costs its group, never the
+event loop or the process; injected faults follow task.reward_fault."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from asyncrl.actors.rewards import InjectedRewardFault, RewardFailure, RewardRunner
+from asyncrl.tasks import Prompt, Task
+
+PROMPT = Prompt("p0", "abc", "abc")
+
+
+class LengthTask(Task):
+    """A real reward: len(text); 'boom' raises, 'hang' blocks, 'nan' is not finite, 'async' awaits."""
+
+    name = "length"
+
+    def __init__(self) -> None:
+        super().__init__([PROMPT])
+
+    def reward(self, prompt: Prompt, text: str):
+        if text == "boom":
+            raise KeyError("no such answer")
+        if text == "hang":
+            time.sleep(30)
+        if text == "nan":
+            return float("nan")
+        if text == "async":
+            return self._later(len(text))
+        return float(len(text))
+
+    async def _later(self, value: int) -> float:
+        await asyncio.sleep(0.01)
+        return float(value)
+
+
+def score(runner: RewardRunner, texts: list[str]) -> list[float]:
+    return asyncio.run(runner.score(PROMPT, texts))
+
+
+def test_rewards_of_a_group_in_order_sync_and_async() -> None:
+    assert score(RewardRunner(LengthTask(), 5.0), ["a", "bb", "async", ""]) == [1.0, 2.0, 5.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("boom", "reward: KeyError: 'no such answer'"),
+        ("nan", "reward: ValueError: task 'length': reward for p0 is nan"),
+    ],
+)
+def test_a_failing_reward_fails_the_group_with_its_reason(text: str, reason: str) -> None:
+    with pytest.raises(RewardFailure) as e:
+        score(RewardRunner(LengthTask(), 5.0), ["ok", text])
+    assert str(e.value).startswith(reason)
+
+
+def test_a_hanging_reward_times_out_and_never_blocks_the_loop() -> None:
+    runner = RewardRunner(LengthTask(), 0.5)
+
+    async def main() -> tuple[float, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        t0 = time.monotonic()
+        with pytest.raises(RewardFailure, match=r"timed out after 0.5 s \(task.reward_timeout_s\)"):
+            await runner.score(PROMPT, ["a", "hang"])
+        elapsed = time.monotonic() - t0
+        t.cancel()
+        return elapsed, ticks
+
+    elapsed, ticks = asyncio.run(main())
+    assert 0.45 <= elapsed < 2.0
+    assert ticks >= 20  # the loop kept running while the reward thread was blocked
+    assert runner.running == 1  # the hung reward is still counted; the next group is unaffected
+    assert score(runner, ["xyz"]) == [3.0]
+
+
+def test_a_hung_reward_does_not_block_process_exit() -> None:
+    code = textwrap.dedent(
+        """
+        import asyncio, time
+        from asyncrl.actors.rewards import RewardFailure, RewardRunner
+        from asyncrl.tasks import Prompt, Task
+        class Hang(Task):
+            name = "hang"
+            def reward(self, prompt, text):
+                time.sleep(3600)
+        p = Prompt("p", "x", "x")
+        try:
+            asyncio.run(RewardRunner(Hang([p]), 0.2).score(p, ["a"]))
+        except RewardFailure as e:
+            print("dropped:", e)
+        """
+    )
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "dropped: reward: timed out" in out.stdout
+    assert time.monotonic() - t0 < 30
+
+
+def test_injected_faults_every_nth_call() -> None:
+    runner = RewardRunner(LengthTask(), 5.0, fault="raise", fault_every=3)
+    outcomes = []
+    for _ in range(4):  # groups of 2 completions: calls 1-2, 3-4, 5-6, 7-8
+        try:
+            score(runner, ["a", "b"])
+            outcomes.append("ok")
+        except RewardFailure as e:
+            assert isinstance(e.__cause__, InjectedRewardFault)
+            outcomes.append("fail")
+    assert outcomes == ["ok", "fail", "fail", "ok"] and runner.calls == 8
+    hang = RewardRunner(LengthTask(), 0.3, fault="hang", fault_every=2, fault_hang_s=5.0)
+    with pytest.raises(RewardFailure, match="timed out"):
+        score(hang, ["a", "b"])
+    with pytest.raises(ValueError, match="task.reward_fault"):
+        RewardRunner(LengthTask(), 1.0, fault="crash")
