@@ -66,6 +66,18 @@ ACTOR_METRICS: tuple[Metric, ...] = (
     Metric(
         "asyncrl_actor_engine_errors_total", "counter", "Engine errors (failed requests).", "engine_errors"
     ),
+    Metric(
+        "asyncrl_actor_reward_failures_total",
+        "counter",
+        "Groups dropped because their reward raised or exceeded task.reward_timeout_s.",
+        "groups_reward_failed",
+    ),
+    Metric(
+        "asyncrl_actor_loop_restarts_total",
+        "counter",
+        "Restarts of the actor's failed generation loop (actors.loop_restarts).",
+        "loop_restarts",
+    ),
 )
 
 BUFFER_METRICS: tuple[Metric, ...] = (
