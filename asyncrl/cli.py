@@ -26,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="all-in-one: embedded Redis, local Ray, actor pool and learner")
+    p.add_argument("-v", "--verbose", action="store_true", help="show vLLM/Ray output on the console too")
     _add_config_args(p)
     p = sub.add_parser("serve-actors", help="run the vLLM actor pool (needs redis.url)")
     _add_config_args(p)
@@ -130,7 +131,7 @@ def _export_or_eval(args) -> int:
 
     target = Path(args.target)
     with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
-        if (target / "config.yaml").exists() and (target / "weights").is_dir():  # a run dir
+        if (target / "config.yaml").exists() and not (target / "config.json").exists():  # a run dir
             cfg = load_run_config(target, args.overrides)
             model_dir = export_version(target, Path(tmp) / "model", args.version)
         elif (target / "config.json").exists():  # a model dir: the run's config when it is an export
@@ -140,7 +141,7 @@ def _export_or_eval(args) -> int:
             cfg = load_config(args.config or (run_cfg if run_cfg.exists() else None), args.overrides)
             model_dir = target
         else:
-            raise FileNotFoundError(f"{target}: neither a run dir (config.yaml + weights/) nor a model dir")
+            raise FileNotFoundError(f"{target}: neither a run dir (config.yaml) nor a model dir (config.json)")
         info_file = model_dir / EXPORT_INFO
         version = json.loads(info_file.read_text())["version"] if info_file.exists() else -1
         result = eval_model_dir(cfg, str(model_dir), version).to_dict()
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             from asyncrl.orchestrator import run_all
 
+            if args.verbose:
+                cfg.console.verbose = True
             return run_all(cfg, config_path=args.config)
         if args.cmd == "status":
             from asyncrl.status import print_status

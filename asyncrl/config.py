@@ -207,6 +207,11 @@ class ConsoleConfig:
     )
     verbose: bool = F(False, "Show vLLM/Ray/DeepSpeed output on the console too (asyncrl run -v).")
     plain_every_s: float = F(5.0, "Seconds between plain status lines (non-terminal output).", gt=0)
+    log_dir: str = F(
+        "",
+        "Directory of the per-process logs of actors and their vLLM engines (actor-<i>.log). Empty: "
+        "`asyncrl run` uses <run_dir>/logs unless verbose; other commands leave output on the console.",
+    )
 
 
 @dataclass

@@ -43,6 +43,13 @@ pip install -e ".[$extra]" "torch==2.13.0"
 # ("operator torchvision::nms does not exist"); text models do not need them.
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 .venv/bin/python -c "import asyncrl.config, redis, msgpack, omegaconf" 
+# Pre-build DeepSpeed's one JIT op now (CPU: its shared-memory comm op, ~60 s, cached in
+# ~/.cache/torch_extensions) so that the first `asyncrl run` does not pay for it before its first step.
+if [ $extra = cpu ]; then
+  echo "[setup] building DeepSpeed's CPU shared-memory comm op (once)"
+  .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/tmp/asyncrl-ds-op.log 2>&1 ||
+    { tail -20 /tmp/asyncrl-ds-op.log >&2; echo "[setup] DeepSpeed op build failed" >&2; exit 1; }
+fi
 rm -f .venv/.asyncrl-install-*
 touch "$stamp"
 echo "[setup] done"

@@ -25,6 +25,10 @@ class RayRolloutActor:
         redis_password: str | None,
         model_path: str | None = None,
     ) -> None:
+        if cfg.console.log_dir:  # asyncrl run: this actor's and its vLLM engine's output to a file
+            from asyncrl.console import redirect_output
+
+            redirect_output(os.path.join(cfg.console.log_dir, f"actor-{actor_index}.log"))
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.actor = RolloutActor(
             cfg,
