@@ -325,7 +325,7 @@ def comparisons(
             ci: Interval = paired_ci(per_seed(c.name, m), per_seed(base.name, m))
             out.append({"max_staleness": c.max_staleness, "objective": c.objective, "baseline": label,
                         "metric": m, "diff": ci.mean, "diff_lo": ci.lo, "diff_hi": ci.hi, "n": ci.n,
-                        "significant": ci.excludes_zero()})  # fmt: skip
+                        "excludes_zero": ci.excludes_zero()})  # fmt: skip
     return out
 
 
@@ -379,7 +379,7 @@ def write_markdown(rows: Sequence[dict], marks: Marks, comps: Sequence[dict], pa
                   "| max_staleness | objective | metric | diff | seeds | interval excludes 0 |", "|---|---|---|---|---|---|"]  # fmt: skip
         for c in comps:
             d = "-" if not c["n"] else f"{_num(c['diff'])} [{_num(c['diff_lo'])}, {_num(c['diff_hi'])}]"
-            sig = "yes" if c["significant"] else "no"
+            sig = "yes" if c["excludes_zero"] else "no"
             lines.append(
                 f"| {c['max_staleness']} | {c['objective']} - {c['baseline']} | {c['metric']} | {d} | {c['n']} | {sig} |"
             )
@@ -418,7 +418,7 @@ def write_report(
         "diff_lo",
         "diff_hi",
         "n",
-        "significant",
+        "excludes_zero",
     ]
     _write_csv(comps, comp_cols, out_dir / "comparison.csv")
     write_markdown(rows, marks, comps, out_dir / "results.md")

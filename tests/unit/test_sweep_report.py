@@ -168,7 +168,7 @@ def test_report_runs_cells_intervals_comparison_and_plots(tmp_path: Path):
     want = paired_ci({s: sum(rewards[("s2-full", s)][-3:]) / 3 for s in (0, 1, 2)},
                      {s: sum(rewards[("s2-naive", s)][-3:]) / 3 for s in (0, 1)})  # fmt: skip
     assert int(fin["n"]) == 2 and float(fin["diff"]) == pytest.approx(0.1, rel=1e-5) == want.mean
-    assert fin["significant"] == "True"  # +0.1 on both paired seeds
+    assert fin["excludes_zero"] == "True"  # +0.1 on both paired seeds
     assert {c["metric"] for c in comp} >= {
         "final_reward",
         "reward_at_step_5",
@@ -369,4 +369,4 @@ def test_adaptive_cell_is_compared_with_the_best_fixed_bound(tmp_path: Path):
     rows = [c for c in comparisons(cells, runs, marks, None) if c["metric"] == "final_reward"]
     assert len(rows) == 1 and rows[0]["objective"] == "full-adaptive"
     assert rows[0]["baseline"] == "full at best fixed bound 2" and rows[0]["n"] == 2
-    assert rows[0]["diff"] == pytest.approx(0.05) and rows[0]["significant"]
+    assert rows[0]["diff"] == pytest.approx(0.05) and rows[0]["excludes_zero"]
