@@ -61,7 +61,7 @@ def _reward_panels(cells, seeds, statuses, clock: str, xlabel: str, path: Path) 
     objs = _objectives(cells)
     ncol = min(3, len(stale))
     nrow = -(-len(stale) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(max(5 * ncol, 7), 3.6 * nrow), squeeze=False, sharey=True)
     for ax, s in zip(axes.flat, stale, strict=False):
         for c in (c for c in cells if c.max_staleness == s and c.name in curves):
             cs = curves[c.name]
@@ -81,7 +81,7 @@ def _reward_panels(cells, seeds, statuses, clock: str, xlabel: str, path: Path) 
         ax.axis("off")
     for ax in axes[:, 0]:
         ax.set_ylabel(f"reward (trailing mean of {SMOOTH} steps)")
-    fig.suptitle(f"reward vs {xlabel}: mean over seeds, band = 95% bootstrap interval")
+    fig.suptitle(f"reward vs {xlabel} (mean over seeds, band: 95% bootstrap)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -104,7 +104,8 @@ def _errorbars(rows: Sequence[dict], keys: Sequence[tuple[str, str]], title: str
             y = np.array([p[1] for p in pts])
             err = np.array([[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]])
             ax.errorbar(xs, y, yerr=err, marker=_MARK[j % 8], linestyle=_DASH[j % 4], capsize=3, label=obj)
-        ax.set_xticks(range(len(stale)), [str(s) for s in stale])  # categorical: 0,1,2,4,8,16 evenly
+        ax.set_xticks(range(len(stale)), [str(s) for s in stale])
+        ax.set_xlim(-0.5, len(stale) - 0.5)  # categorical: 0,1,2,4,8,16 evenly
         ax.set(xlabel="max_staleness", ylabel=label)
         ax.grid(alpha=0.3)
         if ax.lines:
@@ -133,6 +134,7 @@ def _paired(comps: Sequence[dict], path: Path) -> None:
                 ax.errorbar(xs, [p[1] for p in pts], yerr=err, marker=_MARK[j % 8], linestyle="", capsize=3,
                             label=f"{obj} - {next(c['baseline'] for c in comps if c['objective'] == obj)}")  # fmt: skip
         ax.set_xticks(range(len(stale)), [str(s) for s in stale])
+        ax.set_xlim(-0.5, len(stale) - 0.5)
         ax.set(xlabel="max_staleness", ylabel=f"paired diff of {m}")
         ax.grid(alpha=0.3)
         if len(ax.lines) > 1:
