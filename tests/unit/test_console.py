@@ -60,3 +60,23 @@ def test_verbose_keeps_output_on_the_console(tmp_path):
     cfg.console.verbose, cfg.console.mode = True, "off"
     make_console(cfg, tmp_path).close()
     assert cfg.console.log_dir == ""
+
+
+def test_live_panel_shows_every_number_alerts_and_log_files(tmp_path):
+    from rich.console import Console as RichConsole
+
+    cfg = Config()
+    cfg.console.mode = "off"  # build the panel without starting a Live on the test's stdout
+    con = make_console(cfg, tmp_path)
+    con.tail.recent.append("[actor-0] WARNING slow reward")
+    con.tail.count = 1
+    fields = status_fields([{"step": 3, "time": 5.0, "version": 3, "reward_mean": 0.5, "staleness_mean": 1.0,
+                             "staleness_max": 1.0, "tokens": 10, "step_s": 1.0, "wait_s": 0.5,
+                             "eval_version": 2, "eval_reward_mean": 0.4, "eval_pass_at_k": 0.25}], 9.0, 60, 123.0, 0)  # fmt: skip
+    rc = RichConsole(record=True, width=160, file=open(tmp_path / "panel.txt", "w"))  # noqa: SIM115
+    rc.print(con._panel(fields))
+    text = rc.export_text()
+    for label in ("step", "3/60", "steps/s", "reward", "eval", "0.400 (pass@k 0.25, v2)", "staleness", "version",
+                  "gen tok/s", "123", "trained tok/s", "learner wait", "50%", "dead letters", "warnings/errors (1)",
+                  "[actor-0] WARNING slow reward", "logs/actor-*.log", "learner.log"):  # fmt: skip
+        assert label in text, (label, text)
