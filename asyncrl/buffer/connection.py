@@ -32,7 +32,13 @@ from typing import Any
 from urllib.parse import quote
 
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ConnectionError,
+    ExternalAuthProviderError,
+    TimeoutError,
+)
 from redis.retry import Retry
 
 __all__ = [
@@ -63,6 +69,12 @@ HEALTH_CHECK_INTERVAL_S = 15
 _clock = threading.local()
 
 RETRY_ERRORS: tuple[type[Exception], ...] = (ConnectionError, TimeoutError, socket.timeout)
+#: ConnectionError subclasses that no amount of waiting fixes (wrong password, ACL): fail at once.
+NEVER_RETRY: tuple[type[Exception], ...] = (
+    AuthenticationError,
+    AuthorizationError,
+    ExternalAuthProviderError,
+)
 
 
 class OutageMonitor:
@@ -154,6 +166,8 @@ class DeadlineRetry(Retry):
 
         def _fail(error: Exception, *count: int) -> None:
             fail(error, *count)
+            if isinstance(error, NEVER_RETRY):
+                raise error
             now = time.monotonic()
             if not first_failure:
                 first_failure.append(now)

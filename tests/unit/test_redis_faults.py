@@ -20,7 +20,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 
 from asyncrl.buffer import EmbeddedRedis, ReplayBuffer
-from asyncrl.buffer.connection import DeadlineRetry, redis_options
+from asyncrl.buffer.connection import DeadlineRetry, redis_options, url_with_auth
 from asyncrl.config import load_config
 from tests.conftest import small_group
 
@@ -288,3 +288,49 @@ def test_actor_pool_leases_never_share_a_number(buffer: ReplayBuffer) -> None:
     assert buffer.client.get(buffer.keys.pool_lease(0)) == b"proc-a2"
     buffer.release_pool(0, "proc-a2")
     assert buffer.lease_pool("proc-c", ttl_s=5.0) == 0
+
+
+# --------------------------------------------------------------------------- security options
+
+
+def test_acl_user_from_config_and_url_encoded_password(tmp_path: Path) -> None:
+    """redis.username (ACL) and a password full of URL metacharacters reach a real server intact."""
+    password = "p@ss:w/rd%?#"
+    with EmbeddedRedis(tmp_path / "r") as server:
+        admin = server.client()
+        admin.acl_setuser(
+            "roleuser", enabled=True, passwords=[f"+{password}"], keys=["asyncrl:*"], commands=["+@all"]
+        )
+        cfg = load_config(overrides=["run.name=acl", "redis.username=roleuser"])
+        cfg.redis.password = password
+        buf = ReplayBuffer.from_config(cfg, server.url)
+        assert buf.try_admit() and buf.client.acl_whoami() == "roleuser"
+        buf.close()
+        url = url_with_auth(f"redis://127.0.0.1:{server.port}/0", password, "roleuser")
+        assert password not in url  # percent-encoded; redis-py decodes it back
+        parsed = redis.Redis.from_url(url)
+        assert parsed.connection_pool.connection_kwargs["password"] == password
+        assert parsed.acl_whoami() == "roleuser"
+        parsed.close()
+        cfg.redis.password = "wrong"
+        t0 = time.monotonic()
+        with pytest.raises(redis.AuthenticationError):
+            ReplayBuffer.from_config(cfg, server.url)
+        assert time.monotonic() - t0 < 5.0  # a wrong password is not an outage: no retrying for the budget
+        admin.close()
+
+
+def test_tls_client_certificate_options() -> None:
+    url, opts = redis_options(
+        "redis://h:1/0", None, "u", True, "/ca.pem", "/client.pem", "/client.key", None, {}
+    )  # fmt: skip
+    assert url == "rediss://h:1/0" and opts["username"] == "u"
+    assert (opts["ssl_ca_certs"], opts["ssl_certfile"], opts["ssl_keyfile"]) == (
+        "/ca.pem",
+        "/client.pem",
+        "/client.key",
+    )
+    with pytest.raises(ValueError, match="needs both tls_cert and tls_key"):
+        redis_options("rediss://h:1/0", None, None, True, None, "/client.pem", None, None, {})
+    with pytest.raises(ValueError, match="need tls=True"):
+        redis_options("redis://h:1/0", None, None, False, None, "/client.pem", "/client.key", None, {})
