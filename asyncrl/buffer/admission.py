@@ -20,10 +20,18 @@ credit whose first execution succeeded but whose reply was lost must not count t
 carries a request id; the script records it in a dedup key (``Keys.request``, expiring after
 :data:`DEDUP_TTL_S`, far longer than any retry budget) in the same atomic step as its effect, and a
 repeat of the same request returns the recorded outcome without touching the counters.
+
+A write that failed after the retry budget may still run later (a frozen server executes what an
+abandoned connection had sent). Such a request is remembered as *uncertain* and settled before the
+next admission, credit or reclaim of this client (:meth:`Admission.settle`): its dedup key is set to a
+tombstone if the write has not run (so it never will), and an admission that did run is given back
+(the caller never used that slot). Without this a late admission would hold a slot nobody uses and a
+late credit could repeat one that a reclaim already made.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import redis
@@ -41,8 +49,9 @@ DEDUP_TTL_S = 3600
 # already staler than max_staleness (it must swap first). Missing keys count as 0. A repeated request
 # (same dedup key) that was admitted returns {1, ...} again without a second INCR.
 ADMIT_LUA = """
-if redis.call('EXISTS', KEYS[5]) == 1 then
-  return {1, tonumber(redis.call('GET', KEYS[1]) or '0'), -1}
+local prev = redis.call('GET', KEYS[5])
+if prev then
+  return {prev == '1' and 1 or 0, tonumber(redis.call('GET', KEYS[1]) or '0'), -1}
 end
 local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
 local credits = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -107,8 +116,32 @@ return total
 """
 
 
+# KEYS: dedup, credits, inflight. ARGV: owner ('' = none), dedup ttl, kind ('admit' or other).
+# Settles a request whose outcome the client never learned: not run -> tombstone (it never will);
+# an admission that ran -> given back (credit, in-flight tally). Returns 1 if it gave a slot back.
+SETTLE_LUA = """
+local prev = redis.call('GET', KEYS[1])
+if not prev then
+  redis.call('SET', KEYS[1], 'cancelled', 'EX', tonumber(ARGV[2]))
+  return 0
+end
+if prev == '1' and ARGV[3] == 'admit' then
+  redis.call('SET', KEYS[1], 'undone', 'EX', tonumber(ARGV[2]))
+  redis.call('INCRBY', KEYS[2], 1)
+  if ARGV[1] ~= '' then
+    redis.call('HINCRBY', KEYS[3], ARGV[1], -1)
+  end
+  return 1
+end
+return 0
+"""
+
+_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+
+
 class Admission:
-    """Redis-side admission for one run. Thread-safe (stateless apart from the script)."""
+    """Redis-side admission for one run. Thread-safe (the scripts, plus a locked list of uncertain
+    requests to settle)."""
 
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self._client = client
@@ -118,6 +151,30 @@ class Admission:
         self._script = client.register_script(ADMIT_LUA)
         self._reclaim = client.register_script(RECLAIM_LUA)
         self._credit = client.register_script(CREDIT_LUA)
+        self._settle = client.register_script(SETTLE_LUA)
+        self._uncertain: list[tuple[str, str, str]] = []  # (kind, dedup key, owner)
+        self._uncertain_lock = threading.Lock()
+
+    def uncertain(self, kind: str, dedup_key: str, owner: str | None) -> None:
+        """Remember a write whose reply never came (settled by :meth:`settle`)."""
+        with self._uncertain_lock:
+            self._uncertain.append((kind, dedup_key, owner or ""))
+
+    def settle(self) -> int:
+        """Settle the uncertain requests (see the module doc); returns the slots given back."""
+        with self._uncertain_lock:
+            todo, self._uncertain = self._uncertain, []
+        k, given = self._keys, 0
+        try:
+            while todo:
+                kind, key, owner = todo[0]
+                given += int(self._settle(keys=[key, k.credits, k.inflight], args=[owner, DEDUP_TTL_S, kind]))
+                todo.pop(0)
+        finally:
+            if todo:
+                with self._uncertain_lock:
+                    self._uncertain[:0] = todo
+        return given
 
     def try_admit(
         self,
@@ -136,25 +193,25 @@ class Admission:
         crashed owner's slots can be turned back into credits by :meth:`reclaim` when it restarts.
         """
         check_admission_args(max_staleness, groups_per_step)
+        self.settle()
         k = self._keys
         sv = -1 if sampler_version is None else int(sampler_version)
         # One request id per call: redis-py's retries resend the same arguments, so a lost reply
         # re-runs into the dedup key instead of a second INCR (see the module docstring).
-        ok, _admitted, _bound = self._script(
-            keys=[
-                k.admitted,
-                k.credits,
-                k.version,
-                k.inflight,
-                k.request(uuid.uuid4().hex),
-                k.staleness_bound,
-            ],
-            args=[max_staleness, groups_per_step, sv, owner or "", DEDUP_TTL_S],
-        )
+        dedup = k.request(uuid.uuid4().hex)
+        try:
+            ok, _admitted, _bound = self._script(
+                keys=[k.admitted, k.credits, k.version, k.inflight, dedup, k.staleness_bound],
+                args=[max_staleness, groups_per_step, sv, owner or "", DEDUP_TTL_S],
+            )
+        except _TRANSIENT:
+            self.uncertain("admit", dedup, owner)
+            raise
         return ok == 1
 
     def reclaim(self, owner: str) -> int:
         """Credit back every slot ``owner`` was admitted for and never wrote nor credited (it died)."""
+        self.settle()
         return int(self._reclaim(keys=[self._keys.inflight, self._keys.credits], args=[owner]))
 
     def credit(self, n: int = 1, owner: str | None = None, request_id: str | None = None) -> int:
@@ -169,11 +226,14 @@ class Admission:
             raise ValueError(f"credit count must be an int >= 0, got {n!r}")
         if n == 0:
             return int(self._client.get(self._keys.credits) or 0)
+        self.settle()
         k = self._keys
-        rid = f"credit:{request_id}" if request_id else uuid.uuid4().hex
-        return int(
-            self._credit(keys=[k.credits, k.inflight, k.request(rid)], args=[n, owner or "", DEDUP_TTL_S])
-        )
+        dedup = k.request(f"credit:{request_id}" if request_id else uuid.uuid4().hex)
+        try:
+            return int(self._credit(keys=[k.credits, k.inflight, dedup], args=[n, owner or "", DEDUP_TTL_S]))
+        except _TRANSIENT:
+            self.uncertain("credit", dedup, owner)
+            raise
 
     def counters(self) -> tuple[int, int, int]:
         """(version, admitted, credits), read in one round trip (MGET is atomic)."""

@@ -274,12 +274,19 @@ class ReplayBuffer(RunRegistry):
         reply can neither train a group twice nor unbalance the admission tally.
         """
         k = self.keys
-        return _s(
-            self._put_script(
-                keys=[k.rollouts, k.inflight, k.request(f"put:{group.group_id}")],
-                args=[ROLLOUT_FIELD, encode(group), owner or "", self._maxlen or 0, DEDUP_TTL_S],
+        dedup = k.request(f"put:{group.group_id}")
+        try:
+            return _s(
+                self._put_script(
+                    keys=[k.rollouts, k.inflight, dedup],
+                    args=[ROLLOUT_FIELD, encode(group), owner or "", self._maxlen or 0, DEDUP_TTL_S],
+                )
             )
-        )
+        except (redis.ConnectionError, redis.TimeoutError):
+            # It may still run later (a frozen server); settled (tombstoned if it has not) before this
+            # client's next admission, credit or reclaim, so a reclaim never counts its slot twice.
+            self._admission.uncertain("put", dedup, owner)
+            raise
 
     def put_raw(self, data: bytes) -> str:
         """Append pre-encoded bytes as-is (custom producers, tests). Not validated here, and not
@@ -431,12 +438,17 @@ class ReplayBuffer(RunRegistry):
         False for a repeat."""
         k = self.keys
         log.warning("run %s: group %s dropped by %s: %s", self.run, group_id, owner or "?", reason)
-        return bool(
-            self._abandon_script(
-                keys=[k.credits, k.inflight, k.request(f"credit:{group_id}"), k.dead],
-                args=[owner or "", DEDUP_TTL_S, group_id, reason, repr(time.time()), DEAD_MAXLEN],
+        dedup = k.request(f"credit:{group_id}")
+        try:
+            return bool(
+                self._abandon_script(
+                    keys=[k.credits, k.inflight, dedup, k.dead],
+                    args=[owner or "", DEDUP_TTL_S, group_id, reason, repr(time.time()), DEAD_MAXLEN],
+                )
             )
-        )
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._admission.uncertain("credit", dedup, owner)
+            raise
 
     def lease_pool(self, token: str, ttl_s: float = 15.0, max_pools: int = 1024) -> int:
         """Claim the lowest free actor-pool number of this run for ``token`` (one per live

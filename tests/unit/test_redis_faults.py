@@ -334,3 +334,59 @@ def test_tls_client_certificate_options() -> None:
         redis_options("rediss://h:1/0", None, None, True, None, "/client.pem", None, None, {})
     with pytest.raises(ValueError, match="need tls=True"):
         redis_options("redis://h:1/0", None, None, False, None, "/client.pem", "/client.key", None, {})
+
+
+def test_writes_given_up_during_a_freeze_are_settled(tmp_path: Path) -> None:
+    """An admission and a credit that outlast the retry budget while Redis is frozen still run when it
+    thaws (the server executes what the abandoned connection sent). The next call settles them: the
+    admission nobody uses is given back, so admitted - credits counts exactly the admissions the caller
+    got; a put or credit that had not run yet is tombstoned and cannot run later."""
+    server = EmbeddedRedis(tmp_path / "r").start()
+    try:
+        buf = _connect(server, "settle", budget_s=1.5)
+        assert buf.try_admit(owner="a")
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises((redis.TimeoutError, redis.ConnectionError)):
+                buf.try_admit(owner="a")
+            with pytest.raises((redis.TimeoutError, redis.ConnectionError)):
+                buf.credit(1, "a", request_id="g-late")
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        given_back = buf._admission.settle()  # what the next admission/credit/reclaim does first
+        assert buf.try_admit(owner="a")
+        s = buf.stats()
+        granted = 2  # the two admissions the caller was told about
+        inflight = int(buf.client.hget(buf.keys.inflight, "a"))
+        # The late admission was sent on a pooled connection before the freeze, so it ran on thaw and
+        # was given back. The credit first tried to settle that admission, failed (still frozen) and so
+        # never sent itself: nothing of it exists, the caller got an error, nothing to undo.
+        assert given_back == 1
+        assert not buf.client.exists(buf.keys.request("credit:g-late"))
+        assert inflight == granted
+        assert s["admitted"] - s["credits"] == inflight
+        buf.close()
+    finally:
+        server.stop()
+
+
+def test_settle_tombstones_what_has_not_run(buffer: ReplayBuffer) -> None:
+    adm = buffer._admission
+    k = buffer.keys
+    # A put that failed before it ran: tombstoned, so the late copy appends nothing.
+    g = small_group()
+    dedup = k.request(f"put:{g.group_id}")
+    adm.uncertain("put", dedup, "a")
+    assert adm.settle() == 0 and buffer.client.get(dedup) == b"cancelled"
+    buffer._put_script(keys=[k.rollouts, k.inflight, dedup], args=[b"g", b"x", "a", 0, 60])  # the late copy
+    assert buffer.stats()["depth"] == 0 and buffer.client.hget(k.inflight, "a") is None
+    # An admission that ran although the caller gave up: given back.
+    late = k.request("late-admit")
+    adm._script(
+        keys=[k.admitted, k.credits, k.version, k.inflight, late, k.staleness_bound], args=[1, 4, -1, "a", 60]
+    )
+    adm.uncertain("admit", late, "a")
+    assert adm.settle() == 1
+    s = buffer.stats()
+    assert (s["admitted"], s["credits"], int(buffer.client.hget(k.inflight, "a"))) == (1, 1, 0)
+    assert adm.settle() == 0  # nothing left to settle
