@@ -53,7 +53,8 @@ class RunConfig:
 class RedisConfig:
     url: str = F(
         "",
-        "redis:// or rediss:// URL of a shared Redis. Empty = start an embedded redis-server in the run dir.",
+        "redis:// or rediss:// URL of a shared Redis; redis+cluster:// or rediss+cluster:// (any node) for a "
+        "Redis Cluster. Empty = start an embedded redis-server in the run dir.",
     )
     password: str = F("", "Redis AUTH password (empty = none). Also set on the embedded server when given.")
     tls: bool = F(False, "Use TLS to reach Redis (same as a rediss:// URL).")

@@ -34,7 +34,10 @@ class RunRegistry:
     # ------------------------------------------------------------------ weights registry
 
     def publish_weights(self, manifest: WeightManifest) -> int:
-        """Store the manifest, set V = manifest.version and notify, in one MULTI.
+        """Store the manifest and set V = manifest.version in one MULTI, then notify.
+
+        The notification follows the transaction (a Redis Cluster refuses PUBLISH inside one, and a
+        subscriber woken by it then always finds the new version in the registry).
 
         Returns the number of subscribers that received the notification. Subscribers can
         miss notifications while disconnected, so they should also poll :meth:`version`.
@@ -49,8 +52,8 @@ class RunRegistry:
         pipe = self._client.pipeline(transaction=True)
         pipe.hset(k.weights, str(manifest.version), manifest.to_bytes())
         pipe.set(k.version, manifest.version)
-        pipe.publish(k.versions_channel, msgpack.packb(note, use_bin_type=True))
-        return int(pipe.execute()[-1])
+        pipe.execute()
+        return int(self._client.publish(k.versions_channel, msgpack.packb(note, use_bin_type=True)))
 
     def manifest(self, version: int) -> WeightManifest | None:
         data = self._client.hget(self.keys.weights, str(version))

@@ -37,6 +37,7 @@ from typing import Any
 import redis
 
 from asyncrl.buffer.admission import DEDUP_TTL_S, Admission, admission_bound_formula, check_admission_args
+from asyncrl.buffer.cluster import cluster_client, connection_kwargs, split_cluster_url
 from asyncrl.buffer.connection import DEFAULT_RETRY_BUDGET_S, redis_options
 from asyncrl.buffer.layout import DEFAULT_CONSUMER_GROUP, ROLLOUT_FIELD, Keys
 from asyncrl.buffer.records import Group, RecordError, decode, encode
@@ -151,7 +152,7 @@ class ReplayBuffer(RunRegistry):
         owns_client: bool = False,
         max_deliveries: int | None = None,
     ) -> None:
-        if client.connection_pool.connection_kwargs.get("decode_responses"):
+        if connection_kwargs(client).get("decode_responses"):
             raise ValueError("ReplayBuffer needs a redis client with decode_responses=False")
         if maxlen is not None and maxlen < 1:
             raise ValueError(f"maxlen must be None or >= 1, got {maxlen}")
@@ -178,7 +179,7 @@ class ReplayBuffer(RunRegistry):
         self._locks_guard = threading.Lock()
         # A blocking XREADGROUP longer than the client's socket timeout would fail with a
         # TimeoutError; cap each block below it (read() loops until its own deadline).
-        timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = connection_kwargs(client).get("socket_timeout")
         self._max_block_ms = 2**31 if timeout is None else max(int(timeout * 1000) - 500, 1)
         self._ensure_group()
 
@@ -211,11 +212,12 @@ class ReplayBuffer(RunRegistry):
         bounds each blocking read of ``read``; ``retry_budget_s`` is how long a command keeps
         retrying through a Redis outage (connection.py).
         """
+        cluster, url = split_cluster_url(url)  # redis+cluster:// -> a RedisCluster client (cluster.py)
         url, opts = redis_options(
             url, password, username, tls, tls_ca, tls_cert, tls_key, socket_timeout, redis_kwargs,
             retry_budget_s=retry_budget_s,
         )  # fmt: skip
-        client = redis.Redis.from_url(url, **opts)
+        client = cluster_client(url, opts) if cluster else redis.Redis.from_url(url, **opts)
         return cls(
             client,
             run,
@@ -506,8 +508,9 @@ class ReplayBuffer(RunRegistry):
         pipe.xlen(k.rollouts)
         pipe.xpending(k.rollouts, self.group_name)
         pipe.xlen(k.dead)
-        pipe.mget([k.version, k.admitted, k.credits, k.staleness_bound])
-        depth, pending, dead, (version, admitted, credits, adaptive) = pipe.execute()
+        for key in (k.version, k.admitted, k.credits, k.staleness_bound):
+            pipe.get(key)  # GETs, not MGET: a cluster pipeline refuses MGET (same slot and MULTI, so atomic)
+        depth, pending, dead, version, admitted, credits, adaptive = pipe.execute()
         version, admitted, credits = int(version or 0), int(admitted or 0), int(credits or 0)
         bound = eta = None
         if self._max_staleness is not None and self._groups_per_step is not None:
@@ -516,7 +519,8 @@ class ReplayBuffer(RunRegistry):
             bound = admission_bound_formula(version, eta, self._groups_per_step, credits)
         return {
             "depth": int(depth),
-            "pending": int(pending["pending"]),
+            # (a cluster pipeline returns XPENDING's summary unparsed: [count, min, max, consumers])
+            "pending": int(pending["pending"] if isinstance(pending, dict) else pending[0]),
             "dead": int(dead),
             "admitted": admitted,
             "credits": credits,
