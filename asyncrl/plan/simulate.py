@@ -407,7 +407,7 @@ def summarize(p: PlanInputs, trace: list[StepTrace]) -> PlanResult:
     """Steady-state numbers over steps ``warmup_steps + 1 .. steps`` of a trace."""
     first = trace[p.warmup_steps - 1] if p.warmup_steps > 0 else None
     t0 = first.time if first else 0.0
-    window = [s for s in trace[p.warmup_steps :]]
+    window = trace[p.warmup_steps :]
     dur = max(trace[-1].time - t0, _EPS)
     hist: dict[int, float] = {}
     for s in window:
