@@ -42,11 +42,11 @@ def test_import_path_task_with_async_reward():
     p = task.prompts[0]
     word = p.meta["word"]
     assert p.text == f"say:{word}=" and p.target == ""  # no target column configured: metadata carries it
+    assert _score(task, p, word) == 1.0 and _score(task, p, "") == 0.0
+    assert 0 < _score(task, p, word + "zz") < 1
     task2 = make_task(TaskConfig(name=cfg.name, data_path=cfg.data_path, target_column="word"), 0)
     q = task2.prompts[0]
-    assert q.target == q.text[4:-1] and _score(task2, q, q.target) == 1.0
-    assert _score(task2, q, "") == 0.0
-    assert 0 < _score(task2, q, q.target + "zz") < 1
+    assert q.target == q.text[4:-1] and "word" not in q.meta  # the target column becomes Prompt.target
 
 
 def test_file_path_task(tmp_path):

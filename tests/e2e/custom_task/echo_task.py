@@ -14,9 +14,12 @@ from asyncrl.tasks import dataset_task
 
 
 async def reward(prompt: str, completion: str, metadata: dict) -> float:
-    """Similarity of the completion to the target word in [0, 1] (an async reward: e.g. a remote judge)."""
+    """Similarity of the completion to the row's word in [0, 1] (an async reward: e.g. a remote judge).
+
+    ``metadata`` is the data row without its prompt column: here ``word`` and ``id``.
+    """
     await asyncio.sleep(0)
-    return SequenceMatcher(None, completion, metadata["target"]).ratio()
+    return SequenceMatcher(None, completion, metadata["word"]).ratio()
 
 
 def make_task(task_cfg, seed: int):
