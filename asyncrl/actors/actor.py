@@ -162,20 +162,21 @@ class RolloutActor:
         """
         self._done, self._wake = asyncio.Event(), asyncio.Event()
         self._max_groups = max_groups
-        # The prompt position first: the first heartbeat must carry it, not overwrite the one a
-        # previous incarnation left (the cursor this one resumes from).
-        cursor = await asyncio.to_thread(self._resume_cursor)
-        self.source = self.task.source(
-            self.cfg.run.seed, self.index, self.cfg.actors.num_actors, cursor=cursor
-        )
-        heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        heartbeat: asyncio.Task | None = None
         failures = 0
         try:
+            # The prompt position first: the first heartbeat must carry it, not overwrite the one a
+            # previous incarnation left (the cursor this one resumes from).
+            cursor = await asyncio.to_thread(self._resume_cursor)
+            self.source = self.task.source(
+                self.cfg.run.seed, self.index, self.cfg.actors.num_actors, cursor=cursor
+            )
+            heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
             while True:
                 written = self.counters["groups_written"]
                 try:
                     await self._run_once()
-                    return self.stats()
+                    break
                 except Exception as e:
                     if self._stop_requested:
                         raise
@@ -191,10 +192,11 @@ class RolloutActor:
                                   self.actor_id, type(e).__name__, e, failures, limit, delay)  # fmt: skip
                     await self._sleep(delay)
                     if self._stop_requested:
-                        return self.stats()
+                        break
         finally:
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
+            if heartbeat is not None:
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, return_exceptions=True)
             if self.engine is not None:
                 self.engine.shutdown()
             self._set_state("stopped")
@@ -204,6 +206,7 @@ class RolloutActor:
                 log.warning("%s: final heartbeat not written: %s", self.actor_id, e)
             self.buffer.close()
             self._done.set()
+        return self.stats()  # after the finally: the final state is "stopped"
 
     async def _run_once(self) -> None:
         """One incarnation of the generation loop; the engine survives it unless it died."""
