@@ -27,7 +27,7 @@ from tests.e2e.procs import ROOT, asyncrl_cmd, marked_env, read_jsonl, wait_no_o
 
 pytestmark = pytest.mark.slow
 
-STEPS = 60
+STEPS = 80
 EVAL_EVERY = 15
 TASK = "tests.e2e.custom_task.echo_task:make_task"
 
@@ -59,14 +59,15 @@ def test_custom_task_trains_to_a_reward_gain(run):
     assert len(recs) == STEPS
     first = sum(r["reward_mean"] for r in recs[:5]) / 5
     last = sum(r["reward_mean"] for r in recs[-5:]) / 5
-    assert last > first + 0.15, (first, last)
-    evals = sorted({r["eval_version"] for r in recs if r["eval_version"] >= 0})
-    assert evals and evals[0] == 0 and len(evals) >= 2, evals  # v0 baseline + at least one later eval
+    assert last > first + 0.2, (first, last)
+    evals = {r["eval_version"]: r["eval_reward_mean"] for r in recs if r["eval_version"] >= 0}
+    assert min(evals) == 0 and len(evals) >= 2, evals  # v0 baseline + at least one later eval
+    assert evals[max(evals)] > evals[0] + 0.2, evals  # the held-out split improved too
 
 
 def test_console_holds_asyncrl_lines_only(run):
     console, rdir = run["console"], run["dir"]
-    assert re.search(r"^step \d+/60  steps/s ", console, re.M), console[-2000:]
+    assert re.search(rf"^step \d+/{STEPS}  steps/s ", console, re.M), console[-2000:]
     noise = [ln for ln in console.splitlines() if re.search(r"\bINFO\b|^\(\w+ pid=\d+", ln)]
     assert not noise, noise[:10]
     actor_log = (rdir / "logs" / "actor-0.log").read_text()
