@@ -8,9 +8,19 @@ Layout (``<run_dir>/checkpoints``)::
     latest.json              {"tag", "step", "version"}: written LAST (tmp + rename + fsync)
 
 A checkpoint exists only once ``latest.json`` names it, so a crash while saving leaves the previous
-checkpoint in force. The learner acknowledges the buffer entries a checkpoint includes right after
-``latest.json`` is written; ``learner_state.json`` lists those entry ids (``entry_ids``) so a crash
-between the two is repaired on resume by acknowledging them again (XACK is idempotent).
+checkpoint in force. Every file of the tag directory (DeepSpeed's shards included) and the directory
+itself are fsynced before ``latest.json`` is written, so after a power loss the pointer never names
+files that are not on disk. The learner acknowledges the buffer entries a checkpoint includes right
+after ``latest.json`` is written; ``learner_state.json`` lists those entry ids (``entry_ids``) so a
+crash between the two is repaired on resume by acknowledging them again (XACK is idempotent).
+
+Ledger: ``learner_state.json`` also keeps the ids of the most recently trained groups
+(``trained_ids``, the last ``learner.ledger_size``). A Redis crash can undo an acknowledgement (see
+the README, "Durability"): the entry is then delivered again although its effect is already in the
+weights. The learner recognises it from this ledger and does not train it again.
+
+Fallback: :func:`load_checkpoint` restores the newest checkpoint that loads. One that fails (missing
+or corrupt files) is skipped with a warning and the previous one (``keep`` >= 2) is used instead.
 
 No pickle is read from anywhere but the learner's own checkpoint directory (DeepSpeed's files).
 """
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import random
 import re
@@ -34,7 +45,17 @@ import torch.distributed as dist
 
 from asyncrl.learner.engine import LearnerEngine
 
-__all__ = ["LearnerState", "save_checkpoint", "load_checkpoint", "read_latest", "CHECKPOINT_DIR"]
+__all__ = [
+    "LearnerState",
+    "TrainedLedger",
+    "save_checkpoint",
+    "load_checkpoint",
+    "read_latest",
+    "CHECKPOINT_DIR",
+    "Skipped",
+]
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 POINTER = "latest.json"
@@ -52,6 +73,7 @@ class LearnerState:
     consumer: str = ""  # Redis consumer name; a resume reads its pending entries
     entry_ids: list[str] = field(default_factory=list)  # buffer entries first included by this checkpoint
     group_ids: list[str] = field(default_factory=list)  # their group ids
+    trained_ids: list[str] = field(default_factory=list)  # ledger: last trained group ids, oldest first
     counters: dict[str, float] = field(default_factory=dict)  # cumulative StepRecord counters
     world_size: int = 1
     created: float = 0.0
@@ -60,6 +82,36 @@ class LearnerState:
     def from_dict(cls, d: dict[str, Any]) -> LearnerState:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         return cls(**known)
+
+
+class TrainedLedger:
+    """The ids of the last ``size`` trained groups, in training order, with O(1) membership.
+
+    Restored from the checkpoint (``LearnerState.trained_ids``) and extended with every trained step.
+    A redelivered group found here already has its effect in the weights (a Redis crash undid its
+    acknowledgement, or its delivery, after it was trained): it must not be trained again.
+    """
+
+    def __init__(self, size: int, ids: list[str] | None = None) -> None:
+        self.size = size
+        self._ids: dict[str, None] = {}
+        self.extend(ids or [])
+
+    def extend(self, ids: list[str]) -> None:
+        for gid in ids:
+            self._ids.pop(gid, None)
+            self._ids[gid] = None
+        while len(self._ids) > self.size:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, gid: object) -> bool:
+        return gid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def ids(self) -> list[str]:
+        return list(self._ids)
 
 
 def _tag(step: int) -> str:
@@ -78,6 +130,31 @@ def _atomic_write(path: Path, text: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(tag_dir: Path) -> None:
+    """fsync every file and directory under ``tag_dir``, then its parent (which holds its entry).
+
+    DeepSpeed writes with plain ``torch.save``: without this, a power loss after ``latest.json`` was
+    committed could leave the pointer naming shards that never reached the disk.
+    """
+    for dirpath, _dirs, files in os.walk(tag_dir):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+    _fsync_dir(tag_dir.parent)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -113,6 +190,33 @@ def read_latest(run_dir: str | os.PathLike[str]) -> tuple[Path, LearnerState] | 
     return tag_dir, LearnerState.from_dict(json.loads((tag_dir / STATE_FILE).read_text()))
 
 
+def _candidates(root: Path) -> list[Path]:
+    """Committed tag directories, newest first: the pointer's tag, then the older ones still on disk.
+
+    Tags newer than the pointer are uncommitted leftovers of a crash while saving: never candidates.
+    An unreadable pointer (torn by a crash of the filesystem) falls back to the newest tag on disk.
+    """
+    tags = sorted((p for p in root.iterdir() if p.is_dir() and _TAG.match(p.name)), key=lambda p: p.name)
+    try:
+        newest = json.loads((root / POINTER).read_text())["tag"]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("checkpoint pointer %s is unreadable (%s): trying the tags on disk", root / POINTER, e)
+        newest = tags[-1].name if tags else ""
+    return [p for p in reversed(tags) if p.name <= newest]
+
+
+@dataclass
+class Skipped:
+    """A committed checkpoint that failed to load (``load_checkpoint`` fell back past it)."""
+
+    tag_dir: Path
+    step: int
+    reason: str
+    state: LearnerState | None  # its learner state, when that file was still readable
+
+
 def save_checkpoint(
     le: LearnerEngine, run_dir: str | os.PathLike[str], state: LearnerState, keep: int = 2
 ) -> Path:
@@ -134,7 +238,8 @@ def save_checkpoint(
         state.created = time.time()
         state.world_size = le.world_size
         _atomic_write(tag_dir / STATE_FILE, json.dumps(asdict(state)))
-    _barrier(le)  # every rank's shards and RNG are on disk before the commit
+    _fsync_tree(tag_dir)
+    _barrier(le)  # every rank's shards and RNG are durable on disk before the commit
     if le.rank == 0:
         _atomic_write(root / POINTER, json.dumps({"tag": tag, "step": state.step, "version": state.version}))
         tags = sorted((p for p in root.iterdir() if p.is_dir() and _TAG.match(p.name)), key=lambda p: p.name)
@@ -145,18 +250,69 @@ def save_checkpoint(
     return tag_dir
 
 
-def load_checkpoint(le: LearnerEngine, run_dir: str | os.PathLike[str]) -> LearnerState | None:
-    """Restore the committed checkpoint into ``le`` (collective); None when there is none."""
-    found = read_latest(run_dir)
-    if found is None:
-        return None
-    tag_dir, state = found
+def _all_ranks_ok(le: LearnerEngine, ok: bool) -> bool:
+    if le.world_size == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _load_one(le: LearnerEngine, tag_dir: Path) -> LearnerState:
+    state = LearnerState.from_dict(json.loads((tag_dir / STATE_FILE).read_text()))
     load_path, _client = le.engine.load_checkpoint(
         str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True, load_lr_scheduler_states=False
     )
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {tag_dir}")
+        raise RuntimeError(f"DeepSpeed found no checkpoint files in {tag_dir}")
     rng = tag_dir / f"rng_rank{le.rank}.json"
     if rng.exists():  # absent when resuming with more ranks than saved
         _set_rng_state(json.loads(rng.read_text()))
     return state
+
+
+def load_checkpoint(
+    le: LearnerEngine, run_dir: str | os.PathLike[str], skipped: list[Skipped] | None = None
+) -> LearnerState | None:
+    """Restore the newest committed checkpoint that loads into ``le`` (collective); None when there is none.
+
+    A checkpoint that fails to load on any rank (missing, truncated or corrupt files) is skipped with
+    a warning, renamed ``<tag>.corrupt-<time>`` (kept for inspection, never tried again) and the previous one
+    is restored; the pointer is rewritten to name it. ``skipped`` receives what was passed over, so the
+    caller can account for the work that was lost with it. Raises when no checkpoint loads although
+    some were committed (starting from scratch silently would discard the whole run).
+    """
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return None
+    candidates = _candidates(root)
+    if le.world_size > 1:  # every rank must walk the same list (rank 0's view of the shared dir)
+        box = [[str(p) for p in candidates]]
+        dist.broadcast_object_list(box, src=0)
+        candidates = [Path(p) for p in box[0]]
+    errors: list[str] = []
+    for tag_dir in candidates:
+        try:
+            state, err = _load_one(le, tag_dir), ""
+        except Exception as e:  # a corrupt checkpoint raises whatever its reader raises
+            state, err = None, f"{type(e).__name__}: {e}"
+        if _all_ranks_ok(le, state is not None):
+            if errors and le.rank == 0:
+                _atomic_write(root / POINTER, json.dumps({"tag": tag_dir.name, "step": state.step,
+                                                           "version": state.version}))  # fmt: skip
+            return state
+        err = err or "failed to load on another rank"
+        errors.append(f"{tag_dir.name}: {err}")
+        log.warning("checkpoint %s does not load (%s): falling back to the previous checkpoint", tag_dir, err)
+        if skipped is not None:
+            try:
+                old = LearnerState.from_dict(json.loads((tag_dir / STATE_FILE).read_text()))
+            except (OSError, ValueError, TypeError):
+                old = None
+            skipped.append(Skipped(tag_dir, int(_TAG.match(tag_dir.name).group(1)), err, old))
+        _barrier(le)
+        if le.rank == 0:
+            os.replace(tag_dir, tag_dir.with_name(f"{tag_dir.name}.corrupt-{int(time.time())}"))
+    if errors:
+        raise RuntimeError(f"no checkpoint in {root} loads: " + "; ".join(errors))
+    return None

@@ -9,9 +9,11 @@ Conventions: per-step values describe the step just taken; fields ending in ``_t
 ``skipped_nonfinite`` are cumulative since the run started (they survive a resume, restored from
 the checkpoint). Means over tokens are over the loss-mask tokens trained in the step.
 
-A second, append-only file ``<run_dir>/trained.jsonl`` (the ledger) lists the group and entry ids
-each step trained, with the process session id, so delivery (nothing lost, nothing twice) can be
-audited across restarts.
+A second file ``<run_dir>/trained.jsonl`` (the ledger) lists the group and entry ids each step
+trained, with the process session id: the history of the weights, each group at most once. A resume
+from the checkpoint of step ``s`` moves the lines of steps after ``s`` (work the restore discarded, to
+be redone) to ``trained.discarded.jsonl``, so delivery (nothing lost, nothing twice) can be audited
+across restarts.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepRecord", "MetricsWriter", "LEDGER_FILE", "METRICS_FILE", "read_jsonl"]
+__all__ = ["StepRecord", "MetricsWriter", "LEDGER_FILE", "DISCARDED_FILE", "METRICS_FILE", "read_jsonl"]
 
 METRICS_FILE = "metrics.jsonl"
 LEDGER_FILE = "trained.jsonl"
+DISCARDED_FILE = "trained.discarded.jsonl"
 
 
 @dataclass
@@ -130,19 +133,37 @@ class MetricsWriter:
             f.write(json.dumps(line) + "\n")
 
     def truncate_after(self, step: int) -> None:
-        """Drop metrics records of steps > ``step`` (steps a resume discarded), atomically.
+        """Drop the metrics records and ledger lines of steps > ``step`` (steps a resume discarded).
 
         After a crash the steps after the restored checkpoint are redone; keeping their old records
-        would show two histories in one file. The ledger is NOT truncated: it is the audit trail.
+        would show two histories in one file. Discarded ledger lines are appended to
+        ``trained.discarded.jsonl`` first (the audit trail), then both files are rewritten atomically.
         """
-        path = self.dir / METRICS_FILE
-        if not path.exists():
-            return
-        kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
+        ledger = read_jsonl(self.dir / LEDGER_FILE)
+        dropped = [r for r in ledger if int(r.get("step", 0)) > step]
+        if dropped:
+            with open(self.dir / DISCARDED_FILE, "a") as f:
+                for r in dropped:
+                    f.write(json.dumps(r) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self._rewrite(LEDGER_FILE, [r for r in ledger if int(r.get("step", 0)) <= step], False)
+        metrics = read_jsonl(self.dir / METRICS_FILE)
+        if any(int(r.get("step", 0)) > step for r in metrics):
+            self._rewrite(METRICS_FILE, [r for r in metrics if int(r.get("step", 0)) <= step], True)
+
+    def ledger_groups(self, after: int, upto: int) -> list[str]:
+        """Group ids the ledger lists for steps ``after < step <= upto`` (each once)."""
+        ids = (g for r in read_jsonl(self.dir / LEDGER_FILE) if after < int(r.get("step", 0)) <= upto
+               for g in r.get("group_ids", []))  # fmt: skip
+        return list(dict.fromkeys(ids))
+
+    def _rewrite(self, name: str, rows: list[dict[str, Any]], sort_keys: bool) -> None:
+        path = self.dir / name
         tmp = path.with_suffix(".jsonl.tmp")
         with open(tmp, "w") as f:
-            for r in kept:
-                f.write(json.dumps(r, sort_keys=True) + "\n")
+            for r in rows:
+                f.write(json.dumps(r, sort_keys=sort_keys) + "\n")
         os.replace(tmp, path)
 
 

@@ -27,7 +27,7 @@ from asyncrl.learner.batching import plan_mini_batch
 from asyncrl.learner.checkpoint import read_latest
 from asyncrl.learner.logprobs import load_hf_model
 from asyncrl.learner.loop import learn
-from asyncrl.learner.records import LEDGER_FILE, METRICS_FILE, StepRecord, read_jsonl
+from asyncrl.learner.records import DISCARDED_FILE, LEDGER_FILE, METRICS_FILE, StepRecord, read_jsonl
 from asyncrl.tinymodel import resolve_model_path
 from tests.integration.learner_helpers import dist_env, free_port, sample_groups, tiny_config
 
@@ -138,7 +138,7 @@ def test_kill9_between_checkpoints_then_resume_trains_each_group_once(
     cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=2)
     cfg.buffer.max_staleness = 100
     buf = ReplayBuffer(redis_client, run_name)
-    first = sample_groups(sampler, 6, group_size=2, max_tokens=6, seed=11)
+    first = sample_groups(sampler, 6, max_tokens=6, seed=11)
     for g in first:
         buf.put(g)
     log = open(tmp_path / "learner.log", "wb")  # noqa: SIM115 - closed below
@@ -156,7 +156,7 @@ def test_kill9_between_checkpoints_then_resume_trains_each_group_once(
     tag_dir, ckpt = read_latest(rdir)
     assert ckpt.step == 2 and ckpt.version == 2 and len(ckpt.group_ids) == 4
     assert buf.stats()["pending"] == 2  # step 3's groups: trained, never acknowledged
-    second = sample_groups(sampler, 6, group_size=2, max_tokens=6, seed=12)
+    second = sample_groups(sampler, 6, max_tokens=6, seed=12)
     for g in second:
         buf.put(g)
 
@@ -167,7 +167,8 @@ def test_kill9_between_checkpoints_then_resume_trains_each_group_once(
     ledger = read_jsonl(rdir / LEDGER_FILE)
     sessions = list(dict.fromkeys(line["session"] for line in ledger))
     assert len(sessions) == 2
-    before = [line for line in ledger if line["session"] == sessions[0]]
+    # The killed lineage's step 3 was redone: its line moved to the discarded audit trail.
+    before = [line for line in ledger if line["session"] == sessions[0]] + read_jsonl(rdir / DISCARDED_FILE)
     after = [line for line in ledger if line["session"] == sessions[1]]
     assert [line["step"] for line in before] == [1, 2, 3] and [line["step"] for line in after] == [3, 4, 5, 6]
     in_ckpt = {gid for line in before if line["step"] <= ckpt.step for gid in line["group_ids"]}
@@ -175,6 +176,8 @@ def test_kill9_between_checkpoints_then_resume_trains_each_group_once(
     trained_after = [gid for line in after for gid in line["group_ids"]]
     all_ids = {g.group_id for g in first + second}
     assert len(trained_after) == len(set(trained_after)), "a group was trained twice after the resume"
+    everything = [gid for line in ledger for gid in line["group_ids"]]
+    assert len(everything) == len(set(everything)) == 12, "trained.jsonl lists each group once"
     assert set(trained_after) == all_ids - in_ckpt, "lost or repeated groups relative to the checkpoint"
     assert set(before[2]["group_ids"]) <= set(trained_after)  # the killed step's groups were redone
     # v3 was published by the lost lineage -> the resume forks to v4, then 4 steps -> v8.

@@ -1,0 +1,138 @@
+"""Durability of the learner on real Redis + real DeepSpeed (CPU): the ledger and the checkpoint fallback.
+
+- A Redis crash can undo acknowledgements (README, "Durability"): the same groups are delivered again
+  after their effect is already in the checkpoint. Re-putting them plays that redelivery: the resumed
+  learner recognises them from the checkpoint's ledger, skips them (acknowledged, not credited) and
+  trains only the new ones.
+- The newest checkpoint corrupted on disk: the resume warns, falls back to the previous one, credits
+  the groups lost with it back to admission, and the ledger lists every trained group once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.buffer import ReplayBuffer, encode
+from asyncrl.learner.checkpoint import TrainedLedger, read_latest
+from asyncrl.learner.logprobs import load_hf_model
+from asyncrl.learner.loop import learn
+from asyncrl.learner.records import DISCARDED_FILE, LEDGER_FILE, METRICS_FILE, read_jsonl
+from asyncrl.tinymodel import resolve_model_path
+from tests.integration.learner_helpers import dist_env, sample_groups, tiny_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def sampler(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    d = tmp_path_factory.mktemp("sampler")
+    return load_hf_model(resolve_model_path(tiny_config(d), d))
+
+
+@contextlib.contextmanager
+def _warnings() -> Iterator[list[str]]:
+    """Warnings logged under ``asyncrl`` (a handler on the logger itself: whatever the root does)."""
+    msgs: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: msgs.append(r.getMessage())  # type: ignore[method-assign]
+    lg = logging.getLogger("asyncrl")
+    lg.addHandler(handler)
+    for name in ("asyncrl.learner.feed", "asyncrl.learner.loop", "asyncrl.learner.checkpoint"):
+        logging.getLogger(name).disabled = False
+    try:
+        yield msgs
+    finally:
+        lg.removeHandler(handler)
+
+
+def _trained(rdir: Path) -> list[str]:
+    return [gid for line in read_jsonl(rdir / LEDGER_FILE) for gid in line["group_ids"]]
+
+
+@pytest.mark.timeout(300)
+def test_redelivered_groups_are_not_retrained_and_a_corrupt_checkpoint_falls_back(
+    redis_url, redis_client, run_name, sampler, tmp_path
+) -> None:
+    rdir = tmp_path / "run"
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=1)
+    cfg.buffer.max_staleness = 100
+    buf = ReplayBuffer(redis_client, run_name)
+    dist_env()
+    first = sample_groups(sampler, 6, max_tokens=6, seed=41)
+    for g in first:
+        buf.put(g)
+    cfg.run.max_steps = 3
+    assert learn(cfg, rdir).step == 3
+    assert buf.stats()["depth"] == 0  # all acknowledged with the checkpoints
+    _, ckpt3 = read_latest(rdir)
+    assert ckpt3.step == 3 and set(ckpt3.trained_ids) == {g.group_id for g in first}
+
+    # 1) Redelivery: step 3's two groups come back (a lost XACK), with two new ones behind them.
+    again = [g for g in first if g.group_id in set(ckpt3.group_ids)]
+    fresh = sample_groups(sampler, 2, max_tokens=6, seed=42, version=3)
+    for g in again:  # put() would deduplicate by group id; the raw append is what a lost XACK looks like
+        buf.put_raw(encode(g))
+    for g in fresh:
+        buf.put(g)
+    credits = buf.stats()["credits"]
+    cfg.run.max_steps = 4
+    with _warnings() as msgs:
+        assert learn(cfg, rdir, resume=True).step == 4
+    assert sum("already trained" in m for m in msgs) == 2, msgs
+    ledger = read_jsonl(rdir / LEDGER_FILE)
+    assert sorted(ledger[-1]["group_ids"]) == sorted(g.group_id for g in fresh)
+    trained = _trained(rdir)
+    assert len(trained) == len(set(trained)) == 8
+    st = buf.stats()
+    assert st["depth"] == 0 and st["pending"] == 0 and st["credits"] == credits  # skipped, never credited
+
+    # 2) Corrupt the newest checkpoint (step 4) on disk: truncate every DeepSpeed file of its tag.
+    tag4, ckpt4 = read_latest(rdir)
+    assert ckpt4.step == 4
+    shards = list(tag4.glob("*.pt"))
+    assert shards
+    for f in shards:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    more = sample_groups(sampler, 4, max_tokens=6, seed=43, version=4)
+    for g in more:
+        buf.put(g)
+    cfg.run.max_steps = 5
+    with _warnings() as msgs:
+        state = learn(cfg, rdir, resume=True)
+    assert any("step00000004" in m and "falling back" in m for m in msgs), msgs
+    assert any("2 groups trained in steps 4-4 are lost" in m for m in msgs), msgs
+    # Restored step 3, then trained steps 4 and 5 of the new lineage on the 4 new groups.
+    assert state.step == 5
+    assert [p.name.split(".")[0] for p in (rdir / "checkpoints").glob("step00000004.corrupt-*")] == [
+        "step00000004"
+    ]
+    assert json.loads((rdir / "checkpoints" / "latest.json").read_text())["tag"] == "step00000005"
+    ledger = read_jsonl(rdir / LEDGER_FILE)
+    assert [line["step"] for line in ledger] == [1, 2, 3, 4, 5]
+    assert sorted(ledger[3]["group_ids"] + ledger[4]["group_ids"]) == sorted(g.group_id for g in more)
+    discarded = read_jsonl(rdir / DISCARDED_FILE)
+    assert [line["step"] for line in discarded] == [4]
+    assert sorted(discarded[0]["group_ids"]) == sorted(g.group_id for g in fresh)
+    trained = _trained(rdir)
+    assert len(trained) == len(set(trained)) == 10
+    assert [r["step"] for r in read_jsonl(rdir / METRICS_FILE)] == [1, 2, 3, 4, 5]
+    st = buf.stats()
+    # The 2 groups lost with step 4's checkpoint give their admission slots back.
+    assert st["depth"] == 0 and st["pending"] == 0 and st["credits"] == credits + 2
+    buf.delete_run()
+
+
+def test_trained_ledger_keeps_the_newest_ids_in_order() -> None:
+    led = TrainedLedger(3, ["a", "b"])
+    led.extend(["c", "d", "b"])
+    assert led.ids() == ["c", "d", "b"] and len(led) == 3
+    assert "a" not in led and "b" in led and "d" in led
+    led.extend([f"x{i}" for i in range(10)])
+    assert led.ids() == ["x7", "x8", "x9"]
