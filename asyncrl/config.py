@@ -46,12 +46,6 @@ class RunConfig:
     seed: int = F(0, "Seed for model init, prompt order, sampling and the learner.", ge=0)
     max_steps: int = F(60, "Learner optimizer steps before the run ends (0 = unlimited).", ge=0)
     max_wall_s: float = F(0.0, "Wall-clock budget in seconds for `asyncrl run` (0 = unlimited).", ge=0)
-    max_restarts: int = F(
-        3,
-        "`asyncrl run` supervision: restarts allowed to each role instance (the learner process, the embedded "
-        "redis-server, each actor slot) before the run stops with an error and a non-zero exit.",
-        ge=0,
-    )
     progress: bool = F(True, "Show a live progress line on the terminal.")
 
 
@@ -264,12 +258,6 @@ class ActorsConfig:
         "exceed an engine start-up (heartbeats begin once the vLLM engine is up).",
         gt=0,
     )
-    heartbeat_timeout_s: float = F(
-        120.0,
-        "`asyncrl run` replaces an actor whose last heartbeat (or its start) is older than this; it must "
-        "exceed an engine start-up (heartbeats begin once the vLLM engine is up).",
-        gt=0,
-    )
     refuse_stale_weights: bool = F(
         True,
         "Ask admission to refuse a group while this actor's weights are already more than max_staleness "
@@ -413,6 +401,13 @@ class LearnerConfig:
     overlong_mask: bool = F(False, "Mask the loss of completions that ended by length.")
     publish_every: int = F(1, "Publish weights (bump the policy version) every N optimizer steps.", ge=1)
     keep_versions: int = F(3, "Published weight versions kept on disk.", ge=1)
+    weight_transport: str = F(
+        "file",
+        "How published weights reach the actors: file (run_dir/weights, sha256-verified; any shared "
+        "filesystem), shm (/dev/shm on this host: no disk, no hash, freed when the learner exits; actors "
+        "must run here), auto = shm when Redis is on this host (so are the actors), else file.",
+        choices=("auto", "file", "shm"),
+    )
     checkpoint_every: int = F(10, "Checkpoint (and acknowledge consumed groups) every N steps.", ge=1)
     read_block_ms: int = F(500, "Longest single blocking read on the buffer, in ms.", ge=1)
     fill_window: bool = F(
@@ -427,12 +422,6 @@ class LearnerConfig:
         ge=0,
     )
     consumer: str = F("learner-0", "Consumer name in the Redis consumer group (stable across restarts).")
-    ledger_size: int = F(
-        16384,
-        "Most recent trained group ids kept in each checkpoint: a group Redis delivers again after a crash "
-        "undid its acknowledgement is recognised from them and not trained twice.",
-        ge=1,
-    )
     max_deliveries: int = F(
         3,
         "A buffered group delivered more often than this (the consumer group's delivery count: a learner "

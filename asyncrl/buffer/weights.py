@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import os
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ __all__ = [
     "build_manifest",
     "verify",
     "WeightTransport",
+    "shm_root",
 ]
 
 MANIFEST_SCHEMA = 1
@@ -247,6 +249,17 @@ def verify(manifest: WeightManifest, path: str | os.PathLike[str] | None = None)
         raise WeightIntegrityError(f"{tag}: total size {total} != expected {manifest.size}")
 
 
+def shm_root(run_dir: str | os.PathLike[str], run_name: str) -> Path:
+    """Where the shared-memory transport keeps a run's weights: a per-run directory in /dev/shm.
+
+    Here (not in the learner) so that an actor can tell an allowed weights path from any other:
+    the run dir's hash keeps two runs of one name apart, the uid two users.
+    """
+    tag = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"asyncrl-{os.getuid()}-{run_name}-{tag}"
+
+
 class WeightTransport(abc.ABC):
     """Moves weight bytes from the learner to the actors. Knows nothing about Redis.
 
@@ -278,3 +291,6 @@ class WeightTransport(abc.ABC):
 
     def delete(self, version: int) -> None:  # noqa: B027 - optional hook, no-op by default
         """Free the storage of an old version (called after ``prune_manifests``)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """The learner is done publishing: release what only lives while it runs (shared memory)."""

@@ -9,7 +9,6 @@ While it waits it broadcasts ``{"kind": "wait"}`` keep-alives every ``KEEPALIVE_
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 import uuid
@@ -20,14 +19,11 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncrl.buffer import ReplayBuffer, encode
-from asyncrl.learner.checkpoint import TrainedLedger
-from asyncrl.learner.publisher import FilesystemTransport, Publisher, checkpoint_tensor_names
+from asyncrl.learner.publisher import Publisher, checkpoint_tensor_names, is_local_url, make_transport
 from asyncrl.learner.records import MetricsWriter
 from asyncrl.learner.validate import RunSpec, check_group
 
 __all__ = ["Batch", "Rank0", "batch_order_key", "broadcast", "KEEPALIVE_S", "SATURATED_S"]
-
-log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 30.0
 #: fill_window: an unchanged unread count for this long under saturated admission ends the wait.
@@ -43,9 +39,6 @@ class Batch:
     wait_s: float = 0.0
     dropped_stale: int = 0
     dropped_filtered: int = 0
-    #: Redelivered groups already in the weights (ledger hit): not trained, acknowledged with the next
-    #: checkpoint (never credited: their admission slot is accounted for by the trained copy).
-    duplicate_entry_ids: list[str] = field(default_factory=list)
     #: Groups that do not fit the run (asyncrl.learner.validate): dead-lettered with the reason, credited.
     dropped_invalid: int = 0
 
@@ -82,10 +75,12 @@ class Rank0:
         )  # fmt: skip
         vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
         self.spec = RunSpec.from_config(cfg, vocab_size)
-        transport = FilesystemTransport(run_dir / "weights", checkpoint_tensor_names(model_path))
+        transport = make_transport(
+            cfg.learner.weight_transport, run_dir, cfg.run.name, checkpoint_tensor_names(model_path),
+            local=is_local_url(cfg.redis.url),
+        )  # fmt: skip
         self.publisher = Publisher(self.buffer, transport, cfg.learner.keep_versions, dtype)
         self.writer = MetricsWriter(run_dir, uuid.uuid4().hex[:12])
-        self.ledger = TrainedLedger(cfg.learner.ledger_size)  # restored from the checkpoint by the loop
 
     def published_max(self) -> int:
         """Highest version ever published in this run (-1: none)."""
@@ -120,10 +115,6 @@ class Rank0:
                     # Poison for this run: never trained; dead letter with the reason, slot credited.
                     buf.dead_letter([(e.entry_id, reason, encode(g))])
                     b.dropped_invalid += 1
-                elif g.group_id in self.ledger:
-                    log.warning("group %s (entry %s) was already trained: delivered again, skipped",
-                                g.group_id, e.entry_id)  # fmt: skip
-                    b.duplicate_entry_ids.append(e.entry_id)
                 elif g.staleness(version) > eta:
                     b.dropped_stale += 1
                     drop.append(e.entry_id)

@@ -33,7 +33,6 @@ import logging
 import os
 import shutil
 import struct
-import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -46,7 +45,7 @@ from asyncrl.buffer import (
     WeightTransport,
     verify,
 )
-from asyncrl.buffer.weights import MANIFEST_FILENAME
+from asyncrl.buffer.weights import MANIFEST_FILENAME, shm_root
 
 __all__ = [
     "FilesystemTransport",
@@ -54,6 +53,8 @@ __all__ = [
     "Publisher",
     "checkpoint_tensor_names",
     "make_transport",
+    "is_local_url",
+    "shm_root",
     "write_safetensors",
     "WEIGHTS_FILE",
     "TRANSPORTS",
@@ -241,12 +242,15 @@ class ShmTransport(FilesystemTransport):
         """Remove every version (the run is over; a resumed learner re-publishes its version)."""
         shutil.rmtree(self.root, ignore_errors=True)
 
+    close = cleanup  # memory is not kept past the learner: a restarted learner re-publishes
 
-def shm_root(run_dir: str | os.PathLike[str], run_name: str) -> Path:
-    """A per-run directory under /dev/shm (the run dir's hash keeps two runs of one name apart)."""
-    tag = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"asyncrl-{os.getuid()}-{run_name}-{tag}"
+
+def is_local_url(url: str) -> bool:
+    """Does this Redis URL point at this host (loopback or a unix socket)? Then so do the actors."""
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    return u.scheme == "unix" or (u.hostname or "") in ("127.0.0.1", "localhost", "::1")
 
 
 def make_transport(
@@ -282,6 +286,9 @@ class Publisher:
         for v in self.buffer.prune_manifests(self.keep_versions):
             self.transport.delete(v)
         return manifest
+
+    def close(self) -> None:
+        self.transport.close()
 
     def usable(self, version: int) -> bool:
         """Is ``version`` registered and are its bytes on disk intact?"""
