@@ -46,6 +46,12 @@ class RunConfig:
     seed: int = F(0, "Seed for model init, prompt order, sampling and the learner.", ge=0)
     max_steps: int = F(60, "Learner optimizer steps before the run ends (0 = unlimited).", ge=0)
     max_wall_s: float = F(0.0, "Wall-clock budget in seconds for `asyncrl run` (0 = unlimited).", ge=0)
+    max_restarts: int = F(
+        3,
+        "`asyncrl run` supervision: restarts allowed to each role instance (the learner process, the embedded "
+        "redis-server, each actor slot) before the run stops with an error and a non-zero exit.",
+        ge=0,
+    )
     progress: bool = F(True, "Show a live progress line on the terminal.")
 
 
@@ -258,6 +264,12 @@ class ActorsConfig:
         "exceed an engine start-up (heartbeats begin once the vLLM engine is up).",
         gt=0,
     )
+    heartbeat_timeout_s: float = F(
+        120.0,
+        "`asyncrl run` replaces an actor whose last heartbeat (or its start) is older than this; it must "
+        "exceed an engine start-up (heartbeats begin once the vLLM engine is up).",
+        gt=0,
+    )
     refuse_stale_weights: bool = F(
         True,
         "Ask admission to refuse a group while this actor's weights are already more than max_staleness "
@@ -422,6 +434,12 @@ class LearnerConfig:
         ge=0,
     )
     consumer: str = F("learner-0", "Consumer name in the Redis consumer group (stable across restarts).")
+    ledger_size: int = F(
+        16384,
+        "Most recent trained group ids kept in each checkpoint: a group Redis delivers again after a crash "
+        "undid its acknowledgement is recognised from them and not trained twice.",
+        ge=1,
+    )
     max_deliveries: int = F(
         3,
         "A buffered group delivered more often than this (the consumer group's delivery count: a learner "

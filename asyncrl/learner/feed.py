@@ -9,6 +9,7 @@ While it waits it broadcasts ``{"kind": "wait"}`` keep-alives every ``KEEPALIVE_
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -19,11 +20,14 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncrl.buffer import ReplayBuffer, encode
+from asyncrl.learner.checkpoint import TrainedLedger
 from asyncrl.learner.publisher import Publisher, checkpoint_tensor_names, is_local_url, make_transport
 from asyncrl.learner.records import MetricsWriter
 from asyncrl.learner.validate import RunSpec, check_group
 
 __all__ = ["Batch", "Rank0", "batch_order_key", "broadcast", "KEEPALIVE_S", "SATURATED_S"]
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 30.0
 #: fill_window: an unchanged unread count for this long under saturated admission ends the wait.
@@ -39,6 +43,9 @@ class Batch:
     wait_s: float = 0.0
     dropped_stale: int = 0
     dropped_filtered: int = 0
+    #: Redelivered groups already in the weights (ledger hit): not trained, acknowledged with the next
+    #: checkpoint (never credited: their admission slot is accounted for by the trained copy).
+    duplicate_entry_ids: list[str] = field(default_factory=list)
     #: Groups that do not fit the run (asyncrl.learner.validate): dead-lettered with the reason, credited.
     dropped_invalid: int = 0
 
@@ -81,6 +88,7 @@ class Rank0:
         )  # fmt: skip
         self.publisher = Publisher(self.buffer, transport, cfg.learner.keep_versions, dtype)
         self.writer = MetricsWriter(run_dir, uuid.uuid4().hex[:12])
+        self.ledger = TrainedLedger(cfg.learner.ledger_size)  # restored from the checkpoint by the loop
 
     def published_max(self) -> int:
         """Highest version ever published in this run (-1: none)."""
@@ -115,6 +123,10 @@ class Rank0:
                     # Poison for this run: never trained; dead letter with the reason, slot credited.
                     buf.dead_letter([(e.entry_id, reason, encode(g))])
                     b.dropped_invalid += 1
+                elif g.group_id in self.ledger:
+                    log.warning("group %s (entry %s) was already trained: delivered again, skipped",
+                                g.group_id, e.entry_id)  # fmt: skip
+                    b.duplicate_entry_ids.append(e.entry_id)
                 elif g.staleness(version) > eta:
                     b.dropped_stale += 1
                     drop.append(e.entry_id)

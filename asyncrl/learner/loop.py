@@ -14,7 +14,12 @@ collective timeout; a stop (SIGTERM / ``stop_event``) is broadcast the same way.
 Delivery: entries are acknowledged only after the checkpoint that includes their effect is
 committed. On resume the learner restores that checkpoint, re-acknowledges the entries it lists
 (crash between commit and ack), and then its consumer gets its pending entries first: the groups
-trained after the checkpoint are retrained exactly once relative to the restored weights.
+trained after the checkpoint are retrained exactly once relative to the restored weights. A group
+delivered again although its effect is already in the weights (a Redis crash lost the acknowledgement
+or the delivery) is found in the ledger of recently trained group ids, which the checkpoint carries,
+and skipped. A checkpoint that does not load is passed over for the previous one
+(asyncrl.learner.checkpoint); the groups only it contained were already acknowledged, so they are
+lost: they are logged and their admission slots credited back.
 
 Version on resume (decision): the learner restarts at the checkpoint's version V_c whenever that is
 unambiguous, i.e. nothing newer than V_c was published (clean stop, crash right after a checkpoint,
@@ -143,7 +148,8 @@ def learn(
                 f"run {cfg.run.name!r} already has published weights or a checkpoint in {run_dir}; "
                 "resume it (asyncrl learn --resume) or use a new run name and directory"
             )
-        state = (load_checkpoint(le, run_dir) if resume else None) or LearnerState(
+        skipped: list[Skipped] = []
+        state = (load_checkpoint(le, run_dir, skipped) if resume else None) or LearnerState(
             consumer=cfg.learner.consumer
         )
         trainer.applied_steps = state.applied_steps
@@ -154,6 +160,9 @@ def learn(
         if r0 is not None:
             if state.entry_ids:
                 r0.buffer.ack(state.entry_ids)  # committed but maybe not acknowledged before a crash
+            r0.ledger.extend(state.trained_ids)
+            if skipped:
+                _credit_lost(r0, state.step, max(s.step for s in skipped))
             r0.writer.truncate_after(state.step)
             pub = r0.published_max()
             if pub < state.version or (pub == state.version and not r0.publisher.usable(state.version)):
@@ -203,8 +212,9 @@ def learn(
                 state.version += 1
                 publish_s = _publish(le, r0, state.version)
             if r0 is not None:
-                pending_ids += batch.entry_ids
+                pending_ids += batch.entry_ids + batch.duplicate_entry_ids
                 pending_groups += [g.group_id for g in groups]
+                r0.ledger.extend([g.group_id for g in groups])
                 r0.writer.ledger(state.step, state.version, [g.group_id for g in groups], batch.entry_ids)
                 counters["groups_total"] += len(groups)
                 counters["tokens_total"] += res.tokens
@@ -247,6 +257,17 @@ def learn(
             r0.buffer.close()
 
 
+def _credit_lost(r0: Rank0, restored: int, newest: int) -> None:
+    """Credit back the groups trained in steps (restored, newest]: they were acknowledged when the
+    checkpoint of step ``newest`` committed, and that checkpoint turned out not to load."""
+    lost = r0.writer.ledger_groups(restored, newest)
+    log.warning("fell back to the checkpoint of step %d: %d groups trained in steps %d-%d are lost with the "
+                "checkpoint that did not load (already acknowledged); their admission slots are credited back",
+                restored, len(lost), restored + 1, newest)  # fmt: skip
+    if lost:
+        r0.buffer.credit(len(lost))
+
+
 def _checkpoint(
     le: LearnerEngine,
     r0: Rank0 | None,
@@ -259,6 +280,7 @@ def _checkpoint(
     """Commit a checkpoint (collective), then acknowledge what it includes (rank 0)."""
     state.entry_ids = list(pending_ids)
     state.group_ids = list(pending_groups)
+    state.trained_ids = r0.ledger.ids() if r0 is not None else []
     state.counters = dict(counters)
     save_checkpoint(le, run_dir, state)
     if r0 is not None and pending_ids:
