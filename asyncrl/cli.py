@@ -62,9 +62,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _redis_url(cfg, rdir: Path) -> str:
-    """The Redis URL a role connects to: the configured one, or the one a running `asyncrl run` wrote."""
+    """The Redis URL a role connects to: the configured one, the one `asyncrl run` hands its learner in
+    the environment (ASYNCRL_REDIS_URL), or the one a running `asyncrl run` wrote (0600 file)."""
     if cfg.redis.url:
         return cfg.redis.url
+    if os.environ.get("ASYNCRL_REDIS_URL"):
+        return os.environ["ASYNCRL_REDIS_URL"]
     url_file = rdir / "redis.url"
     if url_file.exists():
         return url_file.read_text().strip()
@@ -172,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_sweep(args.config, args.overrides)
         cfg = load_config(args.config, args.overrides)
+        # Secrets stay off argv and out of config files: `asyncrl run` passes them in the environment.
+        cfg.redis.password = cfg.redis.password or os.environ.get("ASYNCRL_REDIS_PASSWORD", "")
         rdir = run_dir(cfg)
         if args.cmd == "config":
             print("\n".join(explain()) if args.explain else to_yaml(cfg), end="\n")

@@ -1,9 +1,27 @@
-"""`asyncrl run`: the embedded default, all roles on one machine.
+"""`asyncrl run`: the embedded default, all roles on one machine, supervised.
 
 Starts an embedded redis-server inside the run dir (unless redis.url is set), builds or resolves the
 model, starts the learner as its own OS process (`asyncrl learn`), runs the actor pool on a local Ray
 in this process, shows a live progress line, and tears everything down on completion, on the wall
 budget, or on Ctrl-C/SIGTERM.
+
+Supervision (once a second): an embedded redis-server that died is started again on its data dir and
+port (AOF: the buffer survives); a learner process that exited before the run's end is restarted with
+``--resume``; a dead, failed or silent actor is replaced (asyncrl.actors.supervision). Each role
+instance gets ``run.max_restarts`` restarts, each one logged; one failure more stops the run with a
+clear error and exit code 1.
+
+Resume: re-running the same command on a run dir that holds an unfinished run (interrupted by Ctrl-C
+or SIGTERM, crashed, or stopped by ``max_wall_s``) continues it: same run name, same embedded Redis
+data (the buffer), the learner restored from its last checkpoint. ``summary.json`` is written at every
+end; ``"finished": true`` (the learner reached ``run.max_steps``) marks a finished run, which a
+re-run refuses to overwrite.
+
+Secrets: the Redis password never goes on a command line or into ``config.yaml`` (it is redacted
+there). The embedded Redis binds 127.0.0.1 and gets a random password unless ``redis.password`` is
+set; the learner gets the URL through its environment (``ASYNCRL_REDIS_URL``/``ASYNCRL_REDIS_PASSWORD``,
+readable only by the user), ``asyncrl status``/``serve-actors``/``learn`` find it in ``redis.url``
+(mode 0600) in the run dir.
 
 Invariant: whatever happens, the finally-block stops the pool (engines + Ray), the learner process
 and the embedded Redis in that order, so no redis-server, Ray or vLLM process outlives the command.
@@ -11,8 +29,10 @@ and the embedded Redis in that order, so no redis-server, Ray or vLLM process ou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -20,9 +40,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
+from typing import Any
 
-from asyncrl.config import Config, run_dir, to_yaml
+from asyncrl.config import Config, ConfigError, run_dir, to_yaml
+from asyncrl.console import make_console
 from asyncrl.learner.records import read_jsonl  # stdlib only: a torn last line is skipped
 
 
@@ -32,15 +55,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Environment variables that carry Redis secrets to child roles (never argv, never config.yaml).
+ENV_REDIS_URL = "ASYNCRL_REDIS_URL"
+ENV_REDIS_PASSWORD = "ASYNCRL_REDIS_PASSWORD"
+
+
+def redact_url(url: str) -> str:
+    """``url`` without the password of its userinfo (``redis://user:pw@h`` -> ``redis://user@h``)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}@" if parts.username else ""
+    return urllib.parse.urlunsplit(parts._replace(netloc=user + host))
+
+
+def redacted(cfg: Config) -> Config:
+    """A copy of ``cfg`` fit for a world-readable file: no Redis password, in the field or the URL."""
+    redis_cfg = dataclasses.replace(cfg.redis, password="", url=redact_url(cfg.redis.url))
+    return dataclasses.replace(cfg, redis=redis_cfg)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0600 (atomically: never readable by others, not even briefly)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
 def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, resume: bool = False,
-                          log_path: Path | None = None, threads: int = 0) -> subprocess.Popen:  # fmt: skip
-    """The learner as its own process group (so Ctrl-C reaches it only through us, in order)."""
+                          log_path: Path | None = None, threads: int = 0,
+                          redis_password: str = "") -> subprocess.Popen:  # fmt: skip
+    """The learner as its own process group (so Ctrl-C reaches it only through us, in order).
+
+    The Redis URL (it may hold the password) and the password travel in the environment."""
     env = dict(os.environ)
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), ASYNCRL_START_TIME=repr(start_time))  # fmt: skip
+    env[ENV_REDIS_URL] = redis_url
+    if redis_password:
+        env[ENV_REDIS_PASSWORD] = redis_password
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "asyncrl.cli", "learn", "--config", str(cfg_path), f"redis.url={redis_url}"]
+    cmd = [sys.executable, "-m", "asyncrl.cli", "learn", "--config", str(cfg_path)]
     if resume:
         cmd.insert(4, "--resume")
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
@@ -68,38 +128,6 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 60.0) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
     return proc.returncode
-
-
-class Progress:
-    """A live one-line view: step, version, reward, staleness, tokens/s (a plain line when not a tty)."""
-
-    def __init__(self, enabled: bool, max_steps: int):
-        self.enabled = enabled
-        self.max_steps = max_steps
-        self.tty = sys.stdout.isatty()
-        self.last_print = 0.0
-
-    def update(self, records: list[dict], elapsed: float) -> None:
-        if not self.enabled:
-            return
-        if records:
-            r = records[-1]
-            toks = sum(x.get("tokens", 0) for x in records)
-            line = (f"step {r['step']}/{self.max_steps or '-'}  v{r['version']}  reward {r['reward_mean']:.3f}  "
-                    f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']}  "
-                    f"{toks / max(elapsed, 1e-9):.0f} tok/s  {elapsed:.0f}s")  # fmt: skip
-        else:
-            line = f"waiting for the first step ...  {elapsed:.0f}s"
-        if self.tty:
-            sys.stdout.write("\r\033[K" + line)
-            sys.stdout.flush()
-        elif time.time() - self.last_print > 10:
-            print(line, flush=True)
-            self.last_print = time.time()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stdout.write("\n")
 
 
 def write_targets(rdir: Path, run: str, learner_status: dict, actors: dict) -> list[dict]:
@@ -135,78 +163,199 @@ def write_summary(rdir: Path, records: list[dict], start: float, end: float, ext
     return summary
 
 
+class RunFailed(RuntimeError):
+    """A supervised role failed more often than ``run.max_restarts`` allows."""
+
+
+def read_summary(rdir: Path) -> dict:
+    try:
+        return json.loads((rdir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def has_prior_run(rdir: Path) -> bool:
+    """The run dir holds state of an earlier start of this run: checkpoints, weights or a buffer."""
+    return any((rdir / d).is_dir() and any((rdir / d).iterdir()) for d in ("checkpoints", "weights", "redis"))
+
+
+class Supervisor:
+    """Keeps the roles of one `asyncrl run` alive (see the module docstring); counts each restart."""
+
+    def __init__(self, cfg: Config, rdir: Path, cfg_path: Path, start: float, note: Any) -> None:
+        self.cfg, self.rdir, self.cfg_path, self.start, self.note = cfg, rdir, cfg_path, start, note
+        self.restarts: dict[str, int] = {"redis": 0, "learner": 0}
+        self.events: list[str] = []
+        self.redis_srv: Any = None
+        self.url = ""
+        self.learner: subprocess.Popen | None = None
+        self.actors: Any = None  # ActorSupervisor, once the pool is up
+
+    def _restart(self, role: str, why: str) -> None:
+        self.restarts[role] += 1
+        n, limit = self.restarts[role], self.cfg.run.max_restarts
+        if n > limit:
+            raise RunFailed(f"{role} {why}; restarts exhausted ({limit}, run.max_restarts): stopping the run")
+        msg = f"{role} {why}: restarting it ({n}/{limit})"
+        self.events.append(msg)
+        self.note(msg)
+
+    def start_redis(self) -> str:
+        from asyncrl.buffer.embedded import EmbeddedRedis
+
+        if self.cfg.redis.url:
+            self.url = self.cfg.redis.url
+            return self.url
+        # A random password unless one is configured: the server binds loopback, but other local users
+        # could otherwise reach it.
+        password = self.cfg.redis.password or secrets.token_urlsafe(24)
+        self.redis_srv = EmbeddedRedis(self.rdir / "redis", password=password,
+                                       appendfsync=self.cfg.redis.appendfsync).start()  # fmt: skip
+        self.url = self.redis_srv.url
+        write_private(self.rdir / "redis.url", self.url)
+        return self.url
+
+    def start_learner(self, resume: bool) -> None:
+        # config.yaml has the password redacted (from the field and from the URL): hand it over apart.
+        url_pw = urllib.parse.unquote(urllib.parse.urlsplit(self.url).password or "")
+        self.learner = start_learner_process(
+            self.cfg_path, self.url, self.start, resume=resume, log_path=self.rdir / "learner.log",
+            threads=learner_threads(self.cfg), redis_password=self.cfg.redis.password or url_pw,
+        )  # fmt: skip
+
+    def check(self) -> bool:
+        """One supervision pass; True when the learner finished the run (exit 0 at ``max_steps``)."""
+        srv = self.redis_srv
+        if srv is not None and not srv.running:
+            self._restart("redis", f"embedded redis-server (port {srv.port}) is gone")
+            from asyncrl.buffer.embedded import EmbeddedRedisError
+
+            try:
+                srv.start()  # same data dir (AOF), port and password: every client reconnects
+            except EmbeddedRedisError as e:
+                self.note(f"redis restart failed: {e}")
+        assert self.learner is not None
+        rc = self.learner.poll()
+        if rc is not None:
+            recs = read_jsonl(self.rdir / "metrics.jsonl")
+            step = recs[-1]["step"] if recs else 0
+            if rc == 0 and self.cfg.run.max_steps and step >= self.cfg.run.max_steps:
+                return True
+            self._restart(
+                "learner", f"exited with code {rc} at step {step} (see {self.rdir / 'learner.log'})"
+            )
+            time.sleep(min(2.0 * self.restarts["learner"], 10.0))  # let a cause outside it (Redis) pass
+            self.start_learner(resume=True)
+        if self.actors is not None:
+            for msg in self.actors.poll():
+                self.events.append(msg)
+                self.note(msg)
+        return False
+
+
 def run_all(cfg: Config, config_path: str | None = None) -> int:
     from asyncrl.buffer import ReplayBuffer
-    from asyncrl.buffer.embedded import EmbeddedRedis
     from asyncrl.tinymodel import resolve_model_path
 
     start = time.time()
     rdir = run_dir(cfg).resolve()
-    if (rdir / "summary.json").exists():
-        from asyncrl.config import ConfigError
-
+    if read_summary(rdir).get("finished"):
         raise ConfigError(
             f"run dir {rdir} holds a finished run (summary.json); choose another run.name=... or remove the dir "
-            "(an interrupted run, without summary.json, is resumed from its last checkpoint instead)"
+            "(an unfinished run is resumed from its last checkpoint instead)"
         )
+    resume = has_prior_run(rdir)
     rdir.mkdir(parents=True, exist_ok=True)
-    resume = (rdir / "checkpoints").exists() and any((rdir / "checkpoints").iterdir())
     cfg_path = rdir / "config.yaml"
-    cfg_path.write_text(to_yaml(cfg))
+    cfg_path.write_text(to_yaml(redacted(cfg)))  # world-readable: no secrets in it
     resolve_model_path(cfg, rdir)  # build once here, before two roles race to build it
     stop = threading.Event()
     prev_handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    redis_srv = None
-    learner = None
+    progress = make_console(cfg, rdir)  # before the pool: it points the actors' output at <rdir>/logs
+    sup = Supervisor(cfg, rdir, cfg_path, start, progress.note)
     pool = None
-    progress = Progress(cfg.run.progress, cfg.run.max_steps)
+    buf = None
     extra: dict = {}
+    status, error = "interrupted", ""
+    if resume:
+        progress.note(f"resuming run {cfg.run.name!r} in {rdir} from its last checkpoint")
     try:
-        if cfg.redis.url:
-            url = cfg.redis.url
-        else:
-            redis_srv = EmbeddedRedis(rdir / "redis", password=cfg.redis.password or None,
-                                      appendfsync=cfg.redis.appendfsync).start()  # fmt: skip
-            url = redis_srv.url
-            (rdir / "redis.url").write_text(url)
+        url = sup.start_redis()
         cfg.redis.url = url
-        learner = start_learner_process(cfg_path, url, start, resume=resume, log_path=rdir / "learner.log",
-                                        threads=learner_threads(cfg))  # fmt: skip
+        sup.start_learner(resume)
         from asyncrl.actors.pool import ActorPool
+        from asyncrl.actors.supervision import ActorSupervisionError, ActorSupervisor
 
         pool = ActorPool(cfg, rdir, redis_url=url)
         pool.start()
-        buf = ReplayBuffer.from_config(cfg, url)
+        # A short socket timeout: a frozen Redis must not freeze the supervision loop with it.
+        buf = ReplayBuffer.from_config(cfg, url, socket_timeout=5.0)
+        sup.actors = ActorSupervisor(pool, buf, cfg.actors.heartbeat_timeout_s, cfg.run.max_restarts)
         metrics_path = rdir / "metrics.jsonl"
         while not stop.is_set():
-            if learner.poll() is not None:
+            try:
+                if sup.check():
+                    status = "finished"
+                    break
+            except (RunFailed, ActorSupervisionError) as e:
+                status, error = "failed", str(e)
                 break
             if cfg.run.max_wall_s and time.time() - start > cfg.run.max_wall_s:
+                status = "wall_budget"
                 break
             progress.update(read_jsonl(metrics_path), time.time() - start)
-            write_targets(rdir, cfg.run.name, buf.learner_status(), buf.actors())
+            try:
+                write_targets(rdir, cfg.run.name, buf.learner_status(), buf.actors())
+            except Exception as e:  # Redis away (being restarted): the next pass catches up
+                log_once = f"metrics targets not updated: {type(e).__name__}"
+                if log_once not in sup.events:
+                    sup.events.append(log_once)
             stop.wait(1.0)
-        extra["actors"] = {k: {kk: vv for kk, vv in v.items() if isinstance(vv, int | float | str)}
-                           for k, v in buf.actors().items()}  # fmt: skip
-        extra["buffer"] = buf.stats()
-        buf.close()
+        try:
+            extra["actors"] = {k: {kk: vv for kk, vv in v.items() if isinstance(vv, int | float | str)}
+                               for k, v in buf.actors().items()}  # fmt: skip
+            extra["buffer"] = buf.stats()
+        except Exception as e:  # the summary must still be written
+            extra["buffer_error"] = f"{type(e).__name__}: {e}"
+    except Exception as e:
+        status, error = "failed", f"{type(e).__name__}: {e}"
+        raise
     finally:
         progress.close()
-        if pool is not None:
-            pool.stop()
-        rc = stop_process(learner) if learner is not None else 0
-        if redis_srv is not None:
-            redis_srv.stop()
-            (rdir / "redis.url").unlink(missing_ok=True)
+        rc = _teardown(pool, sup, buf)
         for s, h in prev_handlers.items():
             signal.signal(s, h)
-    end = time.time()
-    records = read_jsonl(rdir / "metrics.jsonl")
-    extra["learner_exit_code"] = rc
-    summary = write_summary(rdir, records, start, end, extra)
+        end = time.time()
+        records = read_jsonl(rdir / "metrics.jsonl")
+        finished = status == "finished" and rc == 0
+        if status == "finished" and rc != 0:
+            status, error = "failed", f"learner exited with code {rc} after the last step"
+        extra.update(finished=finished, status=status, error=error, learner_exit_code=rc,
+                     restarts={**sup.restarts, "actors": sup.actors.restarts if sup.actors else []},
+                     supervision_events=sup.events)  # fmt: skip
+        summary = write_summary(rdir, records, start, end, extra)
     print(f"run dir: {rdir}\nsteps {summary['steps']}  reward {summary['start_reward']} -> {summary['end_reward']}  "
-          f"wall {summary['wall_s']:.0f}s")  # fmt: skip
-    if rc not in (0, -signal.SIGTERM):
-        print(f"learner exited with code {rc}; see {rdir / 'learner.log'}", file=sys.stderr)
+          f"wall {summary['wall_s']:.0f}s  status {status}")  # fmt: skip
+    if status == "failed":
+        print(f"asyncrl run: error: {error}", file=sys.stderr)
         return 1
+    if not finished:
+        print(f"the run is not finished ({status}): run the same command again to resume it", flush=True)
     return 0
+
+
+def _teardown(pool: Any, sup: Supervisor, buf: Any) -> int:
+    """Stop the pool, the learner and the embedded Redis, in that order; each step runs even if an
+    earlier one raised. Returns the learner's exit code (0 when it was never started)."""
+    if pool is not None:
+        try:
+            pool.stop()
+        except Exception as e:  # an actor's error: reported, the rest of the tear-down still runs
+            print(f"actor pool stop: {type(e).__name__}: {e}", file=sys.stderr)
+    rc = stop_process(sup.learner) if sup.learner is not None else 0
+    if buf is not None:
+        buf.close()
+    if sup.redis_srv is not None:
+        sup.redis_srv.stop()
+        (sup.rdir / "redis.url").unlink(missing_ok=True)
+    return rc

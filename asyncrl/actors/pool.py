@@ -80,6 +80,8 @@ class ActorPool:
         self.redis_password = redis_password or cfg.redis.password or None
         self.actors: list[Any] = []
         self.run_refs: list[Any] = []
+        self.generations: list[int] = []  # replacements of each slot (asyncrl run's supervision)
+        self._model_path: Any = None
         self._started_ray = False
         self._stopped = False
         self._pg: Any = None  # the actors' placement group: bundle i is actor slot i's reservation
@@ -104,23 +106,53 @@ class ActorPool:
                     include_dashboard=False,
                     runtime_env=actor_runtime_env(),
                     logging_level=logging.WARNING,
+                    # asyncrl run: the actors write to <run_dir>/logs (asyncrl.console); -v forwards.
+                    log_to_driver=not self.cfg.console.log_dir,
                 )
             self._started_ray = True
         self._pg = self._placement_group()
+        self._model_path = model_path
+        self.actors = [self._spawn(i, 0) for i in range(self.cfg.actors.num_actors)]
+        self.run_refs = [h.run.remote(max_groups_per_actor) for h in self.actors]
+        self.generations = [0] * len(self.actors)
+        return self
+
+    def _spawn(self, i: int, generation: int) -> Any:
+        """Create the Ray actor of slot ``i`` (a replacement gets a fresh name: a killed actor's name
+        is released asynchronously)."""
+        import ray
+
         a = self.cfg.actors
-        remote_cls = ray.remote(RayRolloutActor)
-        for i in range(a.num_actors):
-            handle = remote_cls.options(
-                name=f"asyncrl-{self.cfg.run.name}-actor-{i}",
+        suffix = f"-r{generation}" if generation else ""
+        return (
+            ray.remote(RayRolloutActor)
+            .options(
+                name=f"asyncrl-{self.cfg.run.name}-actor-{i}{suffix}",
                 **self._placement(i),
                 max_restarts=a.max_restarts,
                 max_task_retries=a.max_restarts,
                 max_concurrency=64,
                 runtime_env=actor_runtime_env(),
-            ).remote(self.cfg, str(self.run_dir), i, self.redis_url, self.redis_password, str(model_path))
-            self.actors.append(handle)
-        self.run_refs = [h.run.remote(max_groups_per_actor) for h in self.actors]
-        return self
+            )
+            .remote(
+                self.cfg, str(self.run_dir), i, self.redis_url, self.redis_password, str(self._model_path)
+            )
+        )
+
+    def replace_actor(self, i: int, before_spawn: Any = None, timeout: float = 30.0) -> None:
+        """Kill slot ``i``'s actor for good and start a new one in its place (``asyncrl run``'s
+        supervision). ``before_spawn()`` runs once the old actor is dead and before the new one can
+        admit anything (the supervisor reclaims the dead incarnation's admission slots there)."""
+        import ray
+
+        ray.kill(self.actors[i], no_restart=True)
+        # Its run() call fails once the process is gone: proof that it can no longer write or admit.
+        ray.wait([self.run_refs[i]], timeout=timeout)
+        if before_spawn is not None:
+            before_spawn()
+        self.generations[i] += 1
+        self.actors[i] = self._spawn(i, self.generations[i])
+        self.run_refs[i] = self.actors[i].run.remote(None)
 
     def bundle(self) -> dict[str, float]:
         """One actor's reservation: its CPUs, GPUs for every tensor/pipeline-parallel worker of its engine,

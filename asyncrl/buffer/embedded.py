@@ -20,6 +20,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.parse
 from pathlib import Path
 
 import redis
@@ -96,10 +97,10 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """``redis://[:password@]127.0.0.1:port/0``."""
+        """``redis://[:password@]127.0.0.1:port/0`` (the password URL-encoded)."""
         if self.port is None:
             raise EmbeddedRedisError("embedded redis has not been started")
-        auth = f":{self.password}@" if self.password else ""
+        auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property

@@ -1,0 +1,116 @@
+"""Supervision of the actor pool by `asyncrl run`: detect a dead, failed or silent actor and replace it.
+
+Ray already restarts a crashed actor *process* (``actors.max_restarts``) and retries its ``run`` call.
+What Ray cannot see is an actor whose loop raised (the process is fine, the work stopped), one that
+Ray gave up on, or one that hangs (a stuck engine, a stopped process). :class:`ActorSupervisor`
+checks every slot once per call to :meth:`poll`:
+
+* its ``run`` call ended (an exception, Ray's restarts exhausted, or a return nobody asked for);
+* its heartbeat in the run registry (``asyncrl.buffer.registry``) is older than
+  ``actors.heartbeat_timeout_s``, measured from the latest of the heartbeat, the slot's last spawn and
+  the end of the last Redis outage (heartbeats start once the vLLM engine is up, so the timeout must
+  exceed an engine start-up; while Redis is unreachable nobody can heartbeat, so nothing is judged).
+
+Such a slot is replaced: the actor is killed for good, the admission slots its incarnation held are
+turned into credits (``reclaim_inflight``) once it can no longer write, and a new actor takes the slot
+(the same actor id, so it resumes the prompt cursor of the last heartbeat). Each slot may be replaced
+``run.max_restarts`` times; one more failure raises :class:`ActorSupervisionError`, which stops the run
+with a non-zero exit instead of leaving the learner waiting for data that never comes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+__all__ = ["ActorSupervisor", "ActorSupervisionError"]
+
+log = logging.getLogger(__name__)
+
+
+class ActorSupervisionError(RuntimeError):
+    """An actor slot failed more often than ``run.max_restarts`` allows."""
+
+
+class ActorSupervisor:
+    """Watches the slots of an :class:`~asyncrl.actors.pool.ActorPool` (see the module docstring)."""
+
+    def __init__(self, pool: Any, buffer: Any, heartbeat_timeout_s: float, max_restarts: int) -> None:
+        self.pool = pool
+        self.buffer = buffer
+        self.timeout = heartbeat_timeout_s
+        self.max_restarts = max_restarts
+        now = time.time()
+        self.spawned = [now] * len(pool.actors)
+        self.restarts = [0] * len(pool.actors)
+        self.events: list[str] = []  # one line per replacement, for the run's summary
+        self.redis_back = 0.0  # end of the last Redis outage seen by poll()
+        self._redis_down = False
+
+    def _heartbeats(self) -> dict[int, dict[str, Any]]:
+        """Slot index -> newest heartbeat of an actor of that slot."""
+        out: dict[int, dict[str, Any]] = {}
+        for actor_id, hb in self.buffer.actors().items():
+            i = hb.get("index")
+            if isinstance(i, int) and (i not in out or hb.get("time", 0) > out[i].get("time", 0)):
+                out[i] = {**hb, "actor_id": hb.get("actor_id", actor_id)}
+        return out
+
+    def _ended(self, i: int) -> str | None:
+        """Why slot ``i``'s run call ended, or None while it runs."""
+        import ray
+
+        ref = self.pool.run_refs[i]
+        done, _ = ray.wait([ref], timeout=0)
+        if not done:
+            return None
+        try:
+            ray.get(done[0])
+        except Exception as e:  # the actor's loop raised, or Ray gave up restarting it
+            first = str(e).strip().splitlines()
+            return f"{type(e).__name__}: {first[-1] if first else ''}"[:300]
+        return "its loop returned although the run was not stopping"
+
+    def poll(self) -> list[str]:
+        """Check every slot, replace the broken ones; returns what was done (empty when all is well)."""
+        import redis
+
+        try:
+            beats = self._heartbeats()
+        except redis.RedisError:
+            self._redis_down = True  # heartbeats cannot be judged (nor written) now
+            return []
+        now = time.time()
+        if self._redis_down:
+            self._redis_down, self.redis_back = False, now
+        done: list[str] = []
+        for i in range(len(self.pool.actors)):
+            why = self._ended(i)
+            hb = beats.get(i)
+            if why is None:
+                last = max(float(hb.get("time", 0.0)) if hb else 0.0, self.spawned[i], self.redis_back)
+                if now - last > self.timeout:
+                    why = f"no heartbeat for {now - last:.0f}s (actors.heartbeat_timeout_s={self.timeout:g})"
+            if why is None:
+                continue
+            self.restarts[i] += 1
+            if self.restarts[i] > self.max_restarts:
+                raise ActorSupervisionError(
+                    f"actor slot {i} failed {self.restarts[i]} times (run.max_restarts={self.max_restarts}); "
+                    f"last: {why}"
+                )
+            actor_id = (hb or {}).get("actor_id") or f"actor-{i}"
+            reclaimed: list[int] = []
+
+            def reclaim(actor_id: str = actor_id, box: list[int] = reclaimed) -> None:
+                box.append(self.buffer.reclaim_inflight(actor_id))
+
+            self.pool.replace_actor(i, before_spawn=reclaim)
+            self.spawned[i] = time.time()
+            msg = (f"actor slot {i} ({actor_id}) {why}: replaced ({self.restarts[i]}/{self.max_restarts}), "
+                   f"{sum(reclaimed)} admission slots reclaimed")  # fmt: skip
+            log.warning(msg)
+            self.events.append(msg)
+            done.append(msg)
+        return done
