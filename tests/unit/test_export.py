@@ -93,3 +93,11 @@ def test_export_refuses_bad_requests(run_dir, tmp_path, capsys):
     with pytest.raises(Exception, match="sha256|digest|mismatch"):
         export_version(rdir, tmp_path / "t", 3)
     assert not (tmp_path / "t").exists() and not list(tmp_path.glob(".t.tmp-*"))
+
+
+def test_eval_of_a_missing_version_fails_before_starting_an_engine(run_dir, capsys):
+    rdir, _ = run_dir
+    assert main(["eval", str(rdir), "--version", "9"]) == 2
+    assert "version 9 is not on disk" in capsys.readouterr().err
+    assert main(["eval", str(rdir / "nothing-here")]) == 2
+    assert "neither a run dir" in capsys.readouterr().err

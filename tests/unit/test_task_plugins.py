@@ -205,3 +205,16 @@ def test_chat_template_rendering(tmp_path):
     assert tok.decode(ids) == "<system>be brief\n<user>copy:ab=\n<assistant>"
     assert tok.decode(prompt_token_ids(tok, "hi", "on")) == "<user>hi\n<assistant>"
     assert prompt_token_ids(tok, "hi", "off", "be brief") == tok("hi")["input_ids"]
+
+
+def test_tasks_and_config_stay_light():
+    """asyncrl.tasks and a config load naming a plug-in import neither torch/vllm/ray nor `datasets`."""
+    code = (
+        "import sys, asyncrl.tasks\nfrom asyncrl.config import load_config\n"
+        "load_config(overrides=['task.name=tests.e2e.custom_task.echo_task:make_task'])\n"
+        "print(sorted(m for m in ('torch', 'vllm', 'ray', 'datasets', 'tests.e2e.custom_task.echo_task')"
+        " if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout  # fmt: skip
+    assert out.strip() == "[]"
