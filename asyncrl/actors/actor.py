@@ -97,6 +97,7 @@ class RolloutActor:
         self._started = 0  # groups admitted by this process
         self._max_groups: int | None = None
         self._rejected: set[tuple[int, str]] = set()
+        self._writes: set[asyncio.Future] = set()  # buffer writes in flight (see _write)
         # /metrics of this actor ("host:port"), advertised in heartbeats for Prometheus file_sd.
         self.metrics_addr: str | None = None
         # Snapshot for the scrape thread, refreshed on the loop thread with every heartbeat: the
@@ -204,6 +205,7 @@ class RolloutActor:
                 self._heartbeat_now()
             except Exception as e:  # Redis gone for longer than the retry budget: nothing to record it in
                 log.warning("%s: final heartbeat not written: %s", self.actor_id, e)
+            await self._writes_done()
             self.buffer.close()
             self._done.set()
         return self.stats()  # after the finally: the final state is "stopped"
@@ -215,6 +217,9 @@ class RolloutActor:
             self._set_state("starting")
             # Slots a crashed previous incarnation of this actor was admitted for will never be
             # written: turn them into credits before admitting anything (admission cannot leak).
+            # Writes of the failed incarnation still retrying must land (or give up) first: a put or
+            # credit that ran after the reclaim would count its slot twice.
+            await self._writes_done()
             reclaimed = await asyncio.to_thread(self.buffer.reclaim_inflight, self.actor_id)
             if reclaimed:
                 log.warning(
@@ -405,6 +410,25 @@ class RolloutActor:
             if blocked:
                 self.counters["admission_blocked"] -= 1
 
+    async def _write(self, fn: Any, *args: Any, written: bool = False) -> Any:
+        """A buffer write in a thread, shielded from the worker's cancellation: once started it runs to
+        its end (retries included), is counted when it succeeds (``written``: a put), and is awaited by
+        :meth:`_writes_done` before a reclaim or shutdown."""
+        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._writes.add(fut)
+
+        def done(f: asyncio.Future) -> None:
+            self._writes.discard(f)
+            if written and not f.cancelled() and f.exception() is None:
+                self.counters["groups_written"] += 1
+
+        fut.add_done_callback(done)
+        return await asyncio.shield(fut)
+
+    async def _writes_done(self) -> None:
+        if self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
         ids = self._prompt_ids.get(prompt.prompt_id)
         if ids is None:
@@ -439,7 +463,7 @@ class RolloutActor:
                 raise
             self.counters["generated_tokens"] += sum(len(s.token_ids) for s in seqs)
             if any(s.finish_reason == "abort" for s in seqs):
-                await asyncio.to_thread(self.buffer.credit, 1, self.actor_id, group_id)
+                await self._write(self.buffer.credit, 1, self.actor_id, group_id)
                 self.counters["groups_aborted"] += 1
                 continue
             assert v_start is not None and self.engine.version is not None
@@ -460,11 +484,10 @@ class RolloutActor:
             except RewardFailure as e:
                 self.counters["groups_reward_failed"] += 1
                 log.warning("%s: group %s dropped: %s", self.actor_id, group_id, e)
-                await asyncio.to_thread(self.buffer.abandon, group_id, self.actor_id, str(e))
+                await self._write(self.buffer.abandon, group_id, self.actor_id, str(e))
                 continue
             group = build_group(group_id, rewards, prompt, prompt_ids, seqs, self.actor_id, meta)
-            await asyncio.to_thread(self.buffer.put, group, self.actor_id)
-            self.counters["groups_written"] += 1
+            await self._write(self.buffer.put, group, self.actor_id, written=True)
 
     # ------------------------------------------------------------------ heartbeat
 
