@@ -272,13 +272,13 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
     stop = threading.Event()
     prev_handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = make_console(cfg, rdir)  # before the pool: it points the actors' output at <rdir>/logs
-    sup = Supervisor(cfg, rdir, cfg_path, start, progress.note)
+    sup = Supervisor(cfg, rdir, cfg_path, start, lambda msg: _note(progress, rdir, msg))
     pool = None
     buf = None
     extra: dict = {}
     status, error = "interrupted", ""
     if resume:
-        progress.note(f"resuming run {cfg.run.name!r} in {rdir} from its last checkpoint")
+        _say(progress, f"resuming run {cfg.run.name!r} in {rdir} from its last checkpoint")
     try:
         url = sup.start_redis()
         cfg.redis.url = url
@@ -342,6 +342,22 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
     if not finished:
         print(f"the run is not finished ({status}): run the same command again to resume it", flush=True)
     return 0
+
+
+def _note(progress: Any, rdir: Path, msg: str) -> None:
+    """A supervision event: appended to <run_dir>/supervision.log, and shown on the console (stderr when
+    the console is off) so that no restart goes unseen."""
+    with open(rdir / "supervision.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+    _say(progress, msg)
+
+
+def _say(progress: Any, msg: str) -> None:
+    """Show ``msg`` on the console, or on stderr when the console is off."""
+    if getattr(progress, "mode", "plain") in ("live", "plain"):
+        progress.note(msg)
+    else:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def _teardown(pool: Any, sup: Supervisor, buf: Any) -> int:

@@ -110,7 +110,7 @@ class ActorSupervisor:
             self.spawned[i] = time.time()
             msg = (f"actor slot {i} ({actor_id}) {why}: replaced ({self.restarts[i]}/{self.max_restarts}), "
                    f"{sum(reclaimed)} admission slots reclaimed")  # fmt: skip
-            log.warning(msg)
+            log.info(msg)  # the caller shows and records it (asyncrl run: console + supervision.log)
             self.events.append(msg)
             done.append(msg)
         return done
