@@ -354,41 +354,116 @@ class BufferConfig:
     )
 
 
+#: Estimators a KL *loss* term may use. k1 = log pi - log ref is refused (reason in _check_loss).
+KL_LOSS_KINDS = ("abs", "k2", "k3")
+
+#: The objective at the defaults, printed by `asyncrl config --explain` (learner.loss).
+OBJECTIVE_AT_DEFAULTS = (
+    "Objective options (asyncrl.learner.objectives). At the defaults, per loss token t with advantage A: "
+    "loss_t = -w_t r_t A keep_t (+ beta k2 KL), where r_t = pi_theta/pi_prox carries the gradient "
+    "(pi_prox = the step-start policy: exactly the detached current logprob at the first update of a "
+    "step, a no-grad recompute with exact_prox, else A-3PO); w_t = min(pi_prox/mu, is_cap), detached, "
+    "is the staleness-aware importance weight (mu = the sampler, so w_t r_t = pi_theta/mu: the "
+    "off-policy correction is applied once); keep_t is the DPPO-TV mask taken against mu; a token with "
+    "A < 0 and w_t r_t > dual_clip keeps the loss value dual_clip*|A| but no gradient. The rollout KL "
+    "(beta_rollout_kl * k2(log pi_theta - log mu)), reference KL and entropy terms are token means over "
+    "all loss tokens of the optimizer step, whatever the reduction."
+)
+
+
 @dataclass
 class LossConfig:
     anchor: str = F(
-        "prox",
-        "Trust-region anchor: prox = proximal policy (exact recompute or A-3PO log-linear), behaviour = mu.",
-        choices=("prox", "behaviour"),
+        "behaviour",
+        "What the trust region is measured against: behaviour = mu, the policy that sampled the token "
+        "(what staleness and engine mismatch move; DPPO paper); prox = the step-start policy pi_prox. "
+        "dppo/m2po mask pi_theta vs the anchor with r = pi_theta/pi_prox and w = IS(pi_prox/mu) in both "
+        "cases; ppo_clip/gspo/cispo clip pi_theta/anchor and weight by IS(anchor/mu), which is 1 for "
+        "behaviour (then the clipped ratio itself is the whole off-policy correction).",
+        choices=("behaviour", "prox"),
     )
     policy_loss: str = F(
-        "dppo", "dppo = DPPO keep mask; ppo_clip = decoupled PPO clip.", choices=("dppo", "ppo_clip")
+        "dppo",
+        "dppo = -w r A under the DPPO mask; m2po = the same under the M2PO second-moment mask; ppo_clip = "
+        "(decoupled) PPO clip; gspo = PPO clip of the sequence geometric-mean ratio (Qwen GSPO); cispo = "
+        "REINFORCE with a clipped, detached IS weight (MiniMax CISPO).",
+        choices=("dppo", "ppo_clip", "gspo", "cispo", "m2po"),
     )
     divergence: str = F(
         "tv", "DPPO divergence between policy and anchor probabilities.", choices=("tv", "kl")
     )
     dppo_low: float = F(0.2, "DPPO threshold for tokens with A < 0.", gt=0)
     dppo_high: float = F(0.2, "DPPO threshold for tokens with A > 0.", gt=0)
-    eps_low: float = F(0.2, "PPO clip lower epsilon.", gt=0, lt=1)
-    eps_high: float = F(0.28, "PPO clip upper epsilon.", gt=0)
-    dual_clip: float = F(0.0, "PPO dual-clip constant c > 1 (0 = off).", ge=0)
-    is_mode: str = F("tis", "Importance correction anchor vs behaviour.", choices=("tis", "icepop", "none"))
-    is_level: str = F("token", "Importance weight per token or per sequence.", choices=("token", "sequence"))
-    is_cap: float = F(2.0, "Upper cap of importance weights.", gt=0)
-    is_low: float = F(0.5, "IcePop lower bound; ratios below are zeroed.", ge=0)
-    beta_rollout_kl: float = F(
-        1e-3, "Coefficient of the k2 KL between policy and behaviour (trust region).", ge=0
+    m2po_tau: float = F(
+        0.04, "M2PO: tokens with the largest log-ratio^2 are dropped until mean(log-ratio^2) <= this.", gt=0
     )
-    rollout_kl_kind: str = F("k2", "Estimator of the rollout KL term.", choices=("k1", "abs", "k2", "k3"))
-    entropy_coef: float = F(0.0, "Entropy bonus coefficient.", ge=0)
+    eps_low: float = F(0.2, "ppo_clip / cispo ratio clip: r >= 1 - eps_low.", gt=0, lt=1)
+    eps_high: float = F(0.28, "ppo_clip / cispo ratio clip: r <= 1 + eps_high (DAPO clip-higher).", gt=0)
+    gspo_eps_low: float = F(3e-4, "gspo: sequence ratio >= 1 - gspo_eps_low (GSPO paper: 3e-4).", gt=0, lt=1)
+    gspo_eps_high: float = F(4e-4, "gspo: sequence ratio <= 1 + gspo_eps_high (GSPO paper: 4e-4).", gt=0)
+    dual_clip: float = F(
+        3.0,
+        "Ratio cap c for A < 0 tokens, every policy loss (dual clip, Ye et al. 2020): a negative-advantage "
+        "token whose loss would exceed c*|A| (weight w*r > c) keeps that value and no gradient. Must be "
+        "> 1; 0 = off (then a kept A < 0 token can weigh up to e^20).",
+        ge=0,
+    )
+    is_mode: str = F(
+        "tis",
+        "Importance weight pi_prox/mu (staleness + engine mismatch): tis = truncate at is_cap; icepop = "
+        "masked IS, 0 outside [is_low, is_cap]; none = 1.",
+        choices=("tis", "icepop", "none"),
+    )
+    is_level: str = F(
+        "token",
+        "Importance ratio per token, per sequence (product) or geometric (per-sequence geometric mean).",
+        choices=("token", "sequence", "geometric"),
+    )
+    is_cap: float = F(2.0, "Upper cap (tis) / upper bound (icepop) of importance weights.", gt=0)
+    is_low: float = F(0.5, "IcePop lower bound (ratios below are zeroed; 0 = none); <= is_cap.", ge=0)
+    is_veto: float = F(
+        0.0, "Veto: a sequence with a token ratio pi_prox/mu below this gets weight 0 (0 = off).", ge=0, lt=1
+    )
+    beta_rollout_kl: float = F(
+        1e-3, "Coefficient of the KL penalty between pi_theta and mu (token mean over the step).", ge=0
+    )
+    rollout_kl_kind: str = F(
+        "k2",
+        "Estimator of the rollout-KL penalty. k1 is refused as a loss: tokens come from mu, so its "
+        "expectation is -KL(mu||pi) and minimising it pushes pi away from mu (k1 stays a metric).",
+        choices=KL_LOSS_KINDS,
+    )
+    entropy_coef: float = F(0.0, "Entropy bonus coefficient (token mean over the step).", ge=0)
     ref_kl_coef: float = F(0.0, "KL to a frozen reference model (0 = no reference model is loaded).", ge=0)
-    ref_kl_kind: str = F("k3", "Estimator of the reference KL.", choices=("k1", "abs", "k2", "k3"))
+    ref_kl_kind: str = F("k3", "Estimator of the reference KL (k1 refused, as above).", choices=KL_LOSS_KINDS)
     reduction: str = F(
         "token_mean",
-        "Loss reduction with global denominators over the whole optimizer step.",
+        "Policy-loss reduction with global denominators over the optimizer step: token_mean (loss "
+        "tokens), sequence_mean (sequences), seq_mean_token_sum_norm (Dr.GRPO: sampled sequences x "
+        "max_tokens, independent of masking).",
         choices=("token_mean", "sequence_mean", "seq_mean_token_sum_norm"),
     )
     normalize_adv_std: bool = F(True, "Divide group advantages by the group std (False = Dr.GRPO).")
+
+
+def _check_loss(lc: LossConfig, prefix: str) -> None:
+    """Rules of learner.loss beyond one field's choices/range (run before those, by _validate)."""
+    for name in ("rollout_kl_kind", "ref_kl_kind"):
+        if getattr(lc, name) == "k1":
+            raise ConfigError(
+                f"{prefix}{name}='k1' is refused as a loss: tokens are sampled from mu, so E[log pi - log "
+                "mu] = -KL(mu||pi) and minimising k1 pushes pi AWAY from the anchor (it stays a metric, "
+                f"kl_mu_pi_k1); allowed values: {', '.join(map(repr, KL_LOSS_KINDS))}"
+            )
+    if 0 < lc.dual_clip <= 1:
+        raise ConfigError(f"{prefix}dual_clip={lc.dual_clip!r} is out of range; must be 0 (off) or > 1")
+    if lc.is_low > lc.is_cap:
+        raise ConfigError(f"{prefix}is_low={lc.is_low!r} must be <= {prefix}is_cap={lc.is_cap!r}")
+
+
+def validate_loss(lc: LossConfig, prefix: str = "learner.loss.") -> None:
+    """Validate a LossConfig exactly as load_config does (the objective's config uses it too)."""
+    _validate(lc, prefix)
 
 
 @dataclass
@@ -446,7 +521,7 @@ class LearnerConfig:
         "kept crashing before committing a step with it) is quarantined in the dead-letter stream.",
         ge=1,
     )
-    loss: LossConfig = F(LossConfig(), "Objective options (asyncrl.learner.objectives).")
+    loss: LossConfig = F(LossConfig(), OBJECTIVE_AT_DEFAULTS)
 
 
 @dataclass
@@ -477,6 +552,8 @@ class Config:
 
 
 def _validate(obj: Any, prefix: str) -> None:
+    if isinstance(obj, LossConfig):
+        _check_loss(obj, prefix)
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         key = f"{prefix}{f.name}"

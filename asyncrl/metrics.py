@@ -109,6 +109,14 @@ BUFFER_METRICS: tuple[Metric, ...] = (
 LOSS_TERMS = (("policy", "loss_policy"), ("rollout_kl", "loss_rollout_kl"), ("entropy", "loss_entropy"),
               ("ref_kl", "loss_ref_kl"), ("total", "loss"))  # fmt: skip
 
+# Objective diagnostics (asyncrl.learner.objectives): label value -> step-record key.
+OBJECTIVE_KL = (("mu_pi_k1", "kl_mu_pi_k1"), ("mu_pi_k2", "kl_mu_pi_k2"), ("mu_pi_k3", "kl_mu_pi_k3"),
+                ("pi_mu_is", "kl_pi_mu_is"))  # fmt: skip
+OBJECTIVE_HELD = (("dppo_low", "dppo_masked_frac_low"), ("dppo_high", "dppo_masked_frac_high"),
+                  ("m2po", "m2po_masked_frac"), ("clip_low", "clip_frac_low"), ("clip_high", "clip_frac_high"),
+                  ("dual_clip", "dual_clip_frac"), ("is_truncated", "is_trunc_frac"),
+                  ("is_masked", "is_masked_frac"))  # fmt: skip
+
 LEARNER_METRICS: tuple[Metric, ...] = (
     Metric("asyncrl_learner_steps_total", "counter", "Learner steps taken (incl. skipped).", "step"),
     Metric(
@@ -133,9 +141,55 @@ LEARNER_METRICS: tuple[Metric, ...] = (
     ),
     Metric("asyncrl_learner_is_weight_mean", "gauge", "Mean importance weight.", "is_weight_mean"),
     Metric("asyncrl_learner_is_ess_ratio", "gauge", "Normalised effective sample size of IS weights.", "ess"),
-    Metric("asyncrl_learner_rollout_kl", "gauge", "KL(policy || behaviour) on trained tokens.", "rollout_kl"),
     Metric(
-        "asyncrl_learner_mismatch_kl", "gauge", "Learner vs engine logprob KL at staleness 0.", "mismatch_kl"
+        "asyncrl_learner_rollout_kl",
+        "gauge",
+        "KL(behaviour || policy) on trained tokens (k3, unbiased).",
+        "rollout_kl",
+    ),
+    Metric(
+        "asyncrl_learner_mismatch_kl",
+        "gauge",
+        "KL(behaviour || step-start policy) at staleness 0: engine vs learner numerics.",
+        "mismatch_kl",
+    ),
+    Metric(
+        "asyncrl_learner_kl",
+        "gauge",
+        "KL estimates between policy and behaviour on trained tokens, by direction and estimator.",
+        "",
+        label="estimator",
+        series=OBJECTIVE_KL,
+    ),
+    Metric(
+        "asyncrl_learner_drift_kl",
+        "gauge",
+        "KL(behaviour || step-start policy): engine mismatch (staleness 0) vs staleness (>= 1).",
+        "",
+        label="source",
+        series=(("mismatch", "mismatch_kl"), ("staleness", "staleness_kl")),
+    ),
+    Metric(
+        "asyncrl_learner_log_ppl_gap",
+        "gauge",
+        "Train minus rollout log-perplexity of trained tokens at step start.",
+        "log_ppl_gap",
+    ),
+    Metric(
+        "asyncrl_learner_held_tokens_ratio",
+        "gauge",
+        "Fraction of trained tokens each trust-region / IS mechanism held, by mechanism and side.",
+        "",
+        label="mechanism",
+        series=OBJECTIVE_HELD,
+    ),
+    Metric(
+        "asyncrl_learner_is_chi2",
+        "gauge",
+        "Chi-square divergence of the importance ratios (untruncated), by level.",
+        "",
+        label="level",
+        series=(("token", "is_chi2"), ("sequence", "is_chi2_seq")),
     ),
     Metric("asyncrl_learner_entropy_nats", "gauge", "Mean token entropy.", "entropy"),
     Metric(

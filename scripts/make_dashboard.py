@@ -41,6 +41,8 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Actors", "short", [
             ("in flight {{actor}}", "asyncrl_actor_inflight_requests"),
             ("engine errors/s {{actor}}", "rate(asyncrl_actor_engine_errors_total[5m])"),
+            ("reward failures/s {{actor}}", "rate(asyncrl_actor_reward_failures_total[5m])"),
+            ("loop restarts {{actor}}", "increase(asyncrl_actor_loop_restarts_total[15m])"),
         ]),
     ]),
     ("Staleness", [
@@ -66,9 +68,16 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ]),
         ("DPPO masked fraction", "percentunit", [("masked", "asyncrl_learner_dppo_masked_ratio")]),
         ("KL", "short", [
-            ("rollout KL", "asyncrl_learner_rollout_kl"),
+            ("rollout KL(mu||pi) k3", "asyncrl_learner_rollout_kl"),
             ("mismatch KL", "asyncrl_learner_mismatch_kl"),
+            ("KL {{estimator}}", "asyncrl_learner_kl"),
         ]),
+        ("Drift at step start", "short", [
+            ("KL(mu||pi_prox) {{source}}", "asyncrl_learner_drift_kl"),
+            ("log-ppl gap (train - rollout)", "asyncrl_learner_log_ppl_gap"),
+            ("chi2 {{level}}", "asyncrl_learner_is_chi2"),
+        ]),
+        ("Held tokens by mechanism", "percentunit", [("{{mechanism}}", "asyncrl_learner_held_tokens_ratio")]),
         ("Loss terms", "short", [("{{term}}", "asyncrl_learner_loss")]),
         ("Entropy and grad norm", "short", [
             ("entropy", "asyncrl_learner_entropy_nats"),

@@ -10,6 +10,9 @@ Choices and why:
   ``engine.backward(loss, scale_wrt_gas=False)``. A step can then have any number of micro-batches
   (it varies with the data); the loss is scaled by ``deepspeed_loss_scale(1, world_size)`` to undo
   DeepSpeed's data-parallel gradient averaging (see asyncrl.learner.reduction).
+* bf16: fp32 master weights, and fp32 gradient accumulation and data-parallel reduction
+  (``data_types.grad_accum_dtype`` / ``communication_data_type``), which DeepSpeed provides through its
+  ZeRO optimizers; a configured ZeRO-0 therefore runs as ZeRO-1 under bf16 (see :func:`ds_config`).
 * Non-finite skip, one rule for every ZeRO stage and dtype: before ``engine.step()`` every rank
   all-reduces (MAX) its "saw a non-finite loss" flag and sets :attr:`GuardedAdamW.veto`; the base
   optimizer's ``step`` then returns without touching weights or optimizer state. Non-finite
@@ -128,6 +131,13 @@ def ds_config(cfg: Any, guard_clips: bool) -> dict[str, Any]:
     if cfg.model.dtype == "bfloat16":
         # bf16 compute weights, fp32 master weights and optimizer state; skip steps on overflow.
         conf["bf16"] = {"enabled": True, "check_grad_overflow": True}
+        # Gradients accumulate over micro-batches and are all-reduced over ranks in fp32: bf16 sums
+        # lose ~3 significant digits per add, which swamps small per-token contributions.
+        conf["data_types"] = {"grad_accum_dtype": "fp32"}
+        conf["communication_data_type"] = "fp32"
+        # DeepSpeed (0.19) implements fp32 accumulation for bf16 only in its ZeRO optimizers (stage 1:
+        # BF16_Optimizer); ZeRO-0 bf16 would accumulate in bf16. Stage 1 on one rank is stage 0's memory.
+        conf["zero_optimization"]["stage"] = max(1, int(lc.zero_stage))
     return conf
 
 

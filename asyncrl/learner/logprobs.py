@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from asyncrl.learner.objectives.kl import entropy_from_logp
+
 __all__ = ["load_hf_model", "token_logprobs", "ReferenceModel", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -41,10 +43,11 @@ def token_logprobs(
     """``(logp, entropy)``, each ``[B, L]`` fp32, aligned with ``mb["input_ids"]`` positions.
 
     ``logp[:, j]`` = log softmax(logits[:, j-1] / T)[input_ids[:, j]]; column 0 (no prediction) is 0.
-    ``entropy[:, j]`` is the entropy of that same distribution (computed with xlogy so p = 0 adds
-    0, not NaN); it is detached unless ``entropy_grad``. ``model`` is a DeepSpeed engine or a plain
-    module (anything callable like a HF causal LM). Values outside the loss mask are meaningful
-    but unused; the objectives mask them with torch.where.
+    ``entropy[:, j]`` is the entropy of that same distribution; it is detached unless
+    ``entropy_grad``, and its value and gradient stay finite when a probability underflows to 0
+    (:func:`~asyncrl.learner.objectives.entropy_from_logp`; xlogy's backward is NaN there).
+    ``model`` is a DeepSpeed engine or a plain module (anything callable like a HF causal LM).
+    Values outside the loss mask are meaningful but unused; the objectives mask them with torch.where.
     """
     out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False)
     temp = mb["temperature"].to(torch.float32)
@@ -56,8 +59,7 @@ def token_logprobs(
     ent = None
     if entropy:
         src = logp_all if entropy_grad else logp_all.detach()
-        p = src.exp()
-        ent = F.pad(-torch.special.xlogy(p, p).sum(-1), (1, 0))
+        ent = F.pad(entropy_from_logp(src), (1, 0))
     return logp, ent
 
 

@@ -177,6 +177,9 @@ def learn(
         if action is not None:
             _publish(le, r0, action)
             state.version = action
+        # Learner steps since the weights were last published (they are past V by that much when
+        # publish_every > 1); the objective places pi_prox on the version axis with it.
+        since_publish = 0 if action is not None else state.step % cfg.learner.publish_every
 
         pending_ids: list[str] = []  # consumed since the last checkpoint, acknowledged after the next
         pending_groups: list[str] = []
@@ -202,12 +205,13 @@ def learn(
             version = int(msg["version"])
 
             t_train = time.monotonic()
-            res = trainer.train(groups, version)
+            res = trainer.train(groups, version, since_publish)
             train_s = time.monotonic() - t_train
             state.step += 1
             state.applied_steps = trainer.applied_steps
             published = state.step % cfg.learner.publish_every == 0
             publish_s = 0.0
+            since_publish = 0 if published else since_publish + 1
             if published:
                 state.version += 1
                 publish_s = _publish(le, r0, state.version)
@@ -315,7 +319,8 @@ def _record(
         loss_rollout_kl=m.get("loss_rollout_kl", 0.0), loss_entropy=m.get("loss_entropy", 0.0),
         loss_ref_kl=m.get("loss_ref_kl", 0.0), ratio_mean=m.get("ratio_mean", 0.0),
         mismatch_kl=m.get("mismatch_kl", 0.0), mismatch_tokens=int(m.get("mismatch_tokens", 0)),
-        rollout_kl=m.get("rollout_kl_k2", 0.0), rollout_kl_k3=m.get("rollout_kl_k3", 0.0),
+        rollout_kl=m.get("kl_mu_pi_k3", 0.0), drift_kl=res.drift_kl, drift_tokens=int(m.get("drift_tokens", 0)),
+        empty_mini_batches=int(m.get("empty_mini_batches", 0)), **{k: m.get(k, 0.0) for k in OBJECTIVE_FIELDS},
         ref_kl=m.get("ref_kl", 0.0), dppo_masked_frac=m.get("dppo_masked_frac", 0.0),
         is_weight_mean=m.get("is_weight_mean", 0.0), is_weight_max=m.get("is_weight_max", 0.0),
         ess=m.get("ess", 0.0), entropy=m.get("entropy", 0.0), grad_norm=grad_norm, lr=lr,

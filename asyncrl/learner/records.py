@@ -28,6 +28,11 @@ from typing import Any
 
 __all__ = ["StepRecord", "MetricsWriter", "LEDGER_FILE", "DISCARDED_FILE", "METRICS_FILE", "read_jsonl"]
 
+#: StepRecord fields copied as is from the trainer's step metrics (asyncrl.learner.step).
+OBJECTIVE_FIELDS = ("staleness_kl", "log_ppl_gap", "kl_mu_pi_k1", "kl_mu_pi_k2", "kl_mu_pi_k3", "kl_pi_mu_is",
+                    "dppo_masked_frac_low", "dppo_masked_frac_high", "m2po_masked_frac", "clip_frac",
+                    "clip_frac_low", "clip_frac_high", "dual_clip_frac", "is_trunc_frac", "is_masked_frac",
+                    "is_chi2", "is_chi2_seq")  # fmt: skip
 METRICS_FILE = "metrics.jsonl"
 LEDGER_FILE = "trained.jsonl"
 DISCARDED_FILE = "trained.discarded.jsonl"
@@ -63,18 +68,36 @@ class StepRecord:
     loss_rollout_kl: float = 0.0  # beta_rollout_kl * rollout-KL term
     loss_entropy: float = 0.0  # -entropy_coef * entropy term
     loss_ref_kl: float = 0.0  # ref_kl_coef * reference-KL term
-    ratio_mean: float = 0.0  # pi_theta / pi_anchor on loss tokens
-    mismatch_kl: float = (
-        0.0  # k2: mean 0.5*(log pi_theta - log mu)^2 on staleness-0 tokens, step-start weights
-    )
-    mismatch_tokens: int = 0  # tokens mismatch_kl was measured on
-    rollout_kl: float = 0.0  # k2: mean 0.5*(log pi_theta - log mu)^2 on loss tokens
-    rollout_kl_k3: float = 0.0  # k3 estimator of the same KL
+    ratio_mean: float = 0.0  # the gradient-carrying ratio (dppo/m2po: pi_theta / pi_prox) on loss tokens
+    # KL metrics are named KL(direction)_estimator, over tokens y ~ mu with d = log pi - log mu:
+    mismatch_kl: float = 0.0  # KL(mu || pi_prox) (e^d - 1 - d) on staleness-0 tokens: engine vs learner
+    mismatch_tokens: int = 0  # tokens mismatch_kl was measured on (0 when the weights are past V)
+    staleness_kl: float = 0.0  # the same at staleness >= 1 (mismatch + staleness drift), step-start weights
+    drift_kl: dict[str, float] = field(default_factory=dict)  # staleness -> KL(mu || pi_prox) at step start
+    drift_tokens: int = 0  # tokens the drift split was measured on
+    log_ppl_gap: float = 0.0  # train minus rollout log-perplexity (mean log mu - log pi_prox), same tokens
+    rollout_kl: float = 0.0  # = kl_mu_pi_k3: unbiased KL(mu || pi_theta) on loss tokens
+    kl_mu_pi_k1: float = 0.0  # mean -d: unbiased KL(mu || pi_theta), high variance
+    kl_mu_pi_k2: float = 0.0  # mean d^2 / 2: second-order approximation (biased)
+    kl_mu_pi_k3: float = 0.0  # mean e^d - 1 - d: unbiased KL(mu || pi_theta), >= 0
+    kl_pi_mu_is: float = 0.0  # mean d e^d - (e^d - 1): unbiased KL(pi_theta || mu), >= 0
     ref_kl: float = 0.0  # mean ref-KL estimate (ref_kl_kind) on loss tokens; 0 without a reference
     dppo_masked_frac: float = 0.0  # fraction of loss tokens the DPPO trust region dropped
-    is_weight_mean: float = 0.0  # mean importance weight (behaviour -> anchor)
+    dppo_masked_frac_low: float = 0.0  # ... on the A < 0 side (pi_theta fell too far below the anchor)
+    dppo_masked_frac_high: float = 0.0  # ... on the A > 0 side
+    m2po_masked_frac: float = 0.0  # fraction dropped by the M2PO second-moment mask
+    clip_frac: float = 0.0  # ratio-clip losses: fraction of tokens whose clip is active
+    clip_frac_low: float = 0.0  # ... with A < 0 (ratio below 1 - eps)
+    clip_frac_high: float = 0.0  # ... with A > 0 (ratio above 1 + eps)
+    dual_clip_frac: float = 0.0  # fraction of A < 0 tokens held by the ratio cap (dual_clip)
+    is_weight_mean: float = 0.0  # mean importance weight (pi_prox / mu, truncated)
     is_weight_max: float = 0.0
     ess: float = 0.0  # normalised effective sample size of the IS weights, in (0, 1]
+    is_trunc_frac: float = 0.0  # fraction of tokens whose IS weight was truncated
+    is_masked_frac: float = 0.0  # fraction whose IS weight is 0 (icepop window, veto)
+    is_chi2: float = 0.0  # chi^2(pi_prox || mu) = mean rho^2 - 1, token ratios (untruncated)
+    is_chi2_seq: float = 0.0  # the same with sequence ratios, mean over sequences
+    empty_mini_batches: int = 0  # mini-batches without loss tokens (no optimizer call)
     entropy: float = 0.0  # mean token entropy (nats) of the temperature-scaled policy
     grad_norm: float = 0.0  # pre-clip global gradient norm, mean over optimizer steps (inf if non-finite)
     lr: float = 0.0

@@ -9,16 +9,22 @@ One optimizer step sees N loss tokens in S sequences, split over R data-parallel
 GAS micro-batches per rank. A micro-batch-local mean (divide by the micro-batch's own token
 count) weights tokens differently depending on how the step happens to be split, and any term
 reduced that way and then summed over micro-batches is GAS times too large (the regulariser bug
-found in review of SkyRL PR 1296). Here every term (policy, rollout KL, entropy, reference KL)
-of every micro-batch is divided by the *step-global* N or S, so the micro-batch losses **sum**
-to the full-batch loss and the summed gradient is identical for any split:
+found in review of SkyRL PR 1296). Here every term of every micro-batch is divided by a
+*step-global* denominator, so the micro-batch losses **sum** to the full-batch loss and the summed
+gradient is identical for any split. The policy term uses the configured reduction:
 
     token_mean               sum_{tokens} loss_t / N
     sequence_mean            sum_{seqs} (sum_t loss_t / n_seq) / S
-    seq_mean_token_sum_norm  sum_{seqs} (sum_t loss_t / max_tokens) / S          (Dr.GRPO)
+    seq_mean_token_sum_norm  sum_{seqs} (sum_t loss_t / max_tokens) / S_all      (Dr.GRPO)
+
+The regularisers (rollout KL, reference KL, entropy) are ALWAYS token means, sum_t term_t / N
+(:func:`token_mean`, :func:`entropy_bonus`), whatever the policy reduction: their strength must
+not depend on how the policy loss happens to be normalised.
 
 N and S count loss-mask tokens and sequences with at least one loss token, from the *final*
-loss masks (after ``staleness_mask``; DPPO-dropped or PPO-clipped tokens still count):
+loss masks (after ``staleness_mask``; DPPO-dropped or PPO-clipped tokens still count). S_all is
+the number of sampled sequences of the step, masked or not: Dr.GRPO's normaliser is a constant
+and must not move when, e.g., overlong completions lose their loss mask.
 
     dens = count_denominators(all_loss_masks_of_this_rank)        # before any forward
     all_reduce(SUM) torch.tensor([dens.tokens, dens.seqs]) over the DP group  -> N, S
@@ -30,8 +36,8 @@ configured value, with the default ``scale_wrt_gas=True``) and the gradient all-
 *averages* over the R data-parallel ranks. To obtain the gradient of the global sum we undo
 both, per micro-batch:
 
-    loss_mb = reduce_loss(per_token_loss, mask, mode, N, S, max_tokens)
-            + entropy_bonus(entropy, mask, coef, mode, N, S, max_tokens)
+    loss_mb = reduce_loss(per_token_pg, mask, mode, N, S or S_all, max_tokens)
+            + token_mean(per_token_kl, mask, N) + entropy_bonus(entropy, mask, coef, N)
     engine.backward(loss_mb * deepspeed_loss_scale(GAS, R))          # scale = GAS * R
 
 so that grad = (1/R) sum_ranks (1/GAS) sum_mb grad(GAS * R * loss_mb) = grad(full-batch loss).
@@ -63,23 +69,38 @@ LOSS_REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_tok
 # How each policy_loss metric aggregates. ("mean", k): token mean weighted by metric k;
 # "max": maximum; "sum": counts that add; "ess": derived from the aggregated IS moments.
 METRIC_AGGREGATION: dict[str, tuple[str, str] | str] = {
-    "ratio_mean": ("mean", "num_tokens"),
-    "dppo_masked_frac": ("mean", "num_tokens"),
-    "dppo_masked_frac_low": ("mean", "num_tokens"),
-    "dppo_masked_frac_high": ("mean", "num_tokens"),
-    "is_weight_mean": ("mean", "num_tokens"),
-    "is_weight_sq_mean": ("mean", "num_tokens"),
+    **{
+        k: ("mean", "num_tokens")
+        for k in (
+            "ratio_mean",
+            "dppo_masked_frac",
+            "dppo_masked_frac_low",
+            "dppo_masked_frac_high",
+            "m2po_masked_frac",
+            "clip_frac",
+            "clip_frac_low",
+            "clip_frac_high",
+            "dual_clip_frac",
+            "is_weight_mean",
+            "is_weight_sq_mean",
+            "is_trunc_frac",
+            "is_masked_frac",
+            "is_chi2",
+            "kl_mu_pi_k1",
+            "kl_mu_pi_k2",
+            "kl_mu_pi_k3",
+            "kl_pi_mu_is",
+        )
+    },
+    "is_chi2_seq": ("mean", "num_seqs"),
     "is_weight_max": "max",
     "ess": "ess",
-    "rollout_kl_k2": ("mean", "num_tokens"),
-    "rollout_kl_k3": ("mean", "num_tokens"),
-    "clip_frac": ("mean", "num_tokens"),
-    "dual_clip_frac": ("mean", "num_tokens"),
     "staleness_mean": ("mean", "num_tokens_in"),
     "staleness_max": "max",
     "stale_dropped_frac": ("mean", "num_tokens_in"),
     "num_tokens": "sum",
     "num_tokens_in": "sum",
+    "num_seqs": "sum",
 }
 
 
@@ -129,6 +150,7 @@ def reduce_loss(
         n_seq = mask.sum(dim=-1).clamp(min=1).to(loss.dtype)
         return (loss.sum(dim=-1) / n_seq).sum() / _denominator(global_seqs)
     if mode == "seq_mean_token_sum_norm":
+        # global_seqs here is S_all, ALL sampled sequences of the step (see the module docstring).
         if max_tokens is None or max_tokens <= 0:
             raise ValueError("seq_mean_token_sum_norm needs max_tokens > 0 (e.g. max generation length)")
         # Dr.GRPO: a constant normaliser, so long and short sequences weigh tokens equally.
@@ -141,22 +163,18 @@ def _denominator(x: int | Tensor) -> Tensor | float:
     return x.clamp(min=1) if isinstance(x, Tensor) else float(max(x, 1))
 
 
-def entropy_bonus(
-    entropy: Tensor,
-    mask: Tensor,
-    coef: float,
-    mode: LossReduction,
-    global_tokens: int | Tensor,
-    global_seqs: int | Tensor,
-    max_tokens: int | None = None,
-) -> Tensor:
-    """Scalar loss term ``-coef * reduce_loss(entropy, ...)`` to *add* to the reduced policy loss.
+def token_mean(per_token: Tensor, mask: Tensor, global_tokens: int | Tensor) -> Tensor:
+    """A regulariser's share of the step's token mean: sum over ``mask`` / the step-global N."""
+    return reduce_loss(per_token, mask, "token_mean", global_tokens, 0)
 
-    Reduced with the same global denominators as the policy term, so it sums correctly over
-    micro-batches and ranks (adding ``-coef * entropy`` to the per-token loss before a single
-    ``reduce_loss`` is equivalent, as the reduction is linear).
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, coef: float, global_tokens: int | Tensor) -> Tensor:
+    """Scalar loss term ``-coef * token_mean(entropy)`` to *add* to the reduced policy loss.
+
+    A token mean over the step's N loss tokens whatever the policy reduction, so it sums correctly
+    over micro-batches and ranks and its strength does not depend on the policy normaliser.
     """
-    return -coef * reduce_loss(entropy, mask, mode, global_tokens, global_seqs, max_tokens)
+    return -coef * token_mean(entropy, mask, global_tokens)
 
 
 def deepspeed_loss_scale(gradient_accumulation_steps: int, world_size: int) -> float:

@@ -13,7 +13,18 @@ Order inside a step (V = the version at step start):
 3. Before any update: collate this rank's micro-batches and attach the step-start no-grad
    logprobs (``logp_prox`` when ``exact_prox``, ``logp_ref`` with a reference model).
 4. ``epochs`` x ``mini_batches`` optimizer steps; each accumulates over its micro-batches with the
-   global-denominator reduction and ends in :meth:`LearnerEngine.optimizer_step`.
+   global-denominator reduction and ends in :meth:`LearnerEngine.optimizer_step`. A mini-batch
+   without loss tokens runs no forward and no optimizer step (weights and Adam moments unchanged).
+
+The proximal policy pi_prox (the step-start policy, see asyncrl.learner.objectives.importance) of
+update u = epoch * mini_batches + mini-batch index: u = 0 uses the detached current logprob (it IS
+the step-start logprob, exact and free); ``exact_prox`` uses the no-grad recompute of step 3 for
+every u; otherwise u > 0 uses A-3PO with prox_offset = since_publish / publish_every and progress =
+u / (mini_batches * epochs * publish_every) (versions are publications; with publish_every > 1 the
+step-start weights are since_publish steps past the weights published as V). The drift split
+(engine mismatch at s = 0, staleness at s >= 1) is measured on step-start logprobs only: the first
+mini-batch, or every mini-batch with exact_prox, in the first epoch; the s = 0 bucket counts as
+engine mismatch only when since_publish = 0 (otherwise the learner's weights are not those V names).
 """
 
 from __future__ import annotations
@@ -43,11 +54,14 @@ from asyncrl.learner.objectives import (
     MetricAccumulator,
     ObjectiveConfig,
     deepspeed_loss_scale,
+    drift_sums,
     entropy_bonus,
     group_advantages,
     kl_penalty,
     policy_loss,
     reduce_loss,
+    rollout_kl_loss,
+    token_mean,
 )
 
 __all__ = ["Trainer", "StepResult", "objective_config", "MicroBatchResult"]
@@ -55,23 +69,42 @@ __all__ = ["Trainer", "StepResult", "objective_config", "MicroBatchResult"]
 
 def objective_config(cfg: Any) -> ObjectiveConfig:
     """The objectives' config from ``learner.loss`` (+ the staleness bound from ``buffer``)."""
-    lc = cfg.learner.loss
-    return ObjectiveConfig(
-        anchor=lc.anchor,
-        policy_loss=lc.policy_loss,
-        divergence=lc.divergence,
-        dppo_low=lc.dppo_low,
-        dppo_high=lc.dppo_high,
-        is_mode=lc.is_mode,
-        is_level=lc.is_level,
-        is_cap=lc.is_cap,
-        is_low=lc.is_low,
-        beta_rollout_kl=lc.beta_rollout_kl,
-        rollout_kl_kind=lc.rollout_kl_kind,
-        eps_low=lc.eps_low,
-        eps_high=lc.eps_high,
-        dual_clip=lc.dual_clip if lc.dual_clip > 0 else None,
-        max_staleness=cfg.buffer.max_staleness,
+    return ObjectiveConfig.from_loss_config(cfg.learner.loss, cfg.buffer.max_staleness)
+
+
+@dataclass
+class Denominators:
+    """Step-global denominators of one optimizer step (identical on every rank)."""
+
+    tokens: int  # N: loss tokens (policy token_mean, and every regulariser)
+    seqs: int  # S: sequences with >= 1 loss token (sequence_mean)
+    samples: int  # S_all: sampled sequences, masked or not (Dr.GRPO's constant normaliser)
+
+
+@dataclass
+class ProxPlan:
+    """Where pi_prox comes from for one optimizer update (see the module docstring)."""
+
+    source: str  # "current" (detached logp, update 0) | "exact" (recomputed) | "loglinear" (A-3PO)
+    prox_offset: float = 0.0
+    progress: float = 1.0
+    measure: bool = False  # step-start logprobs available and not yet measured: drift metrics
+
+
+def prox_plan(epoch: int, mini: int, mini_batches: int, epochs: int, exact: bool, since_publish: int,
+              publish_every: int) -> ProxPlan:  # fmt: skip
+    """pi_prox source of update ``epoch * mini_batches + mini`` (pure; tested in unit tests)."""
+    u = epoch * mini_batches + mini
+    measure = epoch == 0 and (mini == 0 or exact)
+    if exact:
+        return ProxPlan("exact", measure=measure)
+    if u == 0:
+        return ProxPlan("current", measure=measure)
+    return ProxPlan(
+        "loglinear",
+        prox_offset=since_publish / publish_every,
+        progress=u / (mini_batches * epochs * publish_every),
+        measure=measure,
     )
 
 
@@ -82,7 +115,7 @@ class MicroBatchResult:
     loss: Tensor  # the reduced loss as back-propagated, before the DeepSpeed scale
     terms: dict[str, Tensor]  # loss_policy, loss_rollout_kl, loss_entropy, loss_ref_kl
     metrics: dict[str, Tensor]  # policy_loss metrics
-    sums: dict[str, Tensor]  # entropy_sum, ref_kl_sum, mismatch_sum, mismatch_n
+    sums: dict[str, Tensor]  # entropy_sum, ref_kl_sum, drift_kl_sum/<s>, drift_n/<s>, log_ppl_gap_sum
 
 
 @dataclass
@@ -92,12 +125,14 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
     optimizer_steps: int = 0
     skipped: int = 0
+    empty_skipped: int = 0  # mini-batches without loss tokens: no forward, no optimizer call
     micro_batches: int = 0
     padding_micro_batches: int = 0  # summed over ranks and epochs
     sequences: int = 0
     tokens: int = 0
     overlong_masked: int = 0
     staleness_hist: dict[str, int] = field(default_factory=dict)
+    drift_kl: dict[str, float] = field(default_factory=dict)  # staleness -> KL(mu || pi_prox), k3
     grad_norms: list[float] = field(default_factory=list)
 
 
@@ -149,55 +184,41 @@ class Trainer:
         return mb
 
     def micro_batch(
-        self,
-        mb: dict[str, Tensor],
-        version: int,
-        global_tokens: int,
-        global_seqs: int,
-        measure_mismatch: bool,
+        self, mb: dict[str, Tensor], version: int, dens: Denominators, plan: ProxPlan
     ) -> MicroBatchResult:
         """Forward + backward of one micro-batch with step-global denominators."""
         lc = self.cfg.learner.loss
         mode, max_tokens = lc.reduction, self.cfg.actors.max_tokens
         logp, ent = token_logprobs(self.le.engine, mb, entropy=True, entropy_grad=lc.entropy_coef > 0)
+        start = {"current": logp.detach(), "exact": mb.get("logp_prox")}.get(plan.source)
         per_token, loss_mask, metrics = policy_loss(
             logp, mb["logp_behav"], mb["advantages"], mb[LOSS_MASK], mb["token_versions"], version,
-            self.ocfg, logp_prox=mb.get("logp_prox"),
+            self.ocfg, logp_prox=start, prox_offset=plan.prox_offset, progress=plan.progress,
         )  # fmt: skip
-        terms: dict[str, Tensor] = {}
-        with torch.no_grad():
-            kl = kl_penalty(logp.detach(), mb["logp_behav"], lc.rollout_kl_kind, loss_mask)
-            terms["loss_rollout_kl"] = lc.beta_rollout_kl * reduce_loss(
-                kl, loss_mask, mode, global_tokens, global_seqs, max_tokens
-            )
+        seqs = {"sequence_mean": dens.seqs, "seq_mean_token_sum_norm": dens.samples}.get(mode, dens.seqs)
+        policy = reduce_loss(per_token, loss_mask, mode, dens.tokens, seqs, max_tokens)
+        # Regularisers: token means over ALL loss tokens of the optimizer step, whatever `mode`.
+        kl_term = token_mean(
+            rollout_kl_loss(logp, mb["logp_behav"], loss_mask, self.ocfg), loss_mask, dens.tokens
+        )
+        terms = {"loss_policy": policy.detach(), "loss_rollout_kl": kl_term.detach()}
+        loss = policy + kl_term
         sums: dict[str, Tensor] = {}
         if self.ref is not None:
             ref_kl = kl_penalty(logp, mb["logp_ref"], lc.ref_kl_kind, loss_mask)
-            ref_term = lc.ref_kl_coef * reduce_loss(
-                ref_kl, loss_mask, mode, global_tokens, global_seqs, max_tokens
-            )
+            ref_term = lc.ref_kl_coef * token_mean(ref_kl, loss_mask, dens.tokens)
             terms["loss_ref_kl"] = ref_term.detach()
             sums["ref_kl_sum"] = torch.where(loss_mask, ref_kl.detach(), 0.0).sum()
-        policy = reduce_loss(per_token, loss_mask, mode, global_tokens, global_seqs, max_tokens)
-        terms["loss_policy"] = policy.detach() - terms["loss_rollout_kl"]
-        loss = policy + ref_term if self.ref is not None else policy
+            loss = loss + ref_term
         if lc.entropy_coef > 0:
-            ent_term = entropy_bonus(
-                ent, loss_mask, lc.entropy_coef, mode, global_tokens, global_seqs, max_tokens
-            )
+            ent_term = entropy_bonus(ent, loss_mask, lc.entropy_coef, dens.tokens)
             terms["loss_entropy"] = ent_term.detach()
             loss = loss + ent_term
         self.le.engine.backward(loss * deepspeed_loss_scale(1, self.le.world_size), scale_wrt_gas=False)
         with torch.no_grad():
             sums["entropy_sum"] = torch.where(loss_mask, ent.detach(), 0.0).sum()
-            if measure_mismatch:
-                # Learner vs engine at equal weights: only tokens sampled by version V (staleness 0),
-                # and only logprobs from the step-start weights (exact prox, or the first update).
-                start = mb.get("logp_prox", logp.detach())
-                m0 = loss_mask & (mb["token_versions"] == version)
-                d = torch.where(m0, start - mb["logp_behav"], 0.0)
-                sums["mismatch_sum"] = 0.5 * (d * d).sum()
-                sums["mismatch_n"] = m0.sum().to(torch.float32)
+            if plan.measure and start is not None:
+                sums.update(drift_sums(start, mb["logp_behav"], loss_mask, mb["token_versions"], version))
         return MicroBatchResult(loss.detach(), terms, metrics, sums)
 
     # ------------------------------------------------------------------ the step
@@ -208,8 +229,12 @@ class Trainer:
             return lc.lr
         return lc.lr * min(1.0, (self.applied_steps + 1) / lc.warmup_steps)
 
-    def train(self, groups: Sequence, version: int) -> StepResult:
-        """One learner step on ``groups`` at version ``version`` (identical call on every rank)."""
+    def train(self, groups: Sequence, version: int, since_publish: int = 0) -> StepResult:
+        """One learner step on ``groups`` at version ``version`` (identical call on every rank).
+
+        ``since_publish``: learner steps taken since the weights were last published (0 when every
+        step publishes); it places the step-start weights on the version axis (module docstring).
+        """
         le, lc = self.le, self.cfg.learner
         samples, overlong = self.samples(groups)
         res = StepResult(overlong_masked=overlong, sequences=len(samples))
@@ -241,20 +266,25 @@ class Trainer:
                 mbs = [m if m is not None else padding_like(self.prepare(collate(samples, tmpl, self.pad_id)))
                        for m in mbs]  # fmt: skip
                 res.padding_micro_batches += sum(1 for ix in plan[le.rank] if not ix)
-            minis.append((mbs, n_tok, n_seq))
+            minis.append((mbs, Denominators(n_tok, n_seq, len(idx))))
 
         acc = MetricAccumulator()
         terms: dict[str, float] = {}
         sums: dict[str, float] = {}
         for epoch in range(lc.epochs):
-            for mi, (mbs, n_tok, n_seq) in enumerate(minis):
-                # mismatch_kl needs step-start logprobs: the exact prox ones of every mini-batch,
-                # or (without exact prox) the forwards of the first optimizer step only.
-                measure = epoch == 0 and (mi == 0 or lc.exact_prox)
+            for mi, (mbs, dens) in enumerate(minis):
+                if dens.tokens == 0 or not mbs:
+                    # Nothing carries loss (e.g. all overlong-masked): an optimizer call would still move
+                    # the weights (momentum, weight decay) and the Adam moments. Every rank agrees (global N).
+                    res.empty_skipped += 1
+                    continue
+                plan = prox_plan(
+                    epoch, mi, len(minis), lc.epochs, lc.exact_prox, since_publish, lc.publish_every
+                )
                 nonfinite = False
                 for k, mb in enumerate(mbs):
                     le.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
-                    out = self.micro_batch(mb, version, n_tok, n_seq, measure)
+                    out = self.micro_batch(mb, version, dens, plan)
                     nonfinite |= not bool(torch.isfinite(out.loss))
                     acc.update(out.metrics)
                     for key, v in out.terms.items():
@@ -262,8 +292,6 @@ class Trainer:
                     for key, v in out.sums.items():
                         sums[key] = sums.get(key, 0.0) + float(v)
                 res.micro_batches += len(mbs)
-                if not mbs:
-                    continue
                 le.set_lr(self.lr_now())
                 outcome = le.optimizer_step(nonfinite)
                 res.grad_norms.append(outcome.grad_norm)
@@ -274,8 +302,10 @@ class Trainer:
                     res.skipped += 1
         # Padding micro-batches are reported summed over ranks (rank 0 alone often has none).
         sums["padding_micro_batches"] = float(res.padding_micro_batches * lc.epochs)
-        res.metrics = self._aggregate(acc, terms, sums, max(1, lc.epochs * len(minis)))
+        res.metrics = self._aggregate(acc, terms, sums, max(1, lc.epochs * len(minis) - res.empty_skipped))
         res.padding_micro_batches = int(res.metrics["padding_micro_batches"])
+        res.drift_kl = _drift_split(res.metrics, since_publish)
+        res.metrics["empty_mini_batches"] = float(res.empty_skipped)
         return res
 
     def _aggregate(
@@ -306,6 +336,34 @@ class Trainer:
         out["entropy"] = s_all.get("entropy_sum", 0.0) / n
         out["ref_kl"] = s_all.get("ref_kl_sum", 0.0) / n
         out["padding_micro_batches"] = s_all.get("padding_micro_batches", 0.0)
-        out["mismatch_tokens"] = s_all.get("mismatch_n", 0.0)
-        out["mismatch_kl"] = s_all.get("mismatch_sum", 0.0) / max(out["mismatch_tokens"], 1.0)
+        for k, v in s_all.items():  # drift sums: finished by _drift_split
+            if k.startswith(("drift_", "log_ppl_gap")):
+                out[k] = v
         return out
+
+
+def _drift_split(m: dict[str, float], since_publish: int) -> dict[str, float]:
+    """Turn the drift sums in ``m`` into metrics (in place); returns {staleness: KL(mu || pi_prox)}.
+
+    mismatch_kl = the s = 0 bucket (engine vs learner at equal weights; only when since_publish = 0),
+    staleness_kl = the s >= 1 buckets pooled, log_ppl_gap = train minus rollout log-perplexity over
+    every measured token. All are the unbiased k3 estimate e^d - 1 - d of KL(mu || pi_prox).
+    """
+    by_s: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    stale_sum = stale_n = 0.0
+    for key in [k for k in m if k.startswith("drift_n/")]:
+        s = key.split("/", 1)[1]
+        n, total = m.pop(key), m.pop(f"drift_kl_sum/{s}", 0.0)
+        counts[s] = n
+        by_s[s] = total / max(n, 1.0)
+        if int(s) > 0:
+            stale_sum, stale_n = stale_sum + total, stale_n + n
+    n_all = sum(counts.values())
+    m["log_ppl_gap"] = m.pop("log_ppl_gap_sum", 0.0) / max(n_all, 1.0)
+    m["drift_tokens"] = n_all
+    m["staleness_kl"] = stale_sum / max(stale_n, 1.0)
+    zero = since_publish == 0 and "0" in by_s
+    m["mismatch_kl"] = by_s["0"] if zero else 0.0
+    m["mismatch_tokens"] = counts["0"] if zero else 0.0
+    return dict(sorted(by_s.items(), key=lambda kv: int(kv[0])))

@@ -21,7 +21,7 @@ from asyncrl.learner.batching import LOSS_MASK, collate, padding_like
 from asyncrl.learner.engine import LearnerEngine, build_engine
 from asyncrl.learner.logprobs import ReferenceModel, load_hf_model, token_logprobs
 from asyncrl.learner.publisher import FilesystemTransport, Publisher, checkpoint_tensor_names
-from asyncrl.learner.step import Trainer
+from asyncrl.learner.step import Denominators, ProxPlan, Trainer
 from asyncrl.tinymodel import resolve_model_path
 from tests.integration.learner_helpers import clone_cfg, dist_env, sample_groups, tiny_config
 
@@ -123,15 +123,41 @@ def test_padding_micro_batch_contributes_exactly_zero(tiny, fresh) -> None:
     assert not pad[LOSS_MASK].any()
     fresh.engine.set_gradient_accumulation_boundary(False)
     fresh.engine.zero_grad()
-    out = tr.micro_batch(pad, 0, global_tokens=100, global_seqs=10, measure_mismatch=True)
+    out = tr.micro_batch(pad, 0, Denominators(100, 10, 10), ProxPlan("exact", measure=True))
     assert out.loss.item() == 0.0
     assert all(p.grad is None or not p.grad.any() for p in fresh.module.parameters())
     assert out.metrics["num_tokens"].item() == 0
     # The same micro-batch unmasked does produce loss and gradient (the check above can fail).
-    out = tr.micro_batch(real, 0, global_tokens=100, global_seqs=10, measure_mismatch=False)
+    out = tr.micro_batch(real, 0, Denominators(100, 10, 10), ProxPlan("exact"))
     assert out.loss.item() != 0.0
     assert any(p.grad is not None and p.grad.any() for p in fresh.module.parameters())
     fresh.engine.zero_grad()
+
+
+def test_empty_loss_mask_makes_no_optimizer_call(tiny, fresh) -> None:
+    """All completions overlong-masked: no forward, no optimizer call, weights and Adam moments
+    bitwise unchanged (an AdamW step on a zero gradient would still move both)."""
+    assert Trainer(tiny.cfg, fresh, None, pad_id=0).train(tiny.groups, 0).optimizer_steps == 1  # moments != 0
+    tr = Trainer(clone_cfg(tiny.cfg, overlong_mask=True), fresh, None, pad_id=0)
+    w1 = {k: v.clone() for k, v in fresh.module.state_dict().items()}
+    s1 = copy.deepcopy(fresh.optimizer.state_dict())
+    overlong = copy.deepcopy(tiny.groups)
+    for g in overlong:
+        for c in g.completions:
+            c.finish_reason = "length"
+    res = tr.train(overlong, 0)
+    assert (res.optimizer_steps, res.skipped, res.empty_skipped, res.micro_batches) == (0, 0, 1, 0)
+    assert res.tokens == 0 and res.metrics["empty_mini_batches"] == 1.0 and tr.applied_steps == 0
+    for k, v in fresh.module.state_dict().items():
+        assert torch.equal(v, w1[k]), k
+    assert _states_equal(fresh.optimizer.state_dict(), s1)
+    # Negative control: the optimizer call the step skips would have changed both.
+    fresh.engine.zero_grad()
+    for p in fresh.module.parameters():
+        p.grad = torch.zeros_like(p)
+    assert fresh.optimizer_step(False).applied
+    assert any(not torch.equal(v, w1[k]) for k, v in fresh.module.state_dict().items())
+    assert not _states_equal(fresh.optimizer.state_dict(), s1)
 
 
 @pytest.mark.parametrize("poison", [float("inf"), float("nan")])
@@ -207,8 +233,10 @@ def test_bf16_policy_and_reference_share_the_precision_path(tiny) -> None:
     assert le.dtype == torch.bfloat16 and ref.dtype == torch.bfloat16
     assert {p.dtype for p in le.module.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in ref.module.parameters()} == {torch.bfloat16}
-    # fp32 master weights live in the base optimizer.
+    # fp32 master weights live in the base optimizer; gradients accumulate and all-reduce in fp32.
     assert {p.dtype for g in le.optimizer.param_groups for p in g["params"]} == {torch.float32}
+    assert le.engine.get_data_types() == (torch.bfloat16, torch.float32)
+    assert le.engine.communication_data_type == torch.float32
     tr = Trainer(cfg, le, ref, pad_id=0)
     samples, _ = tr.samples(tiny.groups)
     mb = tr.prepare(collate(samples, list(range(len(samples))), 0))

@@ -5,6 +5,8 @@ checked end to end: the same optimizer step split into micro-batches of 1, 2, 4 
 sequences, on 1 or 2 simulated data-parallel ranks (DeepSpeed's 1/GAS inside backward and the
 rank-averaging all-reduce simulated explicitly), must give the same gradient on the parameters
 of a small linear "model", with the rollout-KL, reference-KL and entropy terms switched on.
+The regularisers are token means over the step whatever the policy reduction, and Dr.GRPO's
+normaliser counts sampled sequences, not masked ones.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from asyncrl.learner.objectives import (
     kl_penalty,
     policy_loss,
     reduce_loss,
+    rollout_kl_loss,
     staleness_mask,
+    token_mean,
 )
 
 VERSION = 7
@@ -69,9 +73,9 @@ def test_reduce_loss_matches_reference(mode, seed, shape):
     assert abs(float(out) - ref_reduce(loss, mask, mode, n_tok, n_seq, max_tokens)) < 1e-9
     out_t = reduce_loss(loss, mask, mode, torch.tensor(n_tok), torch.tensor(n_seq), max_tokens=max_tokens)
     assert abs(float(out_t) - float(out)) < 1e-12
-    assert (
-        abs(float(entropy_bonus(loss, mask, 0.3, mode, n_tok, n_seq, max_tokens)) + 0.3 * float(out)) < 1e-12
-    )
+    tok = reduce_loss(loss, mask, "token_mean", n_tok, n_seq)
+    assert abs(float(token_mean(loss, mask, n_tok)) - float(tok)) < 1e-12
+    assert abs(float(entropy_bonus(loss, mask, 0.3, n_tok)) + 0.3 * float(tok)) < 1e-12
 
 
 @pytest.mark.parametrize("mode", LOSS_REDUCTIONS)
@@ -136,15 +140,18 @@ def make_problem(seed: int):
 
 
 def micro_batch_loss(w, pb, idx, cfg, mode, n_tok, n_seq):
-    """The learner's per-micro-batch loss: every term reduced with the global denominators."""
+    """The learner's per-micro-batch loss: every term reduced with the global denominators
+    (policy: ``mode``; rollout KL, reference KL, entropy: token means over the step)."""
     logits = pb["x"][idx] @ w
     logp = torch.log_softmax(logits, -1).gather(-1, pb["tokens"][idx][..., None])[..., 0]
     loss, lmask, _ = policy_loss(
         logp, pb["behav"][idx], pb["adv"][idx], pb["mask"][idx], pb["versions"][idx], VERSION, cfg
     )
-    loss = loss + REF_KL_COEF * kl_penalty(logp, pb["ref"][idx], "k3", lmask)
-    total = reduce_loss(loss, lmask, mode, n_tok, n_seq, max_tokens=T)
-    return total + entropy_bonus(entropy_from_logits(logits), lmask, ENT_COEF, mode, n_tok, n_seq, T)
+    reg = rollout_kl_loss(logp, pb["behav"][idx], lmask, cfg) + REF_KL_COEF * kl_penalty(
+        logp, pb["ref"][idx], "k3", lmask
+    )
+    total = reduce_loss(loss, lmask, mode, n_tok, n_seq, max_tokens=T) + token_mean(reg, lmask, n_tok)
+    return total + entropy_bonus(entropy_from_logits(logits), lmask, ENT_COEF, n_tok)
 
 
 def step_gradient(pb, split, cfg, mode, local_denominators=False):
@@ -182,12 +189,13 @@ def split_into(indices: list[int], world: int, mbs: int) -> list[list[list[int]]
 
 CFGS = [
     ObjectiveConfig(beta_rollout_kl=0.1, max_staleness=3),
-    ObjectiveConfig(policy_loss="ppo_clip", dual_clip=3.0, is_level="sequence", rollout_kl_kind="k3"),
-    ObjectiveConfig(anchor="behaviour", is_mode="icepop", divergence="kl", dppo_low=0.02, dppo_high=0.02),
+    ObjectiveConfig(policy_loss="ppo_clip", anchor="prox", is_level="sequence", rollout_kl_kind="k3"),
+    ObjectiveConfig(is_mode="icepop", divergence="kl", dppo_low=0.02, dppo_high=0.02),
+    ObjectiveConfig(policy_loss="gspo", anchor="prox", gspo_eps_low=0.1, gspo_eps_high=0.1),
 ]
 
 
-@pytest.mark.parametrize("cfg", CFGS, ids=["dppo", "ppo-dual-seqIS", "behaviour-icepop"])
+@pytest.mark.parametrize("cfg", CFGS, ids=["dppo", "ppo-prox-seqIS", "dppo-kl-icepop", "gspo"])
 @pytest.mark.parametrize("mode", LOSS_REDUCTIONS)
 def test_gradient_invariant_to_micro_batch_and_rank_split(mode, cfg):
     pb = make_problem(0)
@@ -225,6 +233,34 @@ def test_entropy_and_kl_terms_scale_once_not_per_micro_batch():
     assert ((split - full).abs().max() / full.abs().max()).item() < 1e-5
 
 
+@pytest.mark.parametrize("mode", LOSS_REDUCTIONS)
+def test_regularisers_are_token_means_whatever_the_policy_reduction(mode):
+    """With zero advantages only the regularisers act: their gradient is the same for every policy
+    reduction (each is sum_t term_t / N over the step's loss tokens)."""
+    pb = make_problem(1)
+    pb["adv"] = torch.zeros(B)
+    cfg = ObjectiveConfig(beta_rollout_kl=0.2)
+    want = step_gradient(pb, [[list(range(B))]], cfg, "token_mean")
+    got = step_gradient(pb, split_into(list(range(B)), 2, 2), cfg, mode)
+    assert want.abs().max() > 1e-3
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_dr_grpo_normaliser_ignores_overlong_masked_sequences():
+    """seq_mean_token_sum_norm divides by S_all * max_tokens, S_all = sampled sequences: masking a
+    sequence's loss (overlong) removes its terms but leaves every other token's weight unchanged."""
+    loss, mask = random_loss(3, 6, 5)
+    loss = torch.where(mask, loss, torch.zeros_like(loss)).requires_grad_()
+    full = reduce_loss(loss, mask, "seq_mean_token_sum_norm", 0, 6, max_tokens=5)
+    (g_full,) = torch.autograd.grad(full, loss)
+    overlong = mask.clone()
+    overlong[2] = False  # its loss mask cleared; S_all is still 6
+    (g_ov,) = torch.autograd.grad(reduce_loss(loss, overlong, "seq_mean_token_sum_norm", 0, 6, 5), loss)
+    keep = overlong
+    assert torch.equal(g_ov[keep], g_full[keep]) and (g_ov[2] == 0).all()
+    assert torch.allclose(g_full[mask], torch.full_like(g_full[mask], 1 / 30))
+
+
 def test_entropy_from_logits_matches_loops():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64) * 4
@@ -245,7 +281,9 @@ def test_entropy_from_logits_matches_loops():
 
 def test_metric_accumulator_merges_ranks_like_the_full_batch():
     pb = make_problem(2)
-    cfg = ObjectiveConfig(policy_loss="ppo_clip", dual_clip=2.0, max_staleness=2, is_mode="icepop")
+    cfg = ObjectiveConfig(
+        policy_loss="ppo_clip", dual_clip=2.0, max_staleness=2, is_mode="icepop", anchor="prox"
+    )
     logp = pb["behav"] + 0.5 * torch.randn(B, T, generator=torch.Generator().manual_seed(9))
     logp = logp.double()
 

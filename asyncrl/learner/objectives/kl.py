@@ -1,0 +1,108 @@
+"""KL estimators from sampled-token logprobs, named by direction and estimator, and entropy.
+
+Two different jobs, two different families (never mix them up):
+
+* **Penalties** (gradient flows, tokens come from mu, NOT from pi): :func:`kl_penalty` with
+  ``k2`` (0.5 d^2: its gradient d * grad(log pi) pulls pi_theta(y) toward mu(y) on every sampled
+  token), ``k3`` or ``abs``. ``k1`` = d is refused as a loss (see :data:`KL_LOSS_KINDS`): with
+  tokens sampled from mu, E_mu[log pi - log mu] = -KL(mu || pi), so minimising k1 MAXIMISES the
+  divergence: its gradient lowers log pi on exactly the tokens mu samples, pushing pi away from the
+  anchor instead of toward it.
+* **Metrics** (no gradient): :func:`rollout_kl_estimates`, over tokens sampled from mu, with
+  d = log pi - log mu (clamped to [-20, 20]) and r = e^d:
+
+  ================  =======================  ========================================
+  name              per-token value          estimates (E over y ~ mu)
+  ================  =======================  ========================================
+  kl_mu_pi_k1       -d                       KL(mu || pi), unbiased, high variance
+  kl_mu_pi_k3       r - 1 - d                KL(mu || pi), unbiased, >= 0 (Schulman k3)
+  kl_mu_pi_k2       d^2 / 2                  KL(mu || pi) to 2nd order only (biased)
+  kl_pi_mu_is       r d - (r - 1)            KL(pi || mu), unbiased (importance-weighted), >= 0
+  ================  =======================  ========================================
+
+  (Unbiasedness uses E_mu[r] = 1: E_mu[r - 1 - d] = 0 + KL(mu||pi); E_mu[r d] = KL(pi||mu).)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from asyncrl.learner.objectives.common import log_ratio, safe
+
+__all__ = [
+    "KL_LOSS_KINDS",
+    "KL_METRICS",
+    "entropy_from_logits",
+    "entropy_from_logp",
+    "kl_penalty",
+    "rollout_kl_estimates",
+]
+
+KLKind = Literal["k1", "abs", "k2", "k3"]
+#: Estimators allowed as a loss term (rollout KL, reference KL). k1 is metric-only (module docstring).
+KL_LOSS_KINDS: tuple[str, ...] = ("abs", "k2", "k3")
+#: Metric names of :func:`rollout_kl_estimates`.
+KL_METRICS: tuple[str, ...] = ("kl_mu_pi_k1", "kl_mu_pi_k2", "kl_mu_pi_k3", "kl_pi_mu_is")
+
+
+def kl_penalty(logp: Tensor, logp_ref: Tensor, kind: KLKind = "k2", mask: Tensor | None = None) -> Tensor:
+    """Per-token KL penalty between pi_theta and a reference from sampled-token logprobs.
+
+    With d = clamp(logp - logp_ref, -20, 20):
+
+    - ``k1``  = d                   (metric only: refused as a loss, see the module docstring);
+    - ``abs`` = |d|;
+    - ``k2``  = d^2 / 2             gradient d * grad(logp): pulls logp toward logp_ref;
+    - ``k3``  = exp(-d) + d - 1     >= 0; unbiased for KL(pi || ref) when tokens come from pi.
+
+    ``mask`` (optional): positions outside it are replaced by 0 *before* the subtraction, so the
+    result there is exactly 0 and gradients are exactly 0 even if logp is -inf there.
+    """
+    d = log_ratio(safe(logp, mask), safe(logp_ref, mask))
+    if kind == "k1":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        # expm1(-d) + d == exp(-d) - 1 + d without the cancellation near d = 0.
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL kind {kind!r}; expected k1, abs, k2 or k3")
+
+
+@torch.no_grad()
+def rollout_kl_estimates(logp: Tensor, logp_behav: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Per-token KL estimates between pi (``logp``) and mu (``logp_behav``) for tokens y ~ mu.
+
+    Returns ``{name: [B, T] tensor}`` for the names in :data:`KL_METRICS` (table in the module
+    docstring); exactly 0 outside ``mask``. Token-mean them over the mask to get the estimates.
+    """
+    d = log_ratio(safe(logp.detach(), mask), safe(logp_behav, mask))
+    em1 = torch.expm1(d)  # r - 1, exact near d = 0
+    return {
+        "kl_mu_pi_k1": -d,
+        "kl_mu_pi_k2": 0.5 * d * d,
+        "kl_mu_pi_k3": em1 - d,
+        "kl_pi_mu_is": d * torch.exp(d) - em1,
+    }
+
+
+def entropy_from_logp(logp_all: Tensor) -> Tensor:
+    """Entropy ``-sum_v p_v log p_v`` over the last dim from full log-probabilities (fp32).
+
+    Value and gradient stay finite when a probability underflows to 0 (a logit gap > ~104 in fp32):
+    ``xlogy(p, p)`` would back-propagate 0 * log(0) = NaN there. Here the product is p * log p with
+    log p finite (log_softmax of finite logits), so its gradient p * (1 + log p) is exactly 0 for
+    p = 0; log p = -inf (a -inf logit) is clamped to the most negative float first for the same reason.
+    """
+    logp_all = logp_all.clamp(min=torch.finfo(logp_all.dtype).min)
+    return -(logp_all.exp() * logp_all).sum(dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim, in fp32 (see :func:`entropy_from_logp`)."""
+    return entropy_from_logp(torch.log_softmax(logits.float(), dim=-1))
