@@ -61,17 +61,13 @@ def timed(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--groups", type=int, default=2000)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--G", type=int, default=8)
-    args = ap.parse_args()
+def measure(groups: int = 2000, tokens: int = 256, G: int = 8) -> list[tuple[str, float, float, str]]:
+    """(what, asyncrl seconds, baseline seconds, baseline description) per row."""
     rng = np.random.default_rng(0)
-    g = make_group(rng, args.G, args.tokens)
+    g = make_group(rng, G, tokens)
     rows = []
 
-    n = max(200, args.groups // 4)
+    n = max(200, groups // 4)
     ours = timed(lambda: decode(encode(g)), n)
     base = timed(lambda: msgpack.unpackb(msgpack.packb(plain(g))), n)
     rows.append(("codec encode+decode / group", ours, base, "msgpack of plain lists, no validation"))
@@ -82,6 +78,7 @@ def main() -> None:
         data = encode(g)
 
         def ours_io() -> None:
+            g.group_id = uuid.uuid4().hex  # put is deduplicated by group id: every put is a new group
             buf.put(g)
             (e,) = buf.read("c", 1, block_ms=None)
             buf.ack([e.entry_id])
@@ -95,13 +92,22 @@ def main() -> None:
             client.xack(key, grp, eid)
             client.xdel(key, eid)
 
-        rows.append(("put+read+ack / group", timed(ours_io, args.groups), timed(raw_io, args.groups),
+        rows.append(("put+read+ack / group", timed(ours_io, groups), timed(raw_io, groups),
                      "raw XADD/XREADGROUP/XACK/XDEL of the same bytes"))  # fmt: skip
         buf.credit(10**9)
-        rows.append(("admission check / group", timed(lambda: buf.try_admit(1, 4), args.groups),
-                     timed(lambda: client.incr("raw:n"), args.groups), "bare INCR round trip"))  # fmt: skip
+        rows.append(("admission check / group", timed(lambda: buf.try_admit(1, 4), groups),
+                     timed(lambda: client.incr("raw:n"), groups), "bare INCR round trip"))  # fmt: skip
         client.close()
+    return rows
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--groups", type=int, default=2000)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--G", type=int, default=8)
+    args = ap.parse_args()
+    rows = measure(args.groups, args.tokens, args.G)
     print(f"{'what':<30} {'asyncrl':>12} {'baseline':>12} {'ratio':>7}  baseline")
     for what, a, b, desc in rows:
         print(f"{what:<30} {a * 1e6:>10.1f}us {b * 1e6:>10.1f}us {a / b:>7.2f}  {desc}")
