@@ -196,6 +196,7 @@ def test_filters_fill_window_and_stop_event(redis_url, redis_client, run_name, s
         rdir, redis_url, run_name, checkpoint_every=100, dynamic_sampling=True, fill_window=True
     )
     cfg.buffer.max_staleness = 1  # window = (1 + 1) * 2 = 4 unread groups
+    cfg.actors.group_size = 2  # the learner validates the group size against the run
     buf = ReplayBuffer(redis_client, run_name)
     good = sample_groups(sampler, 6, group_size=2, max_tokens=6, seed=21)
     good += sample_groups(sampler, 2, group_size=2, max_tokens=6, seed=24, version=2)  # fresh at V = 2
@@ -259,6 +260,7 @@ def test_sigterm_checkpoints_acks_and_exits_zero(
 ) -> None:
     rdir = tmp_path / "run"
     cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=100)
+    cfg.actors.group_size = 2  # the learner validates the group size against the run
     buf = ReplayBuffer(redis_client, run_name)
     for g in sample_groups(sampler, 2, group_size=2, max_tokens=6, seed=31):
         buf.put(g)
