@@ -80,6 +80,7 @@ def test_dp1_and_dp2_train_the_same_step(redis_url, redis_client, run_name, samp
                           exact_prox=True, micro_batch_tokens=budget, checkpoint_every=5)  # fmt: skip
         cfg.run.max_steps = 1
         cfg.buffer.groups_per_step = 3
+        cfg.actors.group_size = 3  # the learner validates the group size against the run
         buf = ReplayBuffer(redis_client, name)
         for g in groups:
             buf.put(g)
