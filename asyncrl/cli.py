@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, default=None, help="run dir: policy version (default: newest)")
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
     _add_config_args(p)
+    p = sub.add_parser("bench", help="benchmark: one table of ratios with targets, and JSON (see asyncrl.bench)")
+    p.add_argument("--quick", action="store_true", help="tiny model only, few iterations (CI smoke)")
+    p.add_argument("--sizes", help="comma-separated subset of tiny,50M,300M; --iters N; --out FILE")
     p = sub.add_parser("config", help="print the resolved config, or every field with --explain")
     p.add_argument("--explain", action="store_true")
     _add_config_args(p)
@@ -156,6 +159,11 @@ def _export_or_eval(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own flags (argparse REMAINDER cannot take leading options)
+        from asyncrl.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.cmd in ("export", "eval"):  # their config comes from the run / export, not -c
