@@ -55,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, default=None, help="run dir: policy version (default: newest)")
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
     _add_config_args(p)
-    p = sub.add_parser("bench", help="benchmark: one table of ratios with targets, and JSON (see asyncrl.bench)")
+    p = sub.add_parser(
+        "bench", help="benchmark: one table of ratios with targets, and JSON (see asyncrl.bench)"
+    )
     p.add_argument("--quick", action="store_true", help="tiny model only, few iterations (CI smoke)")
     p.add_argument("--sizes", help="comma-separated subset of tiny,50M,300M; --iters N; --out FILE")
     p = sub.add_parser("config", help="print the resolved config, or every field with --explain")
@@ -147,7 +149,9 @@ def _export_or_eval(args) -> int:
             cfg = load_config(args.config or (run_cfg if run_cfg.exists() else None), args.overrides)
             model_dir = target
         else:
-            raise FileNotFoundError(f"{target}: neither a run dir (config.yaml) nor a model dir (config.json)")
+            raise FileNotFoundError(
+                f"{target}: neither a run dir (config.yaml) nor a model dir (config.json)"
+            )
         info_file = model_dir / EXPORT_INFO
         version = json.loads(info_file.read_text())["version"] if info_file.exists() else -1
         result = eval_model_dir(cfg, str(model_dir), version).to_dict()

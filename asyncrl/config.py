@@ -264,12 +264,6 @@ class ActorsConfig:
         "exceed an engine start-up (heartbeats begin once the vLLM engine is up).",
         gt=0,
     )
-    heartbeat_timeout_s: float = F(
-        120.0,
-        "`asyncrl run` replaces an actor whose last heartbeat (or its start) is older than this; it must "
-        "exceed an engine start-up (heartbeats begin once the vLLM engine is up).",
-        gt=0,
-    )
     refuse_stale_weights: bool = F(
         True,
         "Ask admission to refuse a group while this actor's weights are already more than max_staleness "
@@ -327,13 +321,21 @@ class AdaptiveStalenessConfig:
     min_bound: int = F(0, "Lowest admission bound the controller may set (<= max_staleness).", ge=0)
     every_steps: int = F(5, "Learner steps per decision; the signals are averaged over them.", ge=1)
     target_idle: float = F(
-        0.2, "Raise the bound by 1 when the learner waited for data more than this share of the time.", ge=0, le=1
+        0.2,
+        "Raise the bound by 1 when the learner waited for data more than this share of the time.",
+        ge=0,
+        le=1,
     )
     min_ess: float = F(
-        0.5, "Lower the bound by 1 when the mean normalised ESS of the importance weights falls below.", ge=0, le=1
+        0.5,
+        "Lower the bound by 1 when the mean normalised ESS of the importance weights falls below.",
+        ge=0,
+        le=1,
     )
     max_drift_kl: float = F(
-        0.05, "Lower the bound by 1 when the KL(mu || pi_prox) of any token-staleness bucket exceeds this.", gt=0
+        0.05,
+        "Lower the bound by 1 when the KL(mu || pi_prox) of any token-staleness bucket exceeds this.",
+        gt=0,
     )
 
 
@@ -509,16 +511,16 @@ class LearnerConfig:
         ge=0,
     )
     consumer: str = F("learner-0", "Consumer name in the Redis consumer group (stable across restarts).")
-    ledger_size: int = F(
-        16384,
-        "Most recent trained group ids kept in each checkpoint: a group Redis delivers again after a crash "
-        "undid its acknowledgement is recognised from them and not trained twice.",
-        ge=1,
-    )
     max_deliveries: int = F(
         3,
         "A buffered group delivered more often than this (the consumer group's delivery count: a learner "
         "kept crashing before committing a step with it) is quarantined in the dead-letter stream.",
+        ge=1,
+    )
+    ledger_size: int = F(
+        16384,
+        "Most recent trained group ids kept in each checkpoint: a group Redis delivers again after a crash "
+        "undid its acknowledgement is recognised from them and not trained twice.",
         ge=1,
     )
     loss: LossConfig = F(LossConfig(), OBJECTIVE_AT_DEFAULTS)
@@ -549,6 +551,9 @@ class Config:
     buffer: BufferConfig = F(BufferConfig(), "Replay buffer and staleness bound.")
     learner: LearnerConfig = F(LearnerConfig(), "DeepSpeed learner.")
     metrics: MetricsConfig = F(MetricsConfig(), "Prometheus endpoints.")
+    eval: EvalConfig = F(EvalConfig(), "Periodic evaluation on the task's eval split.")
+    tracking: TrackingConfig = F(TrackingConfig(), "Experiment tracking (TensorBoard, Weights & Biases).")
+    console: ConsoleConfig = F(ConsoleConfig(), "What `asyncrl run` shows on the terminal.")
 
 
 def _validate(obj: Any, prefix: str) -> None:

@@ -43,11 +43,11 @@ class Batch:
     wait_s: float = 0.0
     dropped_stale: int = 0
     dropped_filtered: int = 0
+    #: Groups that do not fit the run (asyncrl.learner.validate): dead-lettered with the reason, credited.
+    dropped_invalid: int = 0
     #: Redelivered groups already in the weights (ledger hit): not trained, acknowledged with the next
     #: checkpoint (never credited: their admission slot is accounted for by the trained copy).
     duplicate_entry_ids: list[str] = field(default_factory=list)
-    #: Groups that do not fit the run (asyncrl.learner.validate): dead-lettered with the reason, credited.
-    dropped_invalid: int = 0
 
 
 def batch_order_key(group: Any) -> tuple[int, int, str]:

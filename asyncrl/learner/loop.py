@@ -48,11 +48,9 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.buffer import decode, encode
-from asyncrl.learner import tracking
+from asyncrl.learner import adaptive, tracking
 from asyncrl.learner.checkpoint import LearnerState, Skipped, load_checkpoint, read_latest, save_checkpoint
 from asyncrl.learner.engine import LearnerEngine, build_engine, init_distributed
-from asyncrl.learner import adaptive
-from asyncrl.learner import adaptive
 from asyncrl.learner.feed import Batch, Rank0, broadcast
 from asyncrl.learner.logprobs import ReferenceModel
 from asyncrl.learner.records import OBJECTIVE_FIELDS, StepRecord
