@@ -488,7 +488,12 @@ class LearnerConfig:
     )
     dynamic_sampling: bool = F(False, "Drop groups whose rewards have zero variance (credit returned).")
     overlong_mask: bool = F(False, "Mask the loss of completions that ended by length.")
-    publish_every: int = F(1, "Publish weights (bump the policy version) every N optimizer steps.", ge=1)
+    publish_every: int = F(
+        1,
+        "Publish weights (bump the policy version) every N optimizer steps. Staleness and max_staleness are "
+        "in versions; admission widens by N * groups_per_step groups per version.",
+        ge=1,
+    )
     keep_versions: int = F(3, "Published weight versions kept on disk.", ge=1)
     weight_transport: str = F(
         "file",

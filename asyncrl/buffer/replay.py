@@ -246,7 +246,10 @@ class ReplayBuffer(RunRegistry):
             "socket_timeout": r.socket_timeout_s,
             "retry_budget_s": r.retry_budget_s,
             "max_staleness": cfg.buffer.max_staleness,
-            "groups_per_step": cfg.buffer.groups_per_step,
+            # Admission counts groups per *version*: with publish_every = k the learner consumes k steps of
+            # groups between two bumps of V, so the window must widen by that much per version (else it
+            # closes after ~(eta + 1) * k / (k - 1) steps and the run deadlocks).
+            "groups_per_step": cfg.buffer.groups_per_step * cfg.learner.publish_every,
             **kwargs,
         }
         return cls.connect(url or r.url, cfg.run.name, **opts)

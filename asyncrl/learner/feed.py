@@ -158,13 +158,16 @@ class Rank0:
         window). False when told to stop.
         """
         cfg = self.cfg
-        window = (cfg.buffer.max_staleness + 1) * cfg.buffer.groups_per_step
+        per_version = (
+            cfg.buffer.groups_per_step * cfg.learner.publish_every
+        )  # admission's unit (replay.from_config)
+        window = (cfg.buffer.max_staleness + 1) * per_version
         last, since, last_keepalive = -1, time.monotonic(), time.monotonic()
         while not stop.is_set():
             st = self.buffer.stats()
             unread = st["depth"] - st["pending"]
             if st.get("staleness_bound") is not None:  # the adaptive bound, when it tightened admission
-                window = (st["staleness_bound"] + 1) * cfg.buffer.groups_per_step
+                window = (st["staleness_bound"] + 1) * per_version
             if unread >= window:
                 return True
             if unread != last:

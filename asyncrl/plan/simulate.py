@@ -4,7 +4,7 @@ The model follows the real roles step by step (DESIGN.md):
 
 * **Actors.** Each of ``num_actors`` engines runs ``groups_in_flight`` group workers. A worker takes
   an admission slot with the rule of :mod:`asyncrl.buffer.admission` (``admitted < (V + eta + 1) *
-  groups_per_step + credits``, and with ``refuse_stale_weights`` the engine's weights must be at most
+  groups_per_step * publish_every + credits``: groups per version, and with ``refuse_stale_weights`` the engine's weights must be at most
   eta behind V), then its ``group_size`` completions decode in the engine; the group reaches the
   buffer ``group_overhead_s`` after its last token. A refused worker retries when something that
   could admit it changed (a publish, a credit, its engine's swap), ``admission_poll_s / 2`` later:
@@ -196,9 +196,6 @@ class _Sim:
                 raise RuntimeError(
                     f"the simulated pipeline deadlocked at step {self.step} (t={self.t:.3f}s): admission is "
                     f"full at V={self.V} and the learner waits for groups that cannot be admitted"
-                    + (" (publish_every > 1: admission widens by groups_per_step per publish, the learner"
-                       " consumes publish_every * groups_per_step, as in asyncrl.buffer.admission)"
-                       if self.p.publish_every > 1 else "")
                 )  # fmt: skip
             t, _, kind, arg = heapq.heappop(self.events)
             self.t = t
@@ -219,7 +216,7 @@ class _Sim:
         if p.refuse_stale_weights and self.V - e.version > p.max_staleness:
             return False
         return self.admitted < admission_bound_formula(
-            self.V, p.max_staleness, p.groups_per_step, self.credits
+            self.V, p.max_staleness, p.groups_per_step * p.publish_every, self.credits
         )
 
     def try_admit(self, e: _Engine) -> None:

@@ -77,3 +77,24 @@ def test_bad_bound_is_refused(redis_client, run_name, bound) -> None:
     buf = ReplayBuffer(redis_client, run_name, max_staleness=2, groups_per_step=1)
     with pytest.raises(ValueError):
         buf.set_staleness_bound(bound)
+
+
+def test_admission_unit_is_groups_per_version_with_publish_every(redis_server, run_name) -> None:
+    """publish_every = k: the learner trains k steps of groups per version, so admission widens by
+    k * groups_per_step per version. With groups_per_step alone the window closed after
+    ~(eta + 1) * k / (k - 1) steps and the run deadlocked (found by the `asyncrl plan` simulator)."""
+    for k in (1, 3):
+        cfg = load_config(
+            overrides=[
+                f"run.name={run_name}-k{k}",
+                "buffer.max_staleness=1",
+                "buffer.groups_per_step=2",
+                f"learner.publish_every={k}",
+            ]  # fmt: skip
+        )
+        buf = ReplayBuffer.from_config(cfg, redis_server.url)
+        try:
+            assert _admit_all(buf) == (0 + 1 + 1) * 2 * k  # V = 0
+            assert buf.admission_bound() == 4 * k
+        finally:
+            buf.close()
