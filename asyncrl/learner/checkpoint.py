@@ -148,7 +148,12 @@ def _fsync_tree(tag_dir: Path) -> None:
     """
     for dirpath, _dirs, files in os.walk(tag_dir):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except FileNotFoundError:
+                # Another rank's temporary file, renamed between the listing and the open: that rank
+                # fsyncs its own files (_atomic_write before the rename, and its own walk after it).
+                continue
             try:
                 os.fsync(fd)
             finally:

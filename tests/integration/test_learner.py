@@ -202,6 +202,9 @@ def test_publish_manifest_verify_and_reload(tiny, engine, buffer, tmp_path) -> N
     sd = load_file(m1.path)
     assert set(sd) == names
     fresh_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny.path))
+    with torch.no_grad():  # a known state unlike any init: whatever the global RNG did before this test
+        for t in fresh_model.state_dict().values():
+            t.fill_(0.5)
     before = {k: v.clone() for k, v in fresh_model.state_dict().items()}
     fresh_model.load_state_dict(sd, strict=True)
     ours = engine.module.state_dict()
