@@ -94,8 +94,12 @@ class ChaosRun:
         return next(line.split(None, 1)[1].strip().strip('"') for line in conf.splitlines()
                     if line.startswith("requirepass"))  # fmt: skip
 
-    def redis_pid(self) -> int:
-        return int((self.dir / "redis" / "redis.pid").read_text().strip())
+    def redis_pid(self) -> int | None:
+        """The embedded redis-server's pid; None while it is being restarted (pid file not yet written)."""
+        try:
+            return int((self.dir / "redis" / "redis.pid").read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
 
     def actor_pid(self, index: int = 0) -> int | None:
         for hb in self.heartbeats().values():

@@ -28,13 +28,17 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(900)]
 
 def test_process_faults_learner_actor_redis(tmp_path, faults):
     """kill -9 of the learner (with its newest checkpoint corrupted), kill -9 of an actor, kill -9 of
-    redis-server (restarted on its data dir), SIGSTOP of redis-server for 30 s, and a reward function
-    that raises every 200th call, all in one run."""
-    steps = 150
+    redis-server (restarted on its data dir), SIGSTOP of redis-server for 30 s, a reward function
+    that raises every 200th call, and an actor frozen (SIGSTOP) until its heartbeat is older than
+    actors.heartbeat_timeout_s, all in one run."""
+    steps = 200
     run = ChaosRun(
         tmp_path, steps,
         "learner.checkpoint_every=2",  # frequent checkpoints: a fallback needs two of them
         "actors.max_restarts=0",  # a killed actor is not Ray's to restart: `asyncrl run` replaces it
+        # A frozen actor's run call never ends: only its heartbeat age tells. 60 s > an engine start-up
+        # here (~30 s), so a starting replacement is never judged silent.
+        "actors.heartbeat_timeout_s=60",
         "task.reward_fault=raise", "task.reward_fault_every=200",
     )  # fmt: skip
     done: list[str] = []
@@ -72,15 +76,15 @@ def test_process_faults_learner_actor_redis(tmp_path, faults):
         done.append("actor kill -9")
 
         # 3) kill -9 of redis-server: `asyncrl run` restarts it on its data dir (AOF) and port.
-        rpid = run.redis_pid()
+        rpid = run.wait(run.redis_pid, 60, "the redis-server pid")
         kill(rpid)
         faults.injected("redis kill -9")
-        run.wait(lambda: run.redis_pid() != rpid, 60, "redis-server restarted")
+        run.wait(lambda: run.redis_pid() not in (None, rpid), 60, "redis-server restarted")
         run.wait_progress(3, 240, "steps after the Redis restart")
         done.append("redis kill -9")
 
         # 4) redis-server frozen for 30 s (SIGSTOP), then SIGCONT.
-        rpid = run.redis_pid()
+        rpid = run.wait(run.redis_pid, 60, "the redis-server pid")
         kill(rpid, signal.SIGSTOP)
         faults.injected("redis SIGSTOP 30s")
         try:
@@ -89,6 +93,16 @@ def test_process_faults_learner_actor_redis(tmp_path, faults):
             kill(rpid, signal.SIGCONT)
         run.wait_progress(3, 240, "steps after Redis was frozen")
         done.append("redis SIGSTOP 30s")
+        assert run.step() < steps - 20, "the run must still be going for the next fault: raise `steps`"
+
+        # 5) the actor frozen (SIGSTOP): alive to Ray, its run call never ends, its heartbeat ages;
+        # `asyncrl run` must judge it by heartbeat age, kill it and start a replacement.
+        apid = run.wait(run.actor_pid, 60, "the actor's heartbeat")
+        kill(apid, signal.SIGSTOP)
+        faults.injected("actor SIGSTOP (heartbeat age)")
+        run.wait(lambda: (run.actor_pid() or apid) != apid, 240, "a replacement for the frozen actor")
+        run.wait_progress(3, 240, "steps after the frozen actor's replacement")
+        done.append("actor SIGSTOP (heartbeat age)")
         assert run.step() < steps, "the run must still be going after the last fault: raise `steps`"
 
         rc = run.finish(600)
@@ -98,7 +112,7 @@ def test_process_faults_learner_actor_redis(tmp_path, faults):
     out = check_invariants(run)
     summary = out["summary"]
     assert summary["restarts"]["learner"] == 1 and summary["restarts"]["redis"] == 1, summary["restarts"]
-    assert summary["restarts"]["actors"] == [1], summary
+    assert summary["restarts"]["actors"] == [2], summary
     # The reward that raised: its groups are in the dead-letter stream with the reason, credited.
     reward_dead = [d for d in out["dead"] if "reward" in d["reason"]]
     assert reward_dead, [d["reason"] for d in out["dead"]][:5]
@@ -107,7 +121,8 @@ def test_process_faults_learner_actor_redis(tmp_path, faults):
     for f in done:
         faults.survived(f)
     events = (run.dir / "supervision.log").read_text().splitlines()
-    assert len(events) == 3 and all("restart" in e or "replaced" in e for e in events), events
+    assert len(events) == 4 and all("restart" in e or "replaced" in e for e in events), events
+    assert any("no heartbeat for" in e for e in events), events  # fault 5 was judged by heartbeat age
 
 
 def _poison(kind: str, i: int, vocab: int, group_size: int, max_model_len: int) -> Group:
