@@ -499,8 +499,26 @@ class LearnerConfig:
         "file",
         "How published weights reach the actors: file (run_dir/weights, sha256-verified; any shared "
         "filesystem), shm (/dev/shm on this host: no disk, no hash, freed when the learner exits; actors "
-        "must run here), auto = shm when Redis is on this host (so are the actors), else file.",
-        choices=("auto", "file", "shm"),
+        "must run here), auto = shm when Redis is on this host (so are the actors), else file, "
+        "nccl = broadcast from the learner's GPU into CUDA actors with vLLM's NCCL weight-transfer engine "
+        "(nothing stored; needs actors.num_gpus_per_actor > 0).",
+        choices=("auto", "file", "shm", "nccl"),
+    )
+    nccl_master_address: str = F(
+        "", "nccl transport: address the actors reach the learner's NCCL rendezvous at ('' = this host's IP)."
+    )
+    nccl_master_port: int = F(0, "nccl transport: rendezvous TCP port (0 = a free port).", ge=0, le=65535)
+    nccl_world_size: int = F(
+        0,
+        "nccl transport: ranks of the broadcast group (0 = 1 + actors.num_actors * tensor_parallel_size * "
+        "pipeline_parallel_size; set it when several actor pools share the run).",
+        ge=0,
+    )
+    nccl_timeout_s: float = F(
+        120.0, "nccl transport: deadline for every actor to start / finish one broadcast round.", gt=0
+    )
+    nccl_join_timeout_s: float = F(
+        900.0, "nccl transport: deadline for every actor to join a new group (covers engine start-up).", gt=0
     )
     checkpoint_every: int = F(10, "Checkpoint (and acknowledge consumed groups) every N steps.", ge=1)
     read_block_ms: int = F(500, "Longest single blocking read on the buffer, in ms.", ge=1)
@@ -583,6 +601,15 @@ def _validate(obj: Any, prefix: str) -> None:
     if isinstance(obj, BufferConfig) and obj.adaptive.min_bound > obj.max_staleness:
         raise ConfigError(
             f"{prefix}adaptive.min_bound={obj.adaptive.min_bound} must be <= {prefix}max_staleness={obj.max_staleness}"
+        )
+    if (
+        isinstance(obj, Config)
+        and obj.learner.weight_transport == "nccl"
+        and not obj.actors.num_gpus_per_actor
+    ):
+        raise ConfigError(
+            "learner.weight_transport='nccl' needs CUDA actors (actors.num_gpus_per_actor > 0); "
+            "for CPU actors the allowed values are 'auto', 'file', 'shm'"
         )
     if isinstance(obj, TinyModelConfig):
         if obj.hidden_size % obj.num_heads or obj.hidden_size // obj.num_heads < 32:

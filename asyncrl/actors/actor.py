@@ -40,12 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.buffer import ReplayBuffer, WeightIntegrityError, WeightManifest, verify
+from asyncrl.buffer.broadcast import BroadcastSession
 from asyncrl.buffer.paths import confine, weight_roots
 from asyncrl.evaluate import PeriodicEval
 from asyncrl.tasks import Prompt, PromptSource, make_task, prompt_token_ids
 
 from .engine import SWAP_MODES, Engine
 from .groups import build_group
+from .nccl_receiver import NcclReceiver
+from .nccl_receiver import expected_names as nccl_expected_names
 from .rewards import RewardFailure, RewardRunner
 from .seeding import prompt_seq, request_seed
 
@@ -54,6 +57,7 @@ __all__ = ["RolloutActor"]
 log = logging.getLogger(__name__)
 
 _MANIFEST_POLL_S = 0.2  # registry poll while waiting for the first version / between hints
+_NCCL_POLL_S = 0.005  # broadcast-round poll (learner.weight_transport=nccl)
 
 
 class RolloutActor:
@@ -87,6 +91,8 @@ class RolloutActor:
         self.evaluator = PeriodicEval.for_actor(cfg, self.task, actor_index)
         self.source: PromptSource | None = None  # set by run(), from the resumed cursor
         self.engine: Engine | None = None
+        # learner.weight_transport=nccl: the engine's membership in the learner's broadcast group.
+        self.receiver: NcclReceiver | None = None
         self.swap_mode: str = cfg.actors.swap_mode  # may be changed at run time (set_swap_mode)
         self._tokenizer: Any = None
         self._prompt_ids: dict[str, list[int]] = {}
@@ -278,6 +284,13 @@ class RolloutActor:
         # The start-up takes ~25 s on CPU: build in a thread so that stats/stop stay responsive.
         # AsyncLLM binds its output handler to the loop lazily, on first use from this loop.
         self.engine = await asyncio.to_thread(Engine.from_config, self.cfg, self.model_path)
+        if self.cfg.learner.weight_transport == "nccl":  # a new engine joins the learner's next group
+            a = self.cfg.actors
+            self.receiver = NcclReceiver(
+                self.engine, BroadcastSession(self.buffer.client, self.cfg.run.name), self.actor_id,
+                await asyncio.to_thread(nccl_expected_names, self.model_path),
+                a.tensor_parallel_size * a.pipeline_parallel_size, timeout_s=self.cfg.learner.nccl_timeout_s,
+            )  # fmt: skip
 
     async def _load_first_version(self) -> None:
         """Wait for a published, verifiable manifest and load it before any generation."""
@@ -344,16 +357,21 @@ class RolloutActor:
     async def _maybe_swap(self, first: bool = False) -> bool:
         """Serve the newest valid manifest if it is newer than the served version; True if swapped."""
         assert self.engine is not None
-        m = await self._newest_valid_manifest()
-        if m is None:
-            return False
         mode = "in_flight" if first else self.swap_mode
-        res = await self.engine.swap_weights(m.path, m.version, mode)
-        self.counters["version"] = m.version
+        if self.receiver is not None:  # nccl: the learner drives; join its group / take part in its round
+            res = await self.receiver.poll(mode)
+            if res is None:
+                return False
+        else:
+            m = await self._newest_valid_manifest()
+            if m is None:
+                return False
+            res = await self.engine.swap_weights(m.path, m.version, mode)
+        self.counters["version"] = res.version
         if not first:
             self.counters["swaps"] += 1
             self.counters["swap_pause_s"].append(res.pause_s)
-        log.info("%s: serving v%d (%s, pause %.3fs)", self.actor_id, m.version, res.mode, res.pause_s)
+        log.info("%s: serving v%d (%s, pause %.3fs)", self.actor_id, res.version, res.mode, res.pause_s)
         await self._heartbeat_async()
         return True
 
@@ -363,7 +381,10 @@ class RolloutActor:
         try:
             while not self._stop_requested:
                 await self._maybe_eval()  # before looking for newer weights: eval pins the version
-                await asyncio.to_thread(sub.latest, _MANIFEST_POLL_S)
+                # nccl: the learner waits for every actor to start a round, so look often.
+                await asyncio.to_thread(
+                    sub.latest, _MANIFEST_POLL_S if self.receiver is None else _NCCL_POLL_S
+                )
                 await self._maybe_swap()
         finally:
             sub.close()

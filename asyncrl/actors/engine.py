@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,7 @@ class Engine:
         recompute_kv: bool = True,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        weight_backend: str = FILE_BACKEND,
     ) -> None:
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -125,7 +126,8 @@ class Engine:
             # One engine = one node: its workers are this actor's own processes on the GPUs of its Ray
             # bundle (inside a placement group vLLM would otherwise pick its Ray executor and ask for more).
             distributed_executor_backend="mp" if tensor_parallel_size * pipeline_parallel_size > 1 else None,
-            weight_transfer_config=WeightTransferConfig(backend=FILE_BACKEND),
+            # asyncrl_file (file / shm transports) or vLLM's nccl (learner.weight_transport=nccl).
+            weight_transfer_config=WeightTransferConfig(backend=weight_backend),
             logprobs_mode=LOGPROBS_MODE,
             disable_log_stats=True,
         )
@@ -156,6 +158,7 @@ class Engine:
             recompute_kv=a.swap_recompute_kv,
             tensor_parallel_size=a.tensor_parallel_size,
             pipeline_parallel_size=a.pipeline_parallel_size,
+            weight_backend="nccl" if cfg.learner.weight_transport == "nccl" else FILE_BACKEND,
         )
 
     # ------------------------------------------------------------------ generation
@@ -249,6 +252,28 @@ class Engine:
         """
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        request = WeightTransferUpdateRequest(update_info={"path": str(path), "version": int(version)})
+
+        async def check() -> None:  # off the pause: the header checks (names, version tag) of the new file
+            await asyncio.to_thread(self._check_file, Path(path), int(version))
+
+        async def load() -> None:
+            await self.llm.update_weights(request)
+
+        return await self.swap_with(version, mode, load, check)
+
+    async def swap_with(
+        self,
+        version: int,
+        mode: str,
+        load: Callable[[], Awaitable[None]],
+        check: Callable[[], Awaitable[None]] | None = None,
+    ) -> SwapResult:
+        """The swap sequence of the module doc around ``load`` (the ``update_weights`` call(s) of any
+        weight-transfer engine; the NCCL receiver's waits for the learner's broadcast).
+
+        ``check`` runs before the pause (a failure costs no pause and leaves the old weights serving).
+        """
         if mode not in SWAP_MODES:
             raise ValueError(f"swap mode {mode!r}; expected one of {SWAP_MODES}")
         async with self._swap_lock:
@@ -259,16 +284,14 @@ class Engine:
                 await self._idle.wait()
                 drain_s = time.perf_counter() - t0
             try:
-                # Off the pause: the header checks (names, version tag) of the new file.
-                await asyncio.to_thread(self._check_file, Path(path), int(version))
+                if check is not None:
+                    await check()
                 # The scheduler pause without AsyncLLM.pause_generation's fixed 20 ms sleep.
                 await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
                 try:
                     t1 = time.perf_counter()
                     await self.llm.start_weight_update()
-                    await self.llm.update_weights(
-                        WeightTransferUpdateRequest(update_info={"path": str(path), "version": int(version)})
-                    )
+                    await load()
                     await self.llm.finish_weight_update(weight_version=str(version))
                     reload_s = time.perf_counter() - t1
                     if self.recompute_kv:

@@ -20,6 +20,7 @@ key                                 type    contents
 ``asyncrl:{R}:versions``            pubsub  msgpack {schema, version, path, sha256} per publish
 ``asyncrl:{R}:req:<id>``            string  dedup key of one retried write (expires, admission.py)
 ``asyncrl:{R}:pool:<n>``            string  lease of actor pool number n (serve-actors; actor ids)
+``asyncrl:{R}:broadcast``           hash    NCCL weight-broadcast control plane (broadcast.py)
 ==================================  ======  ================================================
 
 The consumer group on the rollouts stream is ``learner`` unless configured otherwise.
@@ -117,6 +118,11 @@ class Keys:
         return self._k(f"pool:{int(n)}")
 
     @property
+    def broadcast(self) -> str:
+        """Control plane of the NCCL weight transport: session, members, round, states (broadcast.py)."""
+        return self._k("broadcast")
+
+    @property
     def versions_channel(self) -> str:
         return self._k("versions")
 
@@ -133,4 +139,5 @@ class Keys:
             self.weights,
             self.actors,
             self.learner,
+            self.broadcast,
         ]

@@ -11,6 +11,12 @@ Directory digest: for a directory the top-level ``sha256`` is the sha256 of the 
 ``"<hex>  <relpath>\\n"``. It is reproducible with ``(cd dir && sha256sum $(find . ...))``
 and is what :func:`verify` checks after checking every per-file entry.
 
+Broadcast manifests: with ``learner.weight_transport=nccl`` the bytes go straight from the
+learner's GPU into the actors' (:mod:`asyncrl.buffer.broadcast`) and are stored nowhere. The
+manifest keeps its contract (version, dtype, total bytes; setting it still sets V) with
+``path = "nccl://<session>/v<N>"`` and ``digest="none"``; :func:`verify` refuses it (there is no
+copy to load or check), which is exactly what a resumed learner needs to re-publish.
+
 Digest kinds (``WeightManifest.digest``): ``"sha256"`` (the default, and the contract of every
 transport whose bytes cross a disk or a network) or ``"none"`` for a transport that never leaves
 the learner's machine and memory (``/dev/shm``): there :func:`verify` checks presence and sizes,
@@ -44,6 +50,8 @@ __all__ = [
     "verify",
     "WeightTransport",
     "shm_root",
+    "BROADCAST_SCHEME",
+    "is_broadcast",
 ]
 
 MANIFEST_SCHEMA = 1
@@ -52,6 +60,8 @@ MANIFEST_FILENAME = "manifest.msgpack"
 #: Allowed values of ``WeightManifest.digest`` (see the module doc).
 DIGESTS = ("sha256", "none")
 _CHUNK = 1 << 20
+#: Path prefix of a manifest whose weights were broadcast, not stored (see the module doc).
+BROADCAST_SCHEME = "nccl://"
 
 
 class WeightIntegrityError(RuntimeError):
@@ -212,6 +222,10 @@ def verify(manifest: WeightManifest, path: str | os.PathLike[str] | None = None)
     Sizes are checked before hashing so a truncated file fails fast. With ``digest == "none"``
     only presence and sizes are checked (see the module doc).
     """
+    if path is None and is_broadcast(manifest):
+        raise WeightIntegrityError(
+            f"weights v{manifest.version} were broadcast over NCCL ({manifest.path}); no stored copy to load"
+        )
     p = Path(path if path is not None else manifest.path)
     tag = f"weights v{manifest.version} at {p}"
     hashed = manifest.digest == "sha256"
@@ -247,6 +261,11 @@ def verify(manifest: WeightManifest, path: str | os.PathLike[str] | None = None)
     total = sum(f.size for f in manifest.files.values())
     if total != manifest.size:
         raise WeightIntegrityError(f"{tag}: total size {total} != expected {manifest.size}")
+
+
+def is_broadcast(manifest: WeightManifest) -> bool:
+    """Were these weights broadcast to the actors (NCCL) rather than stored at ``manifest.path``?"""
+    return manifest.path.startswith(BROADCAST_SCHEME)
 
 
 def shm_root(run_dir: str | os.PathLike[str], run_name: str) -> Path:

@@ -84,7 +84,7 @@ class Rank0:
         self.spec = RunSpec.from_config(cfg, vocab_size)
         transport = make_transport(
             cfg.learner.weight_transport, run_dir, cfg.run.name, checkpoint_tensor_names(model_path),
-            local=is_local_url(cfg.redis.url),
+            local=is_local_url(cfg.redis.url), cfg=cfg, redis_client=self.buffer.client,
         )  # fmt: skip
         self.publisher = Publisher(self.buffer, transport, cfg.learner.keep_versions, dtype)
         self.writer = MetricsWriter(run_dir, uuid.uuid4().hex[:12])

@@ -63,7 +63,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
 #: Values of ``learner.weight_transport``.
-TRANSPORTS = ("auto", "file", "shm")
+TRANSPORTS = ("auto", "file", "shm", "nccl")
 _CHUNK = 4 << 20  # hash-and-write granularity: stays in cache between the two passes
 # torch dtype name -> safetensors dtype code.
 _ST_DTYPES = {
@@ -254,14 +254,28 @@ def is_local_url(url: str) -> bool:
 
 
 def make_transport(
-    kind: str, run_dir: str | os.PathLike[str], run_name: str, expected_names: set[str] | None, *, local: bool
-) -> FilesystemTransport:
+    kind: str,
+    run_dir: str | os.PathLike[str],
+    run_name: str,
+    expected_names: set[str] | None,
+    *,
+    local: bool,
+    cfg: Any = None,
+    redis_client: Any = None,
+) -> WeightTransport:
     """The transport ``learner.weight_transport`` names; ``local``: every actor runs on this host.
 
-    ``auto`` is ``shm`` for a local run (actors on this machine) and ``file`` otherwise.
+    ``auto`` is ``shm`` for a local run (actors on this machine) and ``file`` otherwise. ``nccl``
+    (CUDA actors; :mod:`asyncrl.learner.nccl_transport`) needs the config and the run's Redis client.
     """
     if kind not in TRANSPORTS:
         raise ValueError(f"learner.weight_transport={kind!r}; expected one of {TRANSPORTS}")
+    if kind == "nccl":
+        if cfg is None or redis_client is None:
+            raise ValueError("learner.weight_transport='nccl' needs the config and the run's Redis client")
+        from asyncrl.learner.nccl_transport import from_config
+
+        return from_config(cfg, redis_client, expected_names)
     if kind == "auto":
         kind = "shm" if local and Path("/dev/shm").is_dir() else "file"
     if kind == "shm":

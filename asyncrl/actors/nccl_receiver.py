@@ -1,0 +1,162 @@
+"""The actor's side of ``learner.weight_transport=nccl``: join the learner's group, take part in rounds.
+
+The engine runs vLLM's ``nccl`` weight-transfer engine in its workers; this class answers the
+learner's rounds on Redis (protocol in :mod:`asyncrl.buffer.broadcast`):
+
+* a new session: claim ``tp * pp`` consecutive NCCL ranks, ``init_weight_transfer_engine`` with
+  that rank offset (blocks until the learner and every other worker rendezvous), report ``joined``;
+* a ``start`` round for version v: check the announced tensor names against the served
+  checkpoint (a mismatch is reported as ``error`` before anyone enters the collective), then, in the
+  engine's swap sequence (scheduler paused, ``start_weight_update``), report ``started``, wait for
+  the ``update`` round, ``update_weights`` (NCCL receive, concurrent with the learner's
+  broadcast); the engine then runs ``finish_weight_update(weight_version=str(v))`` (the label every
+  later token carries), resets the KV of running requests and resumes; report ``done``.
+
+Any failure is reported as ``error`` with its reason (the learner raises it) and re-raised: the
+group may be mid-collective, so the actor's supervision restarts the engine, which joins the next
+group the learner forms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl.buffer.broadcast import BroadcastError, BroadcastSession, MemberState, Round
+
+__all__ = ["NcclReceiver", "NCCL_BACKEND", "check_names"]
+
+log = logging.getLogger(__name__)
+NCCL_BACKEND = "nccl"  # vLLM's dense NCCL weight-transfer engine
+_TIED_OK = {"lm_head.weight"}
+
+
+def check_names(expected: set[str], names: list[str]) -> str:
+    """'' if ``names`` are exactly the served checkpoint's tensors (a tied lm_head may be extra), else why not."""
+    got = set(names)
+    missing, extra = sorted(expected - got), sorted(got - expected - _TIED_OK)
+    if len(got) != len(names):
+        return "duplicate tensor names in the broadcast"
+    if missing or extra:
+        return f"tensor names do not match the served model (missing {missing[:5]}, unexpected {extra[:5]})"
+    return ""
+
+
+class _Abandoned(BroadcastError):
+    """The learner gave up on a round before its broadcast began (no NCCL call was made)."""
+
+
+class NcclReceiver:
+    """One actor engine's membership in the learner's broadcast group (see the module doc).
+
+    ``engine``: an :class:`asyncrl.actors.engine.Engine` (or anything with ``llm`` and
+    ``swap_with(version, mode, load)``). ``ranks``: its vLLM workers (tensor x pipeline parallel).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        session: BroadcastSession,
+        actor_id: str,
+        expected_names: set[str],
+        ranks: int,
+        *,
+        timeout_s: float = 120.0,
+        poll_s: float = 0.002,
+    ) -> None:
+        self.engine = engine
+        self.session = session
+        self.actor_id = actor_id
+        self.expected = expected_names
+        self.ranks = ranks
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.joined: str | None = None  # session id of the group our workers are in
+        self.rank_offset: int | None = None
+        self._seq = -1  # last round taken part in
+
+    def _report(self, version: int, seq: int, stage: str, reason: str = "") -> None:
+        assert self.joined is not None
+        self.session.report(self.actor_id, MemberState(self.joined, version, seq, stage, reason))
+
+    async def join(self) -> bool:
+        """Join the current session if our workers are not in it yet; True if joined now."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        info = await asyncio.to_thread(self.session.session)
+        if info is None or info.id == self.joined:
+            return False
+        offset = await asyncio.to_thread(self.session.claim, info.id, self.actor_id, self.ranks)
+        self.joined, self.rank_offset, self._seq = info.id, offset, -1
+        try:
+            await self.engine.llm.init_weight_transfer_engine(
+                WeightTransferInitRequest(init_info=info.worker_init_info(offset))
+            )
+        except Exception as e:
+            await asyncio.to_thread(self._report, -1, -1, "error", f"init_weight_transfer_engine: {e}")
+            raise
+        await asyncio.to_thread(self._report, -1, -1, "joined")
+        log.info("%s: joined weight broadcast %s as ranks %d..%d of %d", self.actor_id, info.id, offset,
+                 offset + self.ranks - 1, info.world_size)  # fmt: skip
+        return True
+
+    async def poll(self, mode: str) -> Any:
+        """Join a new group, or take part in a new round; the engine's ``SwapResult`` or None."""
+        await self.join()
+        rnd = await asyncio.to_thread(self.session.current_round)
+        if rnd is None or rnd.session != self.joined or rnd.seq <= self._seq or rnd.stage != "start":
+            return None
+        self._seq = rnd.seq
+        why = check_names(self.expected, list((rnd.update_info or {}).get("names", [])))
+        if why:
+            await asyncio.to_thread(self._report, rnd.version, rnd.seq, "error", why)
+            log.error("%s: refusing broadcast v%d: %s", self.actor_id, rnd.version, why)
+            return None
+        try:
+            res = await self.engine.swap_with(rnd.version, mode, lambda: self._receive(rnd))
+        except _Abandoned as e:  # before any NCCL call: the old weights serve on, the group is intact
+            await asyncio.to_thread(self._report, rnd.version, rnd.seq, "error", str(e))
+            log.warning("%s: broadcast v%d abandoned: %s", self.actor_id, rnd.version, e)
+            return None
+        except Exception as e:
+            await asyncio.to_thread(self._report, rnd.version, rnd.seq, "error", f"{type(e).__name__}: {e}")
+            raise
+        await asyncio.to_thread(self._report, rnd.version, rnd.seq, "done")
+        return res
+
+    async def _receive(self, rnd: Round) -> None:
+        """Inside the engine's paused window, after ``start_weight_update``: report, receive."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await asyncio.to_thread(self._report, rnd.version, rnd.seq, "started")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            cur = await asyncio.to_thread(self.session.current_round)
+            why = ""
+            if cur is None or cur.session != rnd.session or cur.seq != rnd.seq or cur.stage == "abort":
+                why = f"round {rnd.seq} of v{rnd.version} was abandoned by the learner"
+            elif cur.stage == "update":
+                break
+            elif time.monotonic() > deadline:
+                why = f"no update for v{rnd.version} within {self.timeout_s:.0f} s"
+            if why:
+                # Close the reload start_weight_update opened: nothing was loaded, so finalizing puts
+                # every layer's current tensors back (no version label: the old one stays).
+                await self.engine.llm.finish_weight_update()
+                raise _Abandoned(why)
+            await asyncio.sleep(self.poll_s)
+        await self.engine.llm.update_weights(WeightTransferUpdateRequest(update_info=cur.update_info or {}))
+
+
+def expected_names(model_path: str | Path) -> set[str]:
+    """Tensor names of the checkpoint the engine was started from (what every broadcast must carry)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            names.update(fh.keys())
+    return names

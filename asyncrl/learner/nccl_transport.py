@@ -1,0 +1,269 @@
+"""``learner.weight_transport=nccl``: weights broadcast from the learner's GPU into CUDA actors.
+
+The data plane is vLLM's own NCCL weight-transfer engine, both sides: the learner runs vLLM's
+trainer engine (``NCCLTrainerWeightTransferEngine``: rank 0 of a dedicated NCCL group, packed
+broadcast, metadata checked against every tensor sent) and the actors' vLLM workers run vLLM's
+``nccl`` worker engine. What asyncrl adds is the control plane: vLLM's trainer engine drives the
+inference side through a ``VLLMWeightSyncClient`` (init / start / update / finish), and here that
+client is :class:`RedisWeightSyncClient`, which turns each call into a round on the run's Redis
+that every actor takes part in (:mod:`asyncrl.buffer.broadcast`; actor side
+:mod:`asyncrl.actors.nccl_receiver`). The learner and the actors still never talk directly.
+
+Version contract, unchanged: the actors label the new weights with
+``finish_weight_update(weight_version=str(v))`` (so per-token versions stay the engine's own,
+exact labels), and only after every actor reported ``done`` does :meth:`Publisher.publish` register
+the manifest, which sets V. The manifest names no file (``nccl://<session>/v<N>``, digest none):
+nothing is stored, so a restarted learner finds v unusable and re-publishes it, forming a new group.
+
+Sending keeps the learner's parameters where they are (GPU); with ZeRO-3 the gathered tensors are
+held on rank 0 for the duration of one broadcast (one model copy of GPU memory).
+
+Limit (stated, not hidden): an NCCL group has a fixed size. An actor that dies makes the next
+round fail on its 'started' deadline with the actor's name; the learner's supervision restarts
+the learner, whose first publish forms a new group that the surviving and replaced actors join.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.buffer import WeightIntegrityError, WeightManifest, WeightTransport
+from asyncrl.buffer.broadcast import BroadcastError, BroadcastSession, Round
+from asyncrl.buffer.weights import BROADCAST_SCHEME
+
+__all__ = [
+    "NcclTransport",
+    "RedisWeightSyncClient",
+    "TensorMeta",
+    "from_config",
+    "nccl_world_size",
+    "vllm_nccl_trainer",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix (vLLM's wire format)
+    shape: tuple[int, ...]
+
+
+def nccl_world_size(num_actors: int, tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
+    """Ranks of the broadcast group: the learner's rank 0 plus every vLLM worker of every actor."""
+    return 1 + num_actors * tensor_parallel_size * pipeline_parallel_size
+
+
+class RedisWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol, answered by every actor of the run through Redis.
+
+    vLLM's trainer engine calls ``init_weight_transfer_engine`` on a side thread while it opens its
+    NCCL endpoint, and ``update_weights`` on a side thread while it broadcasts; every call returns
+    only when all actors reported the matching stage, or raises :class:`BroadcastError` naming the
+    ones that did not. ``version`` and ``meta`` are set by :class:`NcclTransport` before each send:
+    the start round carries the tensor names so an actor refuses a mismatch *before* anyone enters
+    the collective (an NCCL broadcast with a missing peer would hang instead of failing).
+    """
+
+    def __init__(self, session: BroadcastSession, *, timeout_s: float, join_timeout_s: float) -> None:
+        self.session = session
+        self.timeout_s = timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.session_id: str | None = None
+        self.version = -1
+        self.meta: list[TensorMeta] = []
+        self.seq = -1
+
+    def _need_session(self) -> str:
+        if self.session_id is None:
+            raise BroadcastError("weight broadcast before init_weight_transfer_engine")
+        return self.session_id
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Form a new group: announce it, wait until every worker rank is claimed and joined."""
+        wire = {
+            k: init_info[k]
+            for k in ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
+            if k in init_info
+        }
+        info = self.session.open(
+            init_info["master_address"], init_info["master_port"], init_info["world_size"], **wire
+        )
+        self.session_id, self.seq = info.id, -1
+        log.info("weight broadcast: session %s (%d ranks) at %s:%d", info.id, info.world_size,
+                 info.master_address, info.master_port)  # fmt: skip
+        self.session.wait(info.id, "joined", timeout_s=self.join_timeout_s)
+
+    def start_weight_update(self) -> None:
+        """Every actor pauses generation and opens a layerwise reload (or refuses the tensor names)."""
+        sid = self._need_session()
+        self.seq += 1
+        names = {"names": [m.name for m in self.meta], "dtype_names": [m.dtype for m in self.meta],
+                 "shapes": [list(m.shape) for m in self.meta]}  # fmt: skip
+        self.session.announce(Round(sid, self.version, self.seq, "start", names))
+        self._wait(sid, "started")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Every actor receives (concurrently with the broadcast), finishes with the version label, resumes."""
+        sid = self._need_session()
+        if not isinstance(update_info, dict):
+            raise BroadcastError("weight broadcast: chunked update_info is not supported")
+        self.session.announce(Round(sid, self.version, self.seq, "update", dict(update_info)))
+        self._wait(sid, "done")
+
+    def _wait(self, sid: str, stage: str) -> None:
+        try:
+            self.session.wait(sid, stage, seq=self.seq, timeout_s=self.timeout_s)
+        except BroadcastError:
+            # Release the actors already paused for this round (they close their reload and resume).
+            self.session.announce(Round(sid, self.version, self.seq, "abort"))
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """The actors finished inside their update (they know the version from the round): check it."""
+        self.session.wait(self._need_session(), "done", seq=self.seq, timeout_s=self.timeout_s)
+
+
+class _Source:
+    """A re-iterable ``WeightSource`` over the tensors of the current publish (set per version)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, Any] = {}
+
+    def meta(self) -> list[TensorMeta]:
+        return [
+            TensorMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            for n, t in self.tensors.items()
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.tensors.items())
+
+
+def vllm_nccl_trainer(
+    client: RedisWeightSyncClient, source: _Source, *, master_address: str, master_port: int,
+    world_size: int, packed: bool = True,
+) -> Any:  # fmt: skip
+    """vLLM's NCCL trainer engine (rank 0), rendezvoused with the actors through ``client``."""
+    import torch
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    class Source(WeightSource):
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(m.name, getattr(torch, m.dtype), m.shape) for m in source.meta()]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return iter(source)
+
+    info = NCCLTrainerInitInfo(master_address, master_port, world_size, packed=packed, rank=0)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=Source())
+
+
+class NcclTransport(WeightTransport):
+    """Broadcast each version into every actor; see the module doc.
+
+    ``trainer``: builds the sending engine from (client, source); default vLLM's NCCL trainer
+    engine (CUDA). It is built at the first publish, which is when the group is formed.
+    """
+
+    digest = "none"
+
+    def __init__(
+        self,
+        session: BroadcastSession,
+        expected_names: set[str] | None,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        timeout_s: float,
+        join_timeout_s: float,
+        trainer: Callable[[RedisWeightSyncClient, _Source], Any] | None = None,
+    ) -> None:
+        self.expected_names = expected_names or None
+        self.client = RedisWeightSyncClient(session, timeout_s=timeout_s, join_timeout_s=join_timeout_s)
+        self.source = _Source()
+        self._trainer = trainer or (
+            lambda c, s: vllm_nccl_trainer(
+                c, s, master_address=master_address, master_port=master_port, world_size=world_size
+            )
+        )
+        self._engine: Any = None
+        self._lock = threading.Lock()
+
+    def publish(self, version: int, state_dict: Any, dtype: str) -> WeightManifest:
+        """Broadcast ``state_dict`` (mapping, or callable yielding pairs: always consumed) as ``version``."""
+        items: Iterable = state_dict.items() if isinstance(state_dict, Mapping) else state_dict()
+        tensors = {n: t.detach() for n, t in items if self.expected_names is None or n in self.expected_names}
+        if self.expected_names is not None and (missing := sorted(self.expected_names - tensors.keys())):
+            raise ValueError(
+                f"weights v{version}: model has no tensor(s) {missing[:5]} of the served checkpoint"
+            )
+        bad = sorted(n for n, t in tensors.items() if str(t.dtype).removeprefix("torch.") != dtype)
+        if bad:
+            raise ValueError(f"weights v{version}: tensors {bad[:3]} are not {dtype}")
+        with self._lock:
+            self.source.tensors = {n: t if t.is_contiguous() else t.contiguous() for n, t in tensors.items()}
+            self.client.version, self.client.meta = int(version), self.source.meta()
+            try:
+                if self._engine is None:
+                    self._engine = self._trainer(self.client, self.source)
+                self._engine.send_weights()
+            except BaseException:
+                # The group may be half-way through a collective: never reuse it (a restarted
+                # learner forms a new one).
+                self._shutdown_engine()
+                raise
+            finally:
+                self.source.tensors = {}  # do not pin a model copy between publishes
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        return WeightManifest(
+            int(version),
+            f"{BROADCAST_SCHEME}{self.client.session_id}/v{version}",
+            "",
+            size,
+            dtype,
+            digest="none",
+        )
+
+    def fetch(self, manifest: WeightManifest) -> str:
+        raise WeightIntegrityError(
+            f"weights v{manifest.version} were broadcast ({manifest.path}); nothing stored"
+        )
+
+    def _shutdown_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as e:  # already broken: nothing more to release
+                log.warning("weight broadcast: shutdown of the failed group: %s", e)
+
+    def close(self) -> None:
+        self._shutdown_engine()
+
+
+def from_config(cfg: Any, redis_client: Any, expected_names: set[str] | None) -> NcclTransport:
+    """The NCCL transport ``cfg.learner`` describes, on the run's Redis (rank 0 of the learner only)."""
+    from vllm.utils.network_utils import get_ip, get_open_port
+
+    lc, a = cfg.learner, cfg.actors
+    world = lc.nccl_world_size or nccl_world_size(
+        a.num_actors, a.tensor_parallel_size, a.pipeline_parallel_size
+    )
+    return NcclTransport(
+        BroadcastSession(redis_client, cfg.run.name),
+        expected_names,
+        master_address=lc.nccl_master_address or get_ip(),
+        master_port=lc.nccl_master_port or get_open_port(),
+        world_size=world,
+        timeout_s=lc.nccl_timeout_s,
+        join_timeout_s=lc.nccl_join_timeout_s,
+    )

@@ -1,0 +1,339 @@
+"""learner.weight_transport=nccl on CPU: config, the Redis control plane, the learner's handshake.
+
+Real Redis, the real learner-side client/transport/publisher and the real actor-side receiver. What
+cannot run here is CUDA: the NCCL data plane (vLLM's PyNccl communicator and packed broadcast) and the
+vLLM engine's weight reload. In their place, ``_Plane`` carries the tensors between the threads and
+``_CpuTrainer`` calls the client exactly in the order vLLM's ``NCCLTrainerWeightTransferEngine`` does
+(trainer_init: init on a side thread while the endpoint opens; send_weights: start, update on a side
+thread concurrently with the broadcast, finish). The CUDA path runs in tests/e2e/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from asyncrl.actors.nccl_receiver import NcclReceiver, check_names
+from asyncrl.buffer import ReplayBuffer, WeightIntegrityError, verify
+from asyncrl.buffer.broadcast import BroadcastError, BroadcastSession
+from asyncrl.config import ConfigError, load_config
+from asyncrl.learner.nccl_transport import NcclTransport, nccl_world_size
+from asyncrl.learner.publisher import Publisher
+
+# ---------------------------------------------------------------------------------------- config
+
+
+def test_nccl_refused_for_cpu_actors_naming_key_and_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["learner.weight_transport=nccl"])
+    msg = str(e.value)
+    assert "learner.weight_transport" in msg and "actors.num_gpus_per_actor" in msg
+    assert all(v in msg for v in ("'auto'", "'file'", "'shm'"))
+    cfg = load_config(None, ["learner.weight_transport=nccl", "actors.num_gpus_per_actor=1"])
+    assert cfg.learner.weight_transport == "nccl"
+    with pytest.raises(ConfigError, match="allowed values: 'auto', 'file', 'shm', 'nccl'"):
+        load_config(None, ["learner.weight_transport=gloo"])
+
+
+def test_world_size_counts_every_vllm_worker_plus_the_learner():
+    assert nccl_world_size(1, 1, 1) == 2
+    assert nccl_world_size(8, 1, 1) == 9
+    assert nccl_world_size(2, 4, 2) == 17
+
+
+# ---------------------------------------------------------------------------------------- session
+
+
+def test_rank_claims_are_atomic_disjoint_and_bounded(redis_client, run_name):
+    s = BroadcastSession(redis_client, run_name)
+    info = s.open("10.0.0.1", 29500, world_size=17)
+    with ThreadPoolExecutor(8) as ex:  # 8 engines of 2 workers race for the 16 worker ranks
+        offsets = list(ex.map(lambda i: s.claim(info.id, f"a{i}", 2), range(8)))
+    assert sorted(offsets) == list(range(1, 17, 2))
+    assert s.members(info.id) == {f"a{i}": (offsets[i], 2) for i in range(8)}
+    with pytest.raises(BroadcastError, match="only ranks up to 16"):
+        s.claim(info.id, "late", 1)
+    with pytest.raises(BroadcastError, match="already a member"):
+        s.claim(info.id, "a0", 1)
+    with pytest.raises(BroadcastError, match="not the current one"):
+        s.claim("old-session", "b", 1)
+    assert s.session().worker_init_info(offsets[3])["rank_offset"] == offsets[3]
+    # a new session forgets every member of the old one
+    new = s.open("10.0.0.1", 29501, world_size=2)
+    assert new.id != info.id and s.members(new.id) == {} and s.claim(new.id, "a0", 1) == 1
+
+
+# ---------------------------------------------------------------------------------------- stand-ins for CUDA
+
+
+class _Plane:
+    """The NCCL group's data plane between threads: rendezvous of all ranks, broadcast from rank 0."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.ranks: dict[int, queue.Queue] = {}
+        self.cond = threading.Condition()
+        self.sent = 0
+        self.on_first_send = None
+
+    def join(self, rank: int) -> queue.Queue:
+        with self.cond:
+            assert rank not in self.ranks and 0 < rank < self.world_size, rank
+            self.ranks[rank] = q = queue.Queue()
+            self.cond.notify_all()
+        return q
+
+    def open_endpoint(self, timeout: float) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.ranks) == self.world_size - 1, timeout), "rendezvous"
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        if self.sent == 0 and self.on_first_send is not None:
+            self.on_first_send()
+        self.sent += 1
+        for q in self.ranks.values():
+            q.put(t.clone())
+
+
+class _CpuTrainer:
+    """Calls the client in the order of vLLM's NCCLTrainerWeightTransferEngine (see the module doc)."""
+
+    def __init__(self, client, source, plane: _Plane) -> None:
+        self.client, self.source, self.plane = client, source, plane
+        payload = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                   "world_size": plane.world_size, "packed": True}  # fmt: skip
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(client.init_weight_transfer_engine, payload)
+            self.plane.open_endpoint(timeout=client.join_timeout_s + 1)
+            fut.result()
+
+    def send_weights(self) -> None:
+        meta = self.source.meta()
+        info = {"names": [m.name for m in meta], "dtype_names": [m.dtype for m in meta],
+                "shapes": [list(m.shape) for m in meta]}  # fmt: skip
+        self.client.start_weight_update()
+        ex = ThreadPoolExecutor(1)
+        try:
+            fut = ex.submit(self.client.update_weights, info)
+            for _name, t in self.source:
+                self.plane.broadcast(t)
+            fut.result()
+        finally:
+            ex.shutdown(wait=False)
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass
+class _Swap:
+    version: int
+    mode: str
+    pause_s: float = 0.0
+
+
+class _Llm:
+    def __init__(self, plane: _Plane, ranks: int) -> None:
+        self.plane, self.ranks = plane, ranks
+        self.queues: list[queue.Queue] = []
+        self.received: dict[str, torch.Tensor] = {}
+        self.closed_reloads = 0
+
+    async def init_weight_transfer_engine(self, req) -> None:
+        off = req.init_info["rank_offset"]
+        self.queues = [self.plane.join(off + i) for i in range(self.ranks)]
+
+    async def update_weights(self, req) -> None:
+        info = req.update_info
+        for name, dt, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True):
+            for q in self.queues:  # every worker of the engine receives every tensor (TP shards on load)
+                t = await asyncio.to_thread(q.get, True, 10)
+                assert t.dtype == getattr(torch, dt) and list(t.shape) == shape, name
+            self.received[name] = t
+
+    async def finish_weight_update(self, weight_version=None) -> None:
+        assert weight_version is None  # only the receiver's abort path calls it directly
+        self.closed_reloads += 1
+
+
+class _Engine:
+    """The engine's swap contract: paused around ``load``, then labelled with the version."""
+
+    def __init__(self, plane: _Plane, ranks: int) -> None:
+        self.llm = _Llm(plane, ranks)
+        self.version: int | None = None
+        self.paused = False
+        self.labels: list[int] = []
+
+    async def swap_with(self, version, mode, load, check=None):
+        self.paused = True
+        try:
+            await load()
+            self.version = version  # finish_weight_update(weight_version=str(version))
+            self.labels.append(version)
+        finally:
+            self.paused = False
+        return _Swap(version, mode)
+
+
+class _Actor:
+    """An actor's weight watcher on its own event loop (thread): NcclReceiver.poll in a loop."""
+
+    def __init__(self, redis_client, run, actor_id, plane, names, ranks=1) -> None:
+        self.engine = _Engine(plane, ranks)
+        self.receiver = NcclReceiver(self.engine, BroadcastSession(redis_client, run), actor_id, names, ranks,
+                                     timeout_s=10, poll_s=0.001)  # fmt: skip
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._loop()), daemon=True)
+        self.thread.start()
+
+    async def _loop(self) -> None:
+        try:
+            while not self.stop.is_set():
+                await self.receiver.poll("in_flight")
+                await asyncio.sleep(0.001)
+        except BaseException as e:
+            self.error = e
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"model.embed.weight": torch.randn(11, 8, generator=g), "model.layers.0.w": torch.randn(8, 8, generator=g),
+            "model.norm.weight": torch.randn(8, generator=g)}  # fmt: skip
+
+
+@pytest.fixture
+def stack(redis_client, run_name):
+    """(plane, actors, publisher, buffer) for 2 actors: one with 2 workers (TP=2), one with 1."""
+    names = set(_weights(0))
+    plane = _Plane(world_size=1 + 2 + 1)
+    actors = [_Actor(redis_client, run_name, "actor-0", plane, names, ranks=2),
+              _Actor(redis_client, run_name, "actor-1", plane, names, ranks=1)]  # fmt: skip
+    transport = NcclTransport(
+        BroadcastSession(redis_client, run_name), names, master_address="127.0.0.1", master_port=1,
+        world_size=plane.world_size, timeout_s=2.0, join_timeout_s=10.0,
+        trainer=lambda c, s: _CpuTrainer(c, s, plane),
+    )  # fmt: skip
+    buf = ReplayBuffer(redis_client, run_name)
+    yield plane, actors, Publisher(buf, transport, keep_versions=2, dtype="float32"), buf
+    for a in actors:
+        a.close()
+    buf.delete_run()
+
+
+def test_broadcast_rounds_deliver_exact_weights_then_set_v(stack, redis_client, run_name):
+    plane, actors, pub, buf = stack
+    session = BroadcastSession(redis_client, run_name)
+    started_at_first_send: list[set[str]] = []
+
+    def check_started() -> None:  # the broadcast must not begin before every actor paused and said so
+        sid = pub.transport.client.session_id
+        _m, states, _n, _w = session._snapshot(sid)
+        started_at_first_send.append({a for a, s in states.items() if s.stage == "started"})
+        assert all(a.engine.paused for a in actors)
+
+    plane.on_first_send = check_started
+    for v in range(4):
+        w = _weights(v)
+        m = pub.publish(v, w)
+        # V = v is visible only now, and every actor already serves (and labels) v.
+        assert buf.version() == v and [a.engine.version for a in actors] == [v, v]
+        for a in actors:
+            assert a.engine.llm.received.keys() == w.keys()
+            assert all(torch.equal(a.engine.llm.received[n], w[n]) for n in w)
+        assert m.path == f"nccl://{pub.transport.client.session_id}/v{v}" and m.digest == "none"
+        assert m.size == sum(t.numel() * 4 for t in w.values()) and buf.manifest(v) == m
+        plane.sent = 0
+    assert started_at_first_send[0] == {"actor-0", "actor-1"}
+    assert [a.engine.labels for a in actors] == [[0, 1, 2, 3]] * 2
+    # ranks: actor-0's two workers and actor-1's one are disjoint and fill the group
+    assert sorted(plane.ranks) == [1, 2, 3]
+    assert {a.receiver.rank_offset for a in actors} == {1, 3}
+    # nothing stored: a resumed learner must re-publish (usable False), and no actor can "verify" it
+    assert not pub.usable(3)
+    with pytest.raises(WeightIntegrityError, match="broadcast over NCCL"):
+        verify(buf.manifest(3))
+    assert buf.manifest_versions() == [2, 3]  # pruned like any transport
+    assert all(a.error is None for a in actors)
+
+
+def test_name_mismatch_is_refused_before_the_collective(redis_client, run_name):
+    names = set(_weights(0))
+    plane = _Plane(world_size=3)
+    good = _Actor(redis_client, run_name, "actor-0", plane, names)
+    bad = _Actor(redis_client, run_name, "actor-1", plane, names | {"model.extra"})
+    transport = NcclTransport(BroadcastSession(redis_client, run_name), names, master_address="h", master_port=1,
+                              world_size=3, timeout_s=5.0, join_timeout_s=10.0,
+                              trainer=lambda c, s: _CpuTrainer(c, s, plane))  # fmt: skip
+    buf = ReplayBuffer(redis_client, run_name)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(
+            BroadcastError, match=r"actor-1: tensor names do not match.*missing \['model.extra'\]"
+        ):
+            Publisher(buf, transport, 2, "float32").publish(0, _weights(0))
+        assert time.monotonic() - t0 < 4.0, "refused at once, not at the deadline"
+        assert plane.sent == 0 and buf.manifest_versions() == [] and buf.version() == 0
+        assert good.engine.version is None and bad.engine.version is None
+        assert good.error is None and bad.error is None
+    finally:
+        good.close()
+        bad.close()
+        buf.delete_run()
+
+
+def test_dead_actor_fails_the_round_by_name_and_v_stays(stack):
+    plane, actors, pub, buf = stack
+    pub.publish(0, _weights(0))
+    assert plane.sent == 3
+    plane.sent = 0
+    actors[1].close()  # an actor that died after joining
+    t0 = time.monotonic()
+    with pytest.raises(BroadcastError, match=r"no 'started' after 2 s from \['actor-1'\]"):
+        pub.publish(1, _weights(1))
+    assert 1.9 < time.monotonic() - t0 < 6.0
+    assert buf.version() == 0 and buf.manifest_versions() == [0] and plane.sent == 0
+    assert pub.transport._engine is None  # the group is never reused after a failed round
+    # the surviving actor was paused for the round: released at once, old weights, reload closed
+    deadline = time.monotonic() + 5
+    while actors[0].engine.llm.closed_reloads == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert actors[0].engine.llm.closed_reloads == 1 and not actors[0].engine.paused
+    assert actors[0].engine.version == 0 and actors[0].error is None
+
+
+def test_join_timeout_names_the_missing_ranks(redis_client, run_name):
+    names = set(_weights(0))
+    plane = _Plane(world_size=3)
+    only = _Actor(redis_client, run_name, "actor-0", plane, names)
+    transport = NcclTransport(BroadcastSession(redis_client, run_name), names, master_address="h", master_port=1,
+                              world_size=3, timeout_s=1.0, join_timeout_s=1.0,
+                              trainer=lambda c, s: _CpuTrainer(c, s, plane))  # fmt: skip
+    try:
+        with pytest.raises((BroadcastError, AssertionError), match="rendezvous|never claimed"):
+            transport.publish(0, _weights(0), "float32")
+        with pytest.raises(BroadcastError, match="1 of 2 worker ranks never claimed"):
+            transport.client.session.wait(transport.client.session_id, "joined", timeout_s=0.2)
+    finally:
+        only.close()
+
+
+def test_check_names():
+    assert check_names({"a", "b"}, ["b", "a"]) == ""
+    assert check_names({"a", "b"}, ["a", "b", "lm_head.weight"]) == ""  # tied head: vLLM skips it
+    assert "missing ['b']" in check_names({"a", "b"}, ["a"])
+    assert "unexpected ['c']" in check_names({"a"}, ["a", "c"])
+    assert "duplicate" in check_names({"a"}, ["a", "a"])
