@@ -165,7 +165,7 @@ class BroadcastSession:
         self._r.hset(self.key, "round", _pack(rnd))
 
     def wait(
-        self, session: str, stage: str, *, seq: int = -1, timeout_s: float, poll_s: float = 0.005
+        self, session: str, stage: str, *, seq: int = -1, timeout_s: float, poll_s: float = 0.001
     ) -> dict[str, MemberState]:
         """Block until every claimed rank's actor reported ``stage`` (for round ``seq``); return the states.
 
