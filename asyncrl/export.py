@@ -109,10 +109,13 @@ def _checkpoint_tensors(tag_dir: Path) -> tuple[dict, str]:
     import torch
 
     states = tag_dir / "mp_rank_00_model_states.pt"
-    if not states.exists():
+    zero3 = sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))  # ZeRO-3: one per rank
+    if not states.exists() and not zero3:
         raise FileNotFoundError(f"{tag_dir}: no DeepSpeed model states")
-    module = torch.load(states, map_location="cpu", weights_only=False).get("module") or {}
-    if not module or any(t.numel() == 0 for t in module.values()):  # ZeRO-3 placeholders
+    module = {}
+    if states.exists():
+        module = torch.load(states, map_location="cpu", weights_only=False).get("module") or {}
+    if not module or any(t.numel() == 0 for t in module.values()):  # ZeRO-3 shards or placeholders
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         module = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,6 +121,22 @@ def test_dp1_and_dp2_train_the_same_step(redis_url, redis_client, run_name, samp
     assert rel < 1e-5, rel
     ledger = read_jsonl(runs[2][0] / LEDGER_FILE)
     assert sorted(ledger[0]["group_ids"]) == sorted(g.group_id for g in groups)
+
+    # `asyncrl export` from the 2-rank ZeRO-3 checkpoint (sharded parameters reassembled by DeepSpeed's
+    # zero_to_fp32) once the published file is gone equals what the actors were served for v1.
+    from asyncrl.export import export_version, weight_sources
+
+    published = _weights(runs[2][0], 1)
+    shutil.rmtree(runs[2][0] / "weights" / "v1")
+    assert weight_sources(runs[2][0])[1][0] == "checkpoint"
+    (runs[2][0] / "config.yaml").write_text(to_yaml(cfg))  # `asyncrl run` writes it; learn alone does not
+    out = export_version(runs[2][0], tmp_path / "export-z3", version=1)
+    from safetensors.torch import load_file
+
+    exported = load_file(str(out / "model.safetensors"))
+    assert set(exported) == set(published) - {"lm_head.weight"} or set(exported) == set(published)
+    for k, v in exported.items():
+        assert torch.equal(v, published[k]), k
 
 
 def _wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
