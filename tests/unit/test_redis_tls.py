@@ -133,20 +133,16 @@ def test_client_certificate_of_the_trusted_ca_reads_and_writes(tls_server, run_n
         buf.close()
 
 
-@pytest.mark.parametrize(
-    ("cert", "ca", "tls", "cause"),
-    [
-        (
-            None,
-            True,
-            True,
-            "CERTIFICATE_REQUIRED|SSLEOF",
-        ),  # no client certificate (alert or hang-up: TLS 1.3 timing)
-        ("rogue-client", True, True, "SSL"),  # a client certificate of another CA: the server hangs up
-        ("client", False, True, "CERTIFICATE_VERIFY_FAILED"),  # the server's CA is not trusted
-        (None, False, False, "Connection|closed"),  # plain text to the TLS port
-    ],
-)
+# (client certificate, trust the server's CA, TLS at all, what the TLS layer says)
+REFUSALS = [
+    (None, True, True, "CERTIFICATE_REQUIRED|SSLEOF"),  # no client cert: alert or hang-up (TLS 1.3 timing)
+    ("rogue-client", True, True, "SSL"),  # a client certificate of another CA: the server hangs up
+    ("client", False, True, "CERTIFICATE_VERIFY_FAILED"),  # the server's CA is not trusted
+    (None, False, False, "Connection|closed"),  # plain text to the TLS port
+]
+
+
+@pytest.mark.parametrize(("cert", "ca", "tls", "cause"), REFUSALS)
 def test_refused(tls_server, run_name, cert, ca, tls, cause):
     d, port = tls_server
     t0 = time.monotonic()
