@@ -161,6 +161,22 @@ class BroadcastSession:
         pipe.execute()
         return info
 
+    def wait_claimed(
+        self, session: str, *, timeout_s: float, poll_s: float = 0.05
+    ) -> dict[str, tuple[int, int]]:
+        """Block until every worker rank of ``session`` is claimed (every actor engine is up); the members."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            members, _states, next_rank, world = self._snapshot(session)
+            if next_rank == world:
+                return members
+            if time.monotonic() > deadline:
+                raise BroadcastError(
+                    f"weight broadcast: {world - next_rank} of {world - 1} worker ranks never claimed after "
+                    f"{timeout_s:.0f} s (joined: {sorted(members) or 'nobody'}; session {session})"
+                )
+            time.sleep(poll_s)
+
     def announce(self, rnd: Round) -> None:
         self._r.hset(self.key, "round", _pack(rnd))
 

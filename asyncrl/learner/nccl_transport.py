@@ -78,26 +78,34 @@ class RedisWeightSyncClient:
         self.version = -1
         self.meta: list[TensorMeta] = []
         self.seq = -1
+        self._formed: tuple[str, int, int] | None = None  # (address, port, world) announced by form()
 
     def _need_session(self) -> str:
         if self.session_id is None:
             raise BroadcastError("weight broadcast before init_weight_transfer_engine")
         return self.session_id
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Form a new group: announce it, wait until every worker rank is claimed and joined."""
-        wire = {
-            k: init_info[k]
-            for k in ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
-            if k in init_info
-        }
-        info = self.session.open(
-            init_info["master_address"], init_info["master_port"], init_info["world_size"], **wire
-        )
+    def form(self, master_address: str, master_port: int, world_size: int, **wire: Any) -> None:
+        """Announce a new group and wait until every worker rank is claimed, i.e. every actor engine is
+        up and about to rendezvous. Done before the trainer opens its endpoint, whose TCPStore waits
+        only ``store_timeout`` (300 s in vLLM) for the workers: engine start-up can take longer."""
+        info = self.session.open(master_address, master_port, world_size, **wire)
         self.session_id, self.seq = info.id, -1
-        log.info("weight broadcast: session %s (%d ranks) at %s:%d", info.id, info.world_size,
-                 info.master_address, info.master_port)  # fmt: skip
-        self.session.wait(info.id, "joined", timeout_s=self.join_timeout_s)
+        self._formed = (master_address, int(master_port), int(world_size))
+        log.info("weight broadcast: session %s (%d ranks) at %s:%d", info.id, world_size, master_address,
+                 master_port)  # fmt: skip
+        self.session.wait_claimed(info.id, timeout_s=self.join_timeout_s)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """The group's rendezvous (called by vLLM's trainer engine beside opening its endpoint): wait
+        until every worker joined. Forms the group first unless :meth:`form` did for these addresses."""
+        key = (init_info["master_address"], int(init_info["master_port"]), int(init_info["world_size"]))
+        if self._formed != key:
+            wire = {k: init_info[k] for k in ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
+                    if k in init_info}  # fmt: skip
+            self.form(*key, **wire)
+        self._formed = None  # one rendezvous per formed session
+        self.session.wait(self._need_session(), "joined", timeout_s=self.join_timeout_s)
 
     def start_weight_update(self) -> None:
         """Every actor pauses generation and opens a layerwise reload (or refuses the tensor names)."""
@@ -145,6 +153,14 @@ class _Source:
         return iter(self.tensors.items())
 
 
+def _cuda_device() -> Any:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("learner.weight_transport='nccl' needs CUDA on the learner (none is visible)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def vllm_nccl_trainer(
     client: RedisWeightSyncClient, source: _Source, *, master_address: str, master_port: int,
     world_size: int, packed: bool = True,
@@ -186,10 +202,13 @@ class NcclTransport(WeightTransport):
         timeout_s: float,
         join_timeout_s: float,
         trainer: Callable[[RedisWeightSyncClient, _Source], Any] | None = None,
+        device: Any = None,
     ) -> None:
         self.expected_names = expected_names or None
         self.client = RedisWeightSyncClient(session, timeout_s=timeout_s, join_timeout_s=join_timeout_s)
         self.source = _Source()
+        self.group = (master_address, int(master_port), int(world_size))
+        self.device = device  # where the broadcast reads from (None: the current CUDA device)
         self._trainer = trainer or (
             lambda c, s: vllm_nccl_trainer(
                 c, s, master_address=master_address, master_port=master_port, world_size=world_size
@@ -201,7 +220,13 @@ class NcclTransport(WeightTransport):
     def publish(self, version: int, state_dict: Any, dtype: str) -> WeightManifest:
         """Broadcast ``state_dict`` (mapping, or callable yielding pairs: always consumed) as ``version``."""
         items: Iterable = state_dict.items() if isinstance(state_dict, Mapping) else state_dict()
-        tensors = {n: t.detach() for n, t in items if self.expected_names is None or n in self.expected_names}
+        device = self.device if self.device is not None else _cuda_device()
+        # LearnerEngine.named_weights hands over CPU copies; NCCL sends from the GPU (one extra copy).
+        tensors = {
+            n: t.detach().to(device)
+            for n, t in items
+            if self.expected_names is None or n in self.expected_names
+        }
         if self.expected_names is not None and (missing := sorted(self.expected_names - tensors.keys())):
             raise ValueError(
                 f"weights v{version}: model has no tensor(s) {missing[:5]} of the served checkpoint"
@@ -213,7 +238,8 @@ class NcclTransport(WeightTransport):
             self.source.tensors = {n: t if t.is_contiguous() else t.contiguous() for n, t in tensors.items()}
             self.client.version, self.client.meta = int(version), self.source.meta()
             try:
-                if self._engine is None:
+                if self._engine is None:  # a new group: every actor up first, then the rendezvous
+                    self.client.form(*self.group)
                     self._engine = self._trainer(self.client, self.source)
                 self._engine.send_weights()
             except BaseException:
