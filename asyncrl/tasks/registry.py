@@ -28,7 +28,7 @@ from typing import Any
 
 from .base import Task
 from .math import Gsm8kTask
-from .tiny import AdditionTask, CopyTask, CountTask, ReverseTask, TinyTask
+from .tiny import AdditionTask, CopyTask, CountTask, EchoTask, ReverseTask, TinyTask
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -47,6 +47,7 @@ TINY_TASKS: dict[str, type[TinyTask]] = {
     "reverse": ReverseTask,
     "count": CountTask,
     "addition": AdditionTask,
+    "echo": EchoTask,
 }
 
 

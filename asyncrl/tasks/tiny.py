@@ -1,6 +1,6 @@
 """Built-in tiny tasks a randomly initialised character-level model can learn on a CPU in minutes.
 
-Every tiny task maps a prompt ``"<name>:<input>="`` to a short target string and scores a
+Every tiny task maps a prompt ``"<name>:<input>="`` (``echo``: the bare input) to a short target string and scores a
 completion with the same dense reward, :func:`char_reward`:
 
     reward = char_score * length_factor, in [0, 1]
@@ -34,6 +34,7 @@ __all__ = [
     "ReverseTask",
     "CountTask",
     "AdditionTask",
+    "EchoTask",
 ]
 
 #: Credit for a wrong character that is at least a symbol the target could contain.
@@ -143,3 +144,35 @@ class AdditionTask(TinyTask):
         a = rng.randrange(10 ** rng.randint(1, max_digits))
         b = rng.randrange(10 ** rng.randint(1, max_digits))
         return f"{a}+{b}", str(a + b)
+
+
+class EchoTask(TinyTask):
+    """``c`` -> ``ccc``: the prompt is the bare input, the target is it repeated :attr:`REPEATS` times.
+
+    The staleness sweep's task (configs/sweep_staleness.yaml: alphabet ``abcd``, length 1,
+    ``actors.max_tokens=3``), chosen because a randomly initialised tiny model learns it with RL in
+    ~100-150 on-policy steps, so degradation under staleness has room to show:
+
+    * The answer depends on the prompt and a constant scores low: over ``abcd`` any constant answer
+      (or a uniformly random letter) averages (1 + 3 x 0.25) / 4 = 0.4375, the task maximum is 1.
+      With copy over ``ab`` the constant ``ab`` scored 0.625 and the policy settled there.
+    * No framing: the prompt's last token *is* the input, so the answer is a function of the token
+      the model conditions on directly (no attention to learn first). In an offline on-policy GRPO
+      screen of the same model (plain torch, 3 seeds) the framed prompt ``echo:c=`` left a prompt
+      stuck on a wrong letter in 2 of 3 seeds (reward ~0.8); the bare prompt reached ~1.0.
+    * Three answer positions: each completion samples the prompt's letter three times, so a group
+      keeps reward variance (and a gradient) for longer before the policy sharpens; with a
+      one-letter answer the same screen stalled at ~0.4-0.8 (a prompt stuck on a wrong letter).
+    * ``max_tokens`` equal to the answer length: nothing to learn about stopping.
+    """
+
+    name = "echo"
+    REPEATS = 3
+
+    def _prompt(self, rng: random.Random, prompt_id: str) -> Prompt:
+        inp, target = self.make(rng)
+        return Prompt(prompt_id, inp, target, {"task": self.name})
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        s = self.random_string(rng)
+        return s, s * self.REPEATS

@@ -94,7 +94,7 @@ def test_entry_point_plugin_is_found_and_listed(tmp_path):
 
 
 def test_unknown_names_fail_clearly():
-    with pytest.raises(TaskNotFound, match="built-in tasks: copy, reverse, count, addition, gsm8k"):
+    with pytest.raises(TaskNotFound, match="built-in tasks: copy, reverse, count, addition, echo, gsm8k"):
         make_task(TaskConfig(name="chess"), 0)
     with pytest.raises(ConfigError, match="module 'no_such_mod' is not importable"):
         load_config(overrides=["task.name=no_such_mod:make"])
