@@ -53,6 +53,21 @@ class RunConfig:
         ge=0,
     )
     progress: bool = F(True, "Show a live progress line on the terminal.")
+    cpu_binding: str = F(
+        "auto",
+        "`asyncrl run` on a CPU-only machine: give the learner and the vLLM engines disjoint cores (learner: "
+        "sched_setaffinity + torch threads; each engine: VLLM_CPU_OMP_THREADS_BIND and the affinity of its "
+        "actor, engine-core and worker processes), so neither steals the other's cores. auto = on when no "
+        "GPU is visible and the machine has >= 2 cores; off = leave placement to the OS (and vLLM's own "
+        "auto binding).",
+        choices=("auto", "off"),
+    )
+    learner_cpus: int = F(
+        0,
+        "With cpu_binding: cores given to the learner, the rest shared out among the engines (0 = auto: "
+        "an equal share with each engine, at least 1). Must leave at least one core for the engines.",
+        ge=0,
+    )
 
 
 @dataclass
@@ -269,7 +284,26 @@ class ActorsConfig:
         "Ask admission to refuse a group while this actor's weights are already more than max_staleness "
         "behind V (it would be dropped anyway); makes max_staleness=0 exactly synchronous.",
     )
-    admission_poll_s: float = F(0.05, "Seconds between admission retries while the bound is reached.", gt=0)
+    admission_poll_s: float = F(
+        0.05,
+        "Seconds between admission retries while the bound is reached (with admission_events, only the "
+        "safety net for a missed hint).",
+        gt=0,
+    )
+    admission_events: bool = F(
+        True,
+        "A refused group worker retries as soon as a credit, a new version or a looser bound is announced "
+        "on the run's Redis admission channel (pub/sub), instead of only every admission_poll_s.",
+    )
+    engine_busy_loop_ms: float = F(
+        1000.0,
+        "How long vLLM's engine processes busy-wait (sched_yield) on their shared-memory queues after each "
+        "message before sleeping on a socket. vLLM's own value is 1000 ms (a spinning core after every "
+        "step); smaller values free that core for generation or a co-located learner at the cost of a "
+        "socket wake-up (~tens of us) per idle message (asyncrl.actors.quiet_executor). 1000 = vLLM's "
+        "executor unchanged.",
+        ge=0,
+    )
     tensor_parallel_size: int = F(
         1, "GPUs one vLLM engine shards each layer over (vLLM tensor_parallel_size; one node).", ge=1
     )
@@ -527,6 +561,13 @@ class LearnerConfig:
         "Experiment knob: before each step wait until the buffer holds a full admission window "
         "((max_staleness + 1) * groups_per_step groups), so trained data is as stale as the bound allows.",
     )
+    entropy_metric: bool = F(
+        False,
+        "Compute the mean token entropy for the `entropy` metric even when no loss term uses it "
+        "(learner.loss.entropy_coef = 0; with a coefficient it is always computed). It costs a pass over "
+        "the full vocabulary per token: negligible for the tiny demo (on in configs/default.yaml), a "
+        "[tokens x vocab] tensor for real models. Off: the metric is NaN (not measured).",
+    )
     torch_threads: int = F(
         0,
         "CPU threads of the learner's torch ops (OMP_NUM_THREADS). 0 = auto: 1 when `asyncrl run` puts it "
@@ -589,6 +630,10 @@ def _validate(obj: Any, prefix: str) -> None:
             _validate(value, key + ".")
             continue
         m = f.metadata
+        # YAML 1.1 reads a bare on/off as a boolean, which a str field then holds as "True"/"False".
+        if m.get("choices") is not None and value in ("True", "False") and {"on", "off"} & set(m["choices"]):
+            value = "on" if value == "True" else "off"
+            setattr(obj, f.name, value)
         if m.get("choices") is not None and value not in m["choices"]:
             raise ConfigError(
                 f"{key}={value!r} is not allowed; allowed values: {', '.join(map(repr, m['choices']))}"

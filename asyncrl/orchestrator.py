@@ -46,7 +46,9 @@ from typing import Any
 
 from asyncrl.config import Config, ConfigError, run_dir, to_yaml
 from asyncrl.console import make_console
+from asyncrl.cpu_binding import resolve_plan
 from asyncrl.learner.records import read_jsonl  # stdlib only: a torn last line is skipped
+from asyncrl.lifetime import arm_reaper, die_with_parent
 
 
 def _free_port() -> int:
@@ -88,10 +90,17 @@ def write_private(path: Path, text: str) -> None:
 
 def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, resume: bool = False,
                           log_path: Path | None = None, threads: int = 0,
-                          redis_password: str = "") -> subprocess.Popen:  # fmt: skip
+                          redis_password: str = "", cpus: tuple[int, ...] | None = None,
+                          ) -> subprocess.Popen:  # fmt: skip
     """The learner as its own process group (so Ctrl-C reaches it only through us, in order).
 
-    The Redis URL (it may hold the password) and the password travel in the environment."""
+    The Redis URL (it may hold the password) and the password travel in the environment. ``cpus``: the
+    cores it is bound to (asyncrl.cpu_binding), set on the child as soon as it exists: it is then still
+    a single-threaded interpreter starting up, so every thread it creates later (torch's OpenMP pool,
+    gloo) inherits the affinity."""
+    # A kill -9 of `asyncrl run` runs no cleanup: the learner dies with it (die_with_parent), and so does
+    # every process started from here on, the learner's, Ray's and the vLLM engines' (asyncrl.lifetime).
+    arm_reaper()
     env = dict(os.environ)
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), ASYNCRL_START_TIME=repr(start_time))  # fmt: skip
@@ -103,16 +112,23 @@ def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, res
     cmd = [sys.executable, "-m", "asyncrl.cli", "learn", "--config", str(cfg_path)]
     if resume:
         cmd.insert(4, "--resume")
+    cmd = die_with_parent(cmd)  # see arm_reaper() above
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
-    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True)  # fmt: skip
+    if cpus:
+        os.sched_setaffinity(proc.pid, cpus)
+    return proc
 
 
-def learner_threads(cfg: Config) -> int:
+def learner_threads(cfg: Config, cpus: tuple[int, ...] | None = None) -> int:
     """Threads for a learner co-located with the actors: on a CPU-only machine the vLLM engines already
-    use the cores, and a multi-threaded learner fighting them ran 10x slower than a single thread."""
+    use the cores, and a multi-threaded learner fighting them ran 10x slower than a single thread.
+    Bound to its own ``cpus`` (asyncrl.cpu_binding), it uses one thread per core it owns."""
     if cfg.learner.torch_threads:
         return cfg.learner.torch_threads
+    if cpus:
+        return len(cpus)
     if "OMP_NUM_THREADS" in os.environ or shutil.which("nvidia-smi"):
         return 0  # the user's choice, or a GPU learner: leave torch's default
     return 1
@@ -190,6 +206,7 @@ class Supervisor:
         self.url = ""
         self.learner: subprocess.Popen | None = None
         self.actors: Any = None  # ActorSupervisor, once the pool is up
+        self.cpu_plan = resolve_plan(cfg)  # disjoint cores for learner and engines, or None
 
     def _restart(self, role: str, why: str) -> None:
         self.restarts[role] += 1
@@ -220,8 +237,13 @@ class Supervisor:
         url_pw = urllib.parse.unquote(urllib.parse.urlsplit(self.url).password or "")
         self.learner = start_learner_process(
             self.cfg_path, self.url, self.start, resume=resume, log_path=self.rdir / "learner.log",
-            threads=learner_threads(self.cfg), redis_password=self.cfg.redis.password or url_pw,
+            threads=learner_threads(self.cfg, self.learner_cpus), redis_password=self.cfg.redis.password or url_pw,
+            cpus=self.learner_cpus,
         )  # fmt: skip
+
+    @property
+    def learner_cpus(self) -> tuple[int, ...] | None:
+        return self.cpu_plan.learner if self.cpu_plan is not None else None
 
     def check(self) -> bool:
         """One supervision pass; True when the learner finished the run (exit 0 at ``max_steps``)."""
@@ -264,6 +286,7 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
             f"run dir {rdir} holds a finished run (summary.json); choose another run.name=... or remove the dir "
             "(an unfinished run is resumed from its last checkpoint instead)"
         )
+    resolve_plan(cfg)  # a run.learner_cpus this machine cannot honour fails here, before anything starts
     resume = has_prior_run(rdir)
     rdir.mkdir(parents=True, exist_ok=True)
     cfg_path = rdir / "config.yaml"
@@ -286,7 +309,10 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
         from asyncrl.actors.pool import ActorPool
         from asyncrl.actors.supervision import ActorSupervisionError, ActorSupervisor
 
-        pool = ActorPool(cfg, rdir, redis_url=url)
+        pool = ActorPool(cfg, rdir, redis_url=url, cpu_plan=sup.cpu_plan)
+        if sup.cpu_plan is not None:
+            _say(progress, f"cpu binding: learner on cores {list(sup.cpu_plan.learner)}, "
+                           f"engines on {[list(b) for b in sup.cpu_plan.engines]} (run.cpu_binding=off to disable)")  # fmt: skip
         pool.start()
         # A short socket timeout: a frozen Redis must not freeze the supervision loop with it.
         buf = ReplayBuffer.from_config(cfg, url, socket_timeout=5.0)

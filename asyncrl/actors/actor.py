@@ -45,6 +45,7 @@ from asyncrl.buffer.paths import confine, weight_roots
 from asyncrl.evaluate import PeriodicEval
 from asyncrl.tasks import Prompt, PromptSource, make_task, prompt_token_ids
 
+from .admission_wake import AdmissionWaker
 from .engine import SWAP_MODES, Engine
 from .groups import build_group
 from .nccl_receiver import NcclReceiver
@@ -74,8 +75,11 @@ class RolloutActor:
         actor_id: str | None = None,
         model_path: str | os.PathLike | None = None,
     ) -> None:
+        from asyncrl.cpu_binding import bind_from_env
         from asyncrl.tinymodel import resolve_model_path
 
+        # Before the engine exists: its engine-core and worker processes inherit this process's cores.
+        self.cpus = bind_from_env()
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.index = actor_index
@@ -104,6 +108,7 @@ class RolloutActor:
         self._max_groups: int | None = None
         self._rejected: set[tuple[int, str]] = set()
         self._writes: set[asyncio.Future] = set()  # buffer writes in flight (see _write)
+        self._waker: AdmissionWaker | None = None  # admission hints (actors.admission_events)
         # /metrics of this actor ("host:port"), advertised in heartbeats for Prometheus file_sd.
         self.metrics_addr: str | None = None
         # Snapshot for the scrape thread, refreshed on the loop thread with every heartbeat: the
@@ -248,12 +253,20 @@ class RolloutActor:
 
     async def _generate(self, tasks: list[asyncio.Task]) -> None:
         self._set_state("running")
-        tasks.append(asyncio.create_task(self._watch_versions(), name="versions"))
-        workers = [
-            asyncio.create_task(self._group_worker(), name=f"group-{i}")
-            for i in range(self.cfg.actors.groups_in_flight)
-        ]
-        await self._supervise(workers, tasks)
+        if self.cfg.actors.admission_events:
+            waker = AdmissionWaker(self.buffer, asyncio.get_running_loop(), self.actor_id)
+            self._waker = await asyncio.to_thread(waker.start)
+        try:
+            tasks.append(asyncio.create_task(self._watch_versions(), name="versions"))
+            workers = [
+                asyncio.create_task(self._group_worker(), name=f"group-{i}")
+                for i in range(self.cfg.actors.groups_in_flight)
+            ]
+            await self._supervise(workers, tasks)
+        finally:
+            if self._waker is not None:
+                waker, self._waker = self._waker, None
+                await asyncio.to_thread(waker.stop)
 
     # ------------------------------------------------------------------ lifecycle helpers
 
@@ -300,13 +313,17 @@ class RolloutActor:
                 return
             await self._sleep(_MANIFEST_POLL_S)
 
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep, waking early on a stop request."""
+    async def _sleep(self, seconds: float, hint: asyncio.Event | None = None) -> None:
+        """Sleep, waking early on a stop request (or when ``hint`` is set)."""
         assert self._wake is not None
+        waits = [asyncio.ensure_future(self._wake.wait())]
+        if hint is not None:
+            waits.append(asyncio.ensure_future(hint.wait()))
         try:
-            await asyncio.wait_for(self._wake.wait(), seconds)
-        except TimeoutError:
-            pass
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def _supervise(self, workers: list[asyncio.Task], helpers: list[asyncio.Task]) -> None:
         """Wait for the workers to finish; a failing task (worker or helper) stops all and raises."""
@@ -417,13 +434,15 @@ class RolloutActor:
                 version = self.engine.version if self.engine is not None else None
                 if not self.cfg.actors.refuse_stale_weights:
                     version = None
+                # Taken before the attempt: a hint that arrives while it runs is not lost (admission_wake).
+                hint = self._waker.event if self._waker is not None else None
                 if await asyncio.to_thread(self.buffer.try_admit, None, None, version, self.actor_id):
                     self._started += 1
                     return True
                 if not blocked:
                     blocked = True
                     self.counters["admission_blocked"] += 1
-                await self._sleep(self.cfg.actors.admission_poll_s)
+                await self._sleep(self.cfg.actors.admission_poll_s, hint)
                 now = time.monotonic()
                 self.counters["admission_wait_s"] += now - last
                 last = now

@@ -56,6 +56,9 @@ SWAP_MODES = ("in_flight", "between_groups")
 # Strings, not imports: the worker extension imports vLLM, this module must not at import time.
 EXTENSION_CLS = "asyncrl.actors.worker_ext.WeightReloadExtension"
 FILE_BACKEND = "asyncrl_file"  # == worker_ext.FILE_BACKEND
+QUIET_EXECUTOR = "asyncrl.actors.quiet_executor.QuietMultiprocExecutor"  # == quiet_executor.QUALNAME
+QUIET_CONFIG_KEY = "asyncrl_busy_loop_s"  # == quiet_executor.CONFIG_KEY
+VLLM_BUSY_LOOP_MS = 1000.0  # vLLM 0.32's hard-coded SpinCondition busy_loop_s, in ms
 _TIED_OK = {"lm_head.weight"}
 
 
@@ -104,14 +107,21 @@ class Engine:
         recompute_kv: bool = True,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        busy_loop_ms: float = VLLM_BUSY_LOOP_MS,
         weight_backend: str = FILE_BACKEND,
     ) -> None:
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.model_path = Path(model_path)
         self.recompute_kv = recompute_kv
+        multiproc = tensor_parallel_size * pipeline_parallel_size > 1
+        # vLLM runs its multiprocess executor on CPU whatever the size, and on GPU beyond one device; only
+        # that executor has shared-memory queues whose readers busy-wait (asyncrl.actors.quiet_executor).
+        quiet = busy_loop_ms != VLLM_BUSY_LOOP_MS and (multiproc or current_platform.is_cpu())
+        backend = QUIET_EXECUTOR if quiet else ("mp" if multiproc else None)
         args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=dtype,
@@ -125,7 +135,8 @@ class Engine:
             pipeline_parallel_size=pipeline_parallel_size,
             # One engine = one node: its workers are this actor's own processes on the GPUs of its Ray
             # bundle (inside a placement group vLLM would otherwise pick its Ray executor and ask for more).
-            distributed_executor_backend="mp" if tensor_parallel_size * pipeline_parallel_size > 1 else None,
+            distributed_executor_backend=backend,
+            additional_config={QUIET_CONFIG_KEY: busy_loop_ms / 1000.0} if quiet else {},
             # asyncrl_file (file / shm transports) or vLLM's nccl (learner.weight_transport=nccl).
             weight_transfer_config=WeightTransferConfig(backend=weight_backend),
             logprobs_mode=LOGPROBS_MODE,
@@ -158,6 +169,7 @@ class Engine:
             recompute_kv=a.swap_recompute_kv,
             tensor_parallel_size=a.tensor_parallel_size,
             pipeline_parallel_size=a.pipeline_parallel_size,
+            busy_loop_ms=a.engine_busy_loop_ms,
             weight_backend="nccl" if cfg.learner.weight_transport == "nccl" else FILE_BACKEND,
         )
 

@@ -71,8 +71,11 @@ class ActorPool:
         *,
         redis_url: str | None = None,
         redis_password: str | None = None,
+        cpu_plan: Any = None,
     ) -> None:
         self.cfg = cfg
+        # asyncrl.cpu_binding.CpuPlan from `asyncrl run` on a CPU box: each slot's cores (None = unbound).
+        self.cpu_plan = cpu_plan
         self.run_dir = Path(run_dir)
         self.redis_url = redis_url or cfg.redis.url
         if not self.redis_url:
@@ -132,12 +135,25 @@ class ActorPool:
                 max_restarts=a.max_restarts,
                 max_task_retries=a.max_restarts,
                 max_concurrency=64,
-                runtime_env=actor_runtime_env(),
+                runtime_env=self._runtime_env(i),
             )
             .remote(
                 self.cfg, str(self.run_dir), i, self.redis_url, self.redis_password, str(self._model_path)
             )
         )
+
+    def _runtime_env(self, i: int) -> dict[str, Any]:
+        """Slot ``i``'s Ray ``runtime_env``: the common one, plus its cores when the pool is CPU-bound
+        (the actor binds itself to them at start; its engine's OpenMP threads get them from vLLM)."""
+        env = actor_runtime_env()
+        if self.cpu_plan is not None:
+            from asyncrl.cpu_binding import engine_env
+
+            a = self.cfg.actors
+            env["env_vars"].update(
+                engine_env(self.cpu_plan.engine(i), a.tensor_parallel_size * a.pipeline_parallel_size)
+            )
+        return env
 
     def replace_actor(self, i: int, before_spawn: Any = None, timeout: float = 30.0) -> None:
         """Kill slot ``i``'s actor for good and start a new one in its place (``asyncrl run``'s

@@ -27,21 +27,54 @@ next admission, credit or reclaim of this client (:meth:`Admission.settle`): its
 tombstone if the write has not run (so it never will), and an admission that did run is given back
 (the caller never used that slot). Without this a late admission would hold a slot nobody uses and a
 late credit could repeat one that a reclaim already made.
+
+Wake-ups (no fixed poll): everything that can raise the bound — a credit, a reclaim, a settled
+admission given back, a dropped or dead-lettered group, a new version, a new adaptive bound — also
+PUBLISHes a hint on the run's admission channel (inside the same script where it is one, after the
+write otherwise). A refused actor waits on :class:`AdmissionEvents` (that channel plus the weight
+versions channel) and retries at once; it still retries every ``actors.admission_poll_s`` because
+pub/sub is fire-and-forget (a subscriber that is reconnecting misses hints). The channel name carries
+the run's hash tag, and PUBLISH reaches every node of a Redis Cluster.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
+import msgpack
 import redis
 
 from asyncrl.buffer.layout import Keys
 
-__all__ = ["ADMIT_LUA", "DEDUP_TTL_S", "admission_bound_formula", "check_admission_args", "Admission"]
+__all__ = [
+    "ADMIT_LUA",
+    "DEDUP_TTL_S",
+    "WAKE_SCHEMA",
+    "admission_bound_formula",
+    "check_admission_args",
+    "Admission",
+    "AdmissionEvents",
+    "wake_lua",
+]
 
 #: Lifetime of a request-id dedup key (seconds): far above any retry budget, short enough to not pile up.
 DEDUP_TTL_S = 3600
+#: Schema of the admission channel's messages ({schema, event}); subscribers treat them as hints only.
+WAKE_SCHEMA = 1
+
+
+def wake_lua(channel_arg: str, event: str) -> str:
+    """Lua that publishes an admission hint on the channel in ``channel_arg`` (e.g. ``ARGV[4]``)."""
+    return (
+        f"redis.call('PUBLISH', {channel_arg}, cmsgpack.pack({{schema = {WAKE_SCHEMA}, event = '{event}'}}))"
+    )
+
+
+def wake_message(event: str) -> bytes:
+    return msgpack.packb({"schema": WAKE_SCHEMA, "event": event}, use_bin_type=True)
+
 
 # KEYS: admitted, credits, version, inflight, dedup, staleness_bound (always last: the script reads KEYS[#KEYS]).
 # ARGV: max_staleness, groups_per_step, sampler_version (-1 = any), owner ('' = untracked), dedup ttl.
@@ -91,19 +124,20 @@ def admission_bound_formula(version: int, max_staleness: int, groups_per_step: i
     return (version + max_staleness + 1) * groups_per_step + credits
 
 
-# KEYS: inflight, credits. ARGV: owner. Turns everything the owner still holds into credits.
-RECLAIM_LUA = """
+# KEYS: inflight, credits. ARGV: owner, admission channel. Turns everything the owner still holds into credits.
+RECLAIM_LUA = f"""
 local n = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
 redis.call('HDEL', KEYS[1], ARGV[1])
 if n > 0 then
   redis.call('INCRBY', KEYS[2], n)
+  {wake_lua("ARGV[2]", "reclaim")}
 end
 return n
 """
 
-# KEYS: credits, inflight, dedup. ARGV: n, owner ('' = none), dedup ttl. Returns total credits.
-# A repeated request (same dedup key) changes nothing.
-CREDIT_LUA = """
+# KEYS: credits, inflight, dedup. ARGV: n, owner ('' = none), dedup ttl, admission channel.
+# Returns total credits. A repeated request (same dedup key) changes nothing.
+CREDIT_LUA = f"""
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return tonumber(redis.call('GET', KEYS[1]) or '0')
 end
@@ -112,14 +146,15 @@ if ARGV[2] ~= '' then
   redis.call('HINCRBY', KEYS[2], ARGV[2], -tonumber(ARGV[1]))
 end
 redis.call('SET', KEYS[3], '1', 'EX', tonumber(ARGV[3]))
+{wake_lua("ARGV[4]", "credit")}
 return total
 """
 
 
-# KEYS: dedup, credits, inflight. ARGV: owner ('' = none), dedup ttl, kind ('admit' or other).
-# Settles a request whose outcome the client never learned: not run -> tombstone (it never will);
-# an admission that ran -> given back (credit, in-flight tally). Returns 1 if it gave a slot back.
-SETTLE_LUA = """
+# KEYS: dedup, credits, inflight. ARGV: owner ('' = none), dedup ttl, kind ('admit' or other),
+# admission channel. Settles a request whose outcome the client never learned: not run -> tombstone (it
+# never will); an admission that ran -> given back (credit, in-flight tally). Returns 1 if it gave a slot back.
+SETTLE_LUA = f"""
 local prev = redis.call('GET', KEYS[1])
 if not prev then
   redis.call('SET', KEYS[1], 'cancelled', 'EX', tonumber(ARGV[2]))
@@ -131,6 +166,7 @@ if prev == '1' and ARGV[3] == 'admit' then
   if ARGV[1] ~= '' then
     redis.call('HINCRBY', KEYS[3], ARGV[1], -1)
   end
+  {wake_lua("ARGV[4]", "credit")}
   return 1
 end
 return 0
@@ -168,7 +204,12 @@ class Admission:
         try:
             while todo:
                 kind, key, owner = todo[0]
-                given += int(self._settle(keys=[key, k.credits, k.inflight], args=[owner, DEDUP_TTL_S, kind]))
+                given += int(
+                    self._settle(
+                        keys=[key, k.credits, k.inflight],
+                        args=[owner, DEDUP_TTL_S, kind, k.admission_channel],
+                    )
+                )
                 todo.pop(0)
         finally:
             if todo:
@@ -212,7 +253,8 @@ class Admission:
     def reclaim(self, owner: str) -> int:
         """Credit back every slot ``owner`` was admitted for and never wrote nor credited (it died)."""
         self.settle()
-        return int(self._reclaim(keys=[self._keys.inflight, self._keys.credits], args=[owner]))
+        k = self._keys
+        return int(self._reclaim(keys=[k.inflight, k.credits], args=[owner, k.admission_channel]))
 
     def credit(self, n: int = 1, owner: str | None = None, request_id: str | None = None) -> int:
         """Return ``n`` admission slots (one per dropped group). Returns total credits.
@@ -230,7 +272,12 @@ class Admission:
         k = self._keys
         dedup = k.request(f"credit:{request_id}" if request_id else uuid.uuid4().hex)
         try:
-            return int(self._credit(keys=[k.credits, k.inflight, dedup], args=[n, owner or "", DEDUP_TTL_S]))
+            return int(
+                self._credit(
+                    keys=[k.credits, k.inflight, dedup],
+                    args=[n, owner or "", DEDUP_TTL_S, k.admission_channel],
+                )
+            )
         except _TRANSIENT:
             self.uncertain("credit", dedup, owner)
             raise
@@ -255,12 +302,50 @@ class Admission:
         """
         if bound is None:
             self._client.delete(self._keys.staleness_bound)
-            return
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+        elif isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
             raise ValueError(f"staleness bound must be an int >= 0 or None, got {bound!r}")
-        self._client.set(self._keys.staleness_bound, bound)
+        else:
+            self._client.set(self._keys.staleness_bound, bound)
+        self.wake("bound")  # it may have loosened
+
+    def wake(self, event: str) -> int:
+        """Publish an admission hint (after a write that may raise the bound); returns the receivers."""
+        return int(self._client.publish(self._keys.admission_channel, wake_message(event)))
 
     def staleness_bound(self, max_staleness: int) -> int:
         """The staleness bound admission applies now: ``max_staleness``, or the adaptive one if lower."""
         v = self._client.get(self._keys.staleness_bound)
         return max_staleness if v is None else min(max_staleness, int(v))
+
+
+class AdmissionEvents:
+    """What a refused actor waits on: the run's admission channel and its weight-versions channel (a
+    publish bumps V). Messages are hints, never parsed for content: the admission script decides.
+    Thread-safe for one waiting thread (the actor's watcher)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, confirm_timeout: float = 5.0) -> None:
+        self._pubsub = client.pubsub()
+        channels = [keys.admission_channel, keys.versions_channel]
+        self._pubsub.subscribe(*channels)
+        # Only once the server confirmed both subscriptions is a later PUBLISH guaranteed to reach us.
+        deadline = time.monotonic() + confirm_timeout
+        confirmed = 0
+        while confirmed < len(channels):
+            msg = self._pubsub.get_message(timeout=max(deadline - time.monotonic(), 0.0))
+            if msg is not None and msg["type"] == "subscribe":
+                confirmed += 1
+            elif time.monotonic() >= deadline:
+                self._pubsub.close()
+                raise TimeoutError(f"no confirmation of SUBSCRIBE {channels} within {confirm_timeout}s")
+
+    def wait(self, timeout: float) -> bool:
+        """True as soon as a hint arrives (then drains any queued ones), False after ``timeout`` s."""
+        msg = self._pubsub.get_message(timeout=timeout)
+        if msg is None or msg["type"] != "message":
+            return False
+        while (more := self._pubsub.get_message(timeout=0.0)) is not None and more["type"] == "message":
+            pass
+        return True
+
+    def close(self) -> None:
+        self._pubsub.close()

@@ -18,6 +18,7 @@ key                                 type    contents
 ``asyncrl:{R}:actors``              hash    actor_id -> msgpack {version, time, groups, ...}
 ``asyncrl:{R}:learner``             hash    status field -> msgpack value
 ``asyncrl:{R}:versions``            pubsub  msgpack {schema, version, path, sha256} per publish
+``asyncrl:{R}:admission``           pubsub  msgpack {schema, event}: the admission bound may have risen
 ``asyncrl:{R}:req:<id>``            string  dedup key of one retried write (expires, admission.py)
 ``asyncrl:{R}:pool:<n>``            string  lease of actor pool number n (serve-actors; actor ids)
 ``asyncrl:{R}:broadcast``           hash    NCCL weight-broadcast control plane (broadcast.py)
@@ -125,6 +126,11 @@ class Keys:
     @property
     def versions_channel(self) -> str:
         return self._k("versions")
+
+    @property
+    def admission_channel(self) -> str:
+        """Wake-up hints for refused admissions: a credit, a reclaim, a new version or bound (admission.py)."""
+        return self._k("admission")
 
     def all_keys(self) -> list[str]:
         """Every data key of the run (not the channel), e.g. to delete a run."""

@@ -36,7 +36,14 @@ from typing import Any
 
 import redis
 
-from asyncrl.buffer.admission import DEDUP_TTL_S, Admission, admission_bound_formula, check_admission_args
+from asyncrl.buffer.admission import (
+    DEDUP_TTL_S,
+    Admission,
+    AdmissionEvents,
+    admission_bound_formula,
+    check_admission_args,
+    wake_lua,
+)
 from asyncrl.buffer.cluster import cluster_client, connection_kwargs, split_cluster_url
 from asyncrl.buffer.connection import DEFAULT_RETRY_BUDGET_S, redis_options
 from asyncrl.buffer.layout import DEFAULT_CONSUMER_GROUP, ROLLOUT_FIELD, Keys
@@ -70,13 +77,13 @@ redis.call('SET', KEYS[3], id, 'EX', tonumber(ARGV[5]))
 return id
 """
 
-# KEYS: rollouts, credits, dead. ARGV: consumer group, time, dead maxlen, then per entry the four
-# values id, reason ('' = no dead letter), data, size. Acknowledges and deletes every entry; only
-# the entries this call acknowledged (were pending) get a dead letter and a credit, so a repeat of
-# the same call changes nothing. Returns how many were acknowledged (= credited).
-DROP_LUA = """
+# KEYS: rollouts, credits, dead. ARGV: consumer group, time, dead maxlen, admission channel, then per
+# entry the four values id, reason ('' = no dead letter), data, size. Acknowledges and deletes every
+# entry; only the entries this call acknowledged (were pending) get a dead letter and a credit, so a
+# repeat of the same call changes nothing. Returns how many were acknowledged (= credited).
+DROP_LUA = f"""
 local n = 0
-for i = 4, #ARGV, 4 do
+for i = 5, #ARGV, 4 do
   local id = ARGV[i]
   if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
     n = n + 1
@@ -89,6 +96,7 @@ for i = 4, #ARGV, 4 do
 end
 if n > 0 then
   redis.call('INCRBY', KEYS[2], n)
+  {wake_lua("ARGV[4]", "credit")}
 end
 return n
 """
@@ -102,10 +110,11 @@ class Entry:
     group: Group
 
 
-# KEYS: credits, inflight, dedup, dead. ARGV: owner ('' = none), dedup ttl, group id, reason, time, dead maxlen.
+# KEYS: credits, inflight, dedup, dead. ARGV: owner ('' = none), dedup ttl, group id, reason, time, dead maxlen,
+# admission channel.
 # An actor gives up a group it was admitted for (its reward failed): credit, in-flight tally, dead letter,
 # once per group id (shares the dedup key of ``credit(request_id=group_id)``). Returns 1, or 0 if repeated.
-ABANDON_LUA = """
+ABANDON_LUA = f"""
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return 0
 end
@@ -116,6 +125,7 @@ end
 redis.call('SET', KEYS[3], '1', 'EX', tonumber(ARGV[2]))
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'id', ARGV[3], 'reason', ARGV[4], 'data', '',
            'size', 0, 'time', ARGV[5])
+{wake_lua("ARGV[7]", "credit")}
 return 1
 """
 
@@ -420,7 +430,7 @@ class ReplayBuffer(RunRegistry):
         if not rows:
             return 0
         k = self.keys
-        args: list[Any] = [self.group_name, repr(time.time()), DEAD_MAXLEN]
+        args: list[Any] = [self.group_name, repr(time.time()), DEAD_MAXLEN, k.admission_channel]
         for entry_id, reason, data in rows:
             args += [entry_id, reason, data[:DEAD_DATA_LIMIT], len(data)]
         return int(self._drop_script(keys=[k.rollouts, k.credits, k.dead], args=args))
@@ -448,7 +458,15 @@ class ReplayBuffer(RunRegistry):
             return bool(
                 self._abandon_script(
                     keys=[k.credits, k.inflight, dedup, k.dead],
-                    args=[owner or "", DEDUP_TTL_S, group_id, reason, repr(time.time()), DEAD_MAXLEN],
+                    args=[
+                        owner or "",
+                        DEDUP_TTL_S,
+                        group_id,
+                        reason,
+                        repr(time.time()),
+                        DEAD_MAXLEN,
+                        k.admission_channel,
+                    ],  # fmt: skip
                 )
             )
         except (redis.ConnectionError, redis.TimeoutError):
@@ -542,6 +560,11 @@ class ReplayBuffer(RunRegistry):
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         self._client.set(self.keys.version, version)
+        self._admission.wake("version")
+
+    def subscribe_admission(self, confirm_timeout: float = 5.0) -> AdmissionEvents:
+        """Wake-up hints for a refused admission (credits, versions, bounds); active once it returns."""
+        return AdmissionEvents(self._client, self.keys, confirm_timeout)
 
     def _admission_args(self, max_staleness: int | None, groups_per_step: int | None) -> tuple[int, int]:
         s = self._max_staleness if max_staleness is None else max_staleness

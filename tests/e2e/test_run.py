@@ -9,6 +9,7 @@ advanced, weights were swapped, staleness stayed bounded) and no process of it i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -16,10 +17,19 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.procs import ROOT, asyncrl_cmd, marked_env, read_jsonl, wait_for, wait_no_orphans
+from tests.e2e.procs import (
+    ROOT,
+    asyncrl_cmd,
+    marked_env,
+    processes_with_marker,
+    read_jsonl,
+    wait_for,
+    wait_no_orphans,
+)
 from tests.unit.test_dashboards import alert_queries, dashboard_queries
 
 pytestmark = pytest.mark.slow
@@ -78,6 +88,58 @@ def live_run(tmp_path_factory):
                     p.wait(120)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def _parse_cpulist(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out |= set(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _threads_cpus(pid: int) -> set[int]:
+    """Union of Cpus_allowed_list over every thread of ``pid`` (the kernel's view, not our intent)."""
+    cpus: set[int] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list"):
+                cpus |= _parse_cpulist(line.split()[1])
+    return cpus
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or shutil.which("nvidia-smi") is not None,
+                    reason="run.cpu_binding=auto binds only on a CPU-only machine with >= 2 cores")  # fmt: skip
+def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
+    """run.cpu_binding=auto (the default): every thread of the learner on its cores, every thread of the
+    actor, vLLM engine-core and worker processes on the engine's, read from /proc of the live processes."""
+    from asyncrl.cpu_binding import plan_cpus
+
+    rdir, proc = live_run["dir"], live_run["proc"]
+    wait_for(lambda: read_jsonl(rdir / "metrics.jsonl"), 420, "the first learner step", proc, live_run["log"])
+    plan = plan_cpus(sorted(os.sched_getaffinity(0)), 1)
+    roles: dict[str, list[int]] = {}
+    for entry in processes_with_marker(live_run["marker"]):
+        pid = int(entry.split(":")[0])
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        role = ("learner" if "asyncrl.cli learn" in entry else "worker" if comm == "VLLM::Worker"
+                else "engine_core" if comm.startswith("VLLM::EngineCor") else "actor" if "RayRollout" in comm
+                else None)  # fmt: skip
+        if role:
+            roles.setdefault(role, []).append(pid)
+    assert set(roles) == {"learner", "worker", "engine_core", "actor"}, roles
+    assert _threads_cpus(roles["learner"][0]) == set(plan.learner)
+    for role in ("actor", "engine_core", "worker"):
+        for pid in roles[role]:
+            assert _threads_cpus(pid) == set(plan.engine(0)), (role, pid)
+    env = dict(
+        kv.split("=", 1)
+        for kv in Path(f"/proc/{roles['worker'][0]}/environ").read_text().split("\0")
+        if "=" in kv
+    )
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, plan.engine(0)))
+    learner_env = Path(f"/proc/{roles['learner'][0]}/environ").read_text().split("\0")
+    assert f"OMP_NUM_THREADS={len(plan.learner)}" in learner_env
 
 
 def test_every_dashboard_query_returns_data_from_a_live_run(live_run):

@@ -81,7 +81,12 @@ def test_a_run_lives_in_one_slot_and_every_buffer_operation_works_on_the_cluster
         assert buf.ack([e.entry_id for e in got[:3]]) == 3
         st = buf.stats()
         assert (st["depth"], st["pending"], st["version"]) == (1, 1, 1)
+        # Admission hints (the credit script PUBLISHes from inside Lua; the channel has the run's tag).
+        wake = buf.subscribe_admission()
+        assert not wake.wait(0.1)
         assert buf.credit(1) == 1 and buf.stats()["bound"] == (1 + ETA + 1) * GPS + 1
+        assert wake.wait(5.0)
+        wake.close()
         sub.close()
     finally:
         buf.delete_run()
