@@ -25,6 +25,10 @@ step-start weights are since_publish steps past the weights published as V). The
 (engine mismatch at s = 0, staleness at s >= 1) is measured on step-start logprobs only: the first
 mini-batch, or every mini-batch with exact_prox, in the first epoch; the s = 0 bucket counts as
 engine mismatch only when since_publish = 0 (otherwise the learner's weights are not those V names).
+
+Entropy: a full-vocabulary pass per token (one more [B, L, vocab] tensor). It is computed only when a
+term uses it (``learner.loss.entropy_coef > 0``) or ``learner.entropy_metric`` asks for the metric;
+otherwise the step's ``entropy`` metric is NaN (not measured; never 0, which would read as a collapse).
 """
 
 from __future__ import annotations
@@ -189,7 +193,8 @@ class Trainer:
         """Forward + backward of one micro-batch with step-global denominators."""
         lc = self.cfg.learner.loss
         mode, max_tokens = lc.reduction, self.cfg.actors.max_tokens
-        logp, ent = token_logprobs(self.le.engine, mb, entropy=True, entropy_grad=lc.entropy_coef > 0)
+        want_entropy = lc.entropy_coef > 0 or self.cfg.learner.entropy_metric
+        logp, ent = token_logprobs(self.le.engine, mb, entropy=want_entropy, entropy_grad=lc.entropy_coef > 0)
         start = {"current": logp.detach(), "exact": mb.get("logp_prox")}.get(plan.source)
         per_token, loss_mask, metrics = policy_loss(
             logp, mb["logp_behav"], mb["advantages"], mb[LOSS_MASK], mb["token_versions"], version,
@@ -211,12 +216,14 @@ class Trainer:
             sums["ref_kl_sum"] = torch.where(loss_mask, ref_kl.detach(), 0.0).sum()
             loss = loss + ref_term
         if lc.entropy_coef > 0:
+            assert ent is not None
             ent_term = entropy_bonus(ent, loss_mask, lc.entropy_coef, dens.tokens)
             terms["loss_entropy"] = ent_term.detach()
             loss = loss + ent_term
         self.le.engine.backward(loss * deepspeed_loss_scale(1, self.le.world_size), scale_wrt_gas=False)
         with torch.no_grad():
-            sums["entropy_sum"] = torch.where(loss_mask, ent.detach(), 0.0).sum()
+            if ent is not None:
+                sums["entropy_sum"] = torch.where(loss_mask, ent.detach(), 0.0).sum()
             if plan.measure and start is not None:
                 sums.update(drift_sums(start, mb["logp_behav"], loss_mask, mb["token_versions"], version))
         return MicroBatchResult(loss.detach(), terms, metrics, sums)
@@ -333,7 +340,8 @@ class Trainer:
             out[k] = t_all.get(k, 0.0) / n_opt
         out["loss"] = sum(out[k] for k in ("loss_policy", "loss_rollout_kl", "loss_entropy", "loss_ref_kl"))
         n = max(out.get("num_tokens", 0.0), 1.0)
-        out["entropy"] = s_all.get("entropy_sum", 0.0) / n
+        # Not computed (no term uses it and learner.entropy_metric is off): NaN = not measured.
+        out["entropy"] = s_all["entropy_sum"] / n if "entropy_sum" in s_all else float("nan")
         out["ref_kl"] = s_all.get("ref_kl_sum", 0.0) / n
         out["padding_micro_batches"] = s_all.get("padding_micro_batches", 0.0)
         for k, v in s_all.items():  # drift sums: finished by _drift_split

@@ -80,7 +80,7 @@ def _states_equal(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("exact_prox", [False, True])
 def test_step1_fidelity_ratio_one_and_no_mismatch(tiny, fresh, exact_prox) -> None:
-    cfg = clone_cfg(tiny.cfg, exact_prox=exact_prox)
+    cfg = clone_cfg(tiny.cfg, exact_prox=exact_prox, entropy_metric=True)
     res = Trainer(cfg, fresh, None, pad_id=0).train(tiny.groups, version=0)
     m = res.metrics
     assert res.tokens > 50 and res.optimizer_steps == 1 and res.skipped == 0
@@ -89,6 +89,37 @@ def test_step1_fidelity_ratio_one_and_no_mismatch(tiny, fresh, exact_prox) -> No
     assert m["mismatch_kl"] < 1e-6
     assert abs(m["is_weight_mean"] - 1.0) < 1e-5 and m["dppo_masked_frac"] == 0.0
     assert m["entropy"] > 0 and np.isfinite(m["loss"])
+
+
+def test_entropy_is_computed_only_when_used_and_never_changes_the_update(tiny, engine, monkeypatch) -> None:
+    """entropy_coef = 0 and no entropy_metric: no entropy pass at all (counted at the one function that
+    computes it), the metric is NaN, and losses and the weight update are bitwise those of a step that
+    measured it. With entropy_coef > 0 it is computed whatever the flag."""
+    import asyncrl.learner.logprobs as lp
+
+    calls = []
+    real = lp.entropy_from_logp
+    monkeypatch.setattr(lp, "entropy_from_logp", lambda x: calls.append(1) or real(x))
+    snap = _snapshot(engine)
+    runs = {}
+    try:
+        for name, metric, coef in (("off", False, 0.0), ("metric", True, 0.0), ("coef", False, 0.01)):
+            _restore(engine, snap)
+            cfg = clone_cfg(tiny.cfg, entropy_metric=metric)
+            cfg.learner.loss.entropy_coef = coef
+            calls.clear()
+            res = Trainer(cfg, engine, None, pad_id=0).train(tiny.groups, version=0)
+            runs[name] = (res.metrics, _flat(engine), len(calls))
+    finally:
+        _restore(engine, snap)
+    off, on, coef = runs["off"], runs["metric"], runs["coef"]
+    assert off[2] == 0 and on[2] > 0 and coef[2] > 0
+    assert np.isnan(off[0]["entropy"]) and on[0]["entropy"] > 0 and coef[0]["entropy"] > 0
+    for k in ("loss", "loss_policy", "loss_rollout_kl", "loss_entropy", "ratio_mean"):
+        assert off[0][k] == on[0][k], k
+    assert off[0]["loss_entropy"] == 0.0 and coef[0]["loss_entropy"] < 0
+    assert torch.equal(off[1], on[1])  # the same update, bit for bit
+    assert not torch.equal(off[1], coef[1])  # the coefficient does act
 
 
 def test_split_invariance_token_budget_1x_2x_4x(tiny, engine) -> None:
