@@ -6,9 +6,10 @@ the buffer, version and manifests survive a Redis restart), and is stopped with 
 
 It runs in its own session (``start_new_session=True``): a Ctrl-C in the terminal goes to
 our process group only, so the server is not killed mid-write before we shut it down
-cleanly from ``finally``/``atexit``. The cost: if this process is SIGKILLed the server keeps
-running; the pidfile in ``data_dir`` lets the next start detect it instead of starting a
-second server on the same AOF.
+cleanly from ``finally``/``atexit``. If this process is SIGKILLed the server is killed with it
+(``asyncrl.lifetime.die_with_parent``; the AOF keeps what ``appendfsync`` had written); the
+pidfile in ``data_dir`` still lets a start detect a live server instead of starting a second one
+on the same AOF.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from asyncrl.lifetime import die_with_parent
 
 __all__ = ["EmbeddedRedis", "EmbeddedRedisError", "find_redis_server"]
 
@@ -174,7 +177,8 @@ class EmbeddedRedis:
             port = fixed_port if fixed_port is not None else _free_port()
             conf = self._write_config(port)
             self._proc = subprocess.Popen(
-                [binary, str(conf)],
+                # Dies with this process even on kill -9 (start it from the main thread; asyncrl.lifetime).
+                die_with_parent([binary, str(conf)]),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

@@ -1,0 +1,60 @@
+"""`kill -9` of `asyncrl run` itself: it runs no cleanup, so its children must die on their own.
+
+The learner and the embedded redis-server are started through asyncrl.lifetime.die_with_parent
+(PR_SET_PDEATHSIG), Ray's local cluster fate-shares with its driver, and the vLLM engines are the Ray
+workers' children. Checked on the whole process tree taken just before the kill (redis-server
+rewrites its process title over its environment, so the per-run environment marker alone would miss
+it) and on the marker (anything started later).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.chaos.chaos_helpers import ChaosRun, kill
+from tests.e2e.procs import processes_with_marker
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_kill9_of_asyncrl_run_leaves_no_process_behind(tmp_path, faults):
+    run = ChaosRun(tmp_path, 500)
+    tree: list[psutil.Process] = []
+    try:
+        run.wait_progress(1, 600, "the first learner step")
+        named = {"learner": run.learner_pid(), "redis": run.redis_pid(), "actor": run.actor_pid(0)}
+        assert all(named.values()), named
+        tree = psutil.Process(run.proc.pid).children(recursive=True)
+        assert {p.pid for p in tree} >= set(named.values())
+        faults.injected("kill -9 asyncrl run")
+        kill(run.proc.pid)
+        assert run.proc.wait(10) == -signal.SIGKILL
+        deadline = time.monotonic() + 30  # Ray's agents notice their raylet's death on a poll
+        while (
+            left := [p for p in tree if _alive(p)] + processes_with_marker(run.marker)
+        ) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"alive 30 s after `asyncrl run` was killed (of {len(tree)}): {left}"
+        faults.survived("kill -9 asyncrl run")
+    finally:  # never leak a failed case's processes
+        for p in tree:
+            if _alive(p):
+                p.kill()
+        for line in processes_with_marker(run.marker):
+            try:
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        run.close()
