@@ -34,6 +34,7 @@ recorded, their staleness is counted against the new V, and the usual drop bound
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import signal
@@ -60,6 +61,10 @@ from asyncrl.tinymodel import resolve_model_path
 __all__ = ["learn", "COUNTERS"]
 
 log = logging.getLogger(__name__)
+#: Unix times of this learner process's start-up milestones (rank 0, written at its first step; read by
+#: asyncrl bench's start-up breakdown): learn() entered (imports done), DeepSpeed engine built,
+#: weights published or restored, first batch in hand, first step recorded.
+STARTUP_FILE = "learner_startup.json"
 #: Cumulative StepRecord fields carried in the checkpoint.
 COUNTERS = ("groups_total", "tokens_total", "wait_s_total", "dropped_stale_total", "dropped_filtered_total",
             "skipped_nonfinite")  # fmt: skip
@@ -114,6 +119,7 @@ def learn(
     must have no published weights and no checkpoint.
     """
     start_time = time.time() if start_time is None else start_time
+    marks = {"start_time": start_time, "learner_started": time.time()}  # start-up milestones (unix s)
     run_dir = Path(run_dir)
     stop = stop_event or threading.Event()
     callbacks = list(on_step)
@@ -131,6 +137,7 @@ def learn(
     r0: Rank0 | None = None
     try:
         le = build_engine(cfg, model_path)
+        marks["deepspeed_ready"] = time.time()
         device = getattr(le.engine, "device", "cpu")
         ref = ReferenceModel(model_path, le.dtype, device) if cfg.learner.loss.ref_kl_coef > 0 else None
         mc = le.module.config
@@ -175,6 +182,7 @@ def learn(
         if action is not None:
             _publish(le, r0, action)
             state.version = action
+        marks["weights_published"] = time.time()
         # Learner steps since the weights were last published (they are past V by that much when
         # publish_every > 1); the objective places pi_prox on the version axis with it.
         since_publish = 0 if action is not None else state.step % cfg.learner.publish_every
@@ -201,6 +209,7 @@ def learn(
                 break
             groups = batch.groups if r0 is not None else [decode(d) for d in msg["groups"]]
             version = int(msg["version"])
+            marks.setdefault("first_batch", time.time())
 
             t_train = time.monotonic()
             res = trainer.train(groups, version, since_publish)
@@ -232,6 +241,9 @@ def learn(
                               publish_s, published, bool(due), trainer.lr_now())  # fmt: skip
                 tracking.attach_eval(rec, r0.buffer)  # the newest periodic eval of actor 0
                 r0.writer.write(rec)
+                if "first_step" not in marks:
+                    marks["first_step"] = time.time()
+                    (run_dir / STARTUP_FILE).write_text(json.dumps(marks, indent=1) + "\n")
                 r0.buffer.set_learner_status({"step": rec.step, "version": rec.version, "time": rec.time,
                                               "state": "stepped"})  # fmt: skip
                 log.info("step %d v%d reward %.3f loss %.4f ratio %.4f mismatch_kl %.2e staleness %.2f/%d "

@@ -40,5 +40,17 @@ def test_quick_bench_writes_the_table_and_json(tmp_path: Path, capsys) -> None:
         and g["ratio"] == pytest.approx(g["raw_tok_s"] / g["ours_tok_s"])
     )
     assert len(res["buffer"]) == 3 and all(b["ratio"] > 0 for b in res["buffer"])
+    # One demo step (4 groups of 8, max_tokens 5) on the idle engine: every completion has 1..5 tokens.
+    d = res["demo_generation"]
+    assert 0 < d["gen_step_s"] < 30 and 4 * 8 <= d["tokens_per_step"] <= 4 * 8 * 5
+    # The learner rows train the demo's batch: 32 sequences of prompt + 5 completion tokens each.
+    lrn = res["learner"]
+    assert lrn["sequences"] == 32 and lrn["micro_batches"] >= 1 and lrn["threads"] >= 1
+    assert 32 * (5 + 1) <= lrn["tokens"] <= 32 * (5 + 64)
+    for k in ("alone_s", "bare_deepspeed_s", "bare_torch_s"):
+        assert 0 < lrn[k] < 10, k
+    assert lrn["ratio_alone_vs_deepspeed"] == pytest.approx(lrn["alone_s"] / lrn["bare_deepspeed_s"])
+    assert "pipeline" not in res  # --quick leaves the real runs out unless --pipeline
     assert "publish-to-serving / copy floor" in out and "<= 3.00x" in out and "pause per swap" in out
-    assert out.count("\n") >= 1 + 4 + 1 + 3
+    assert "learner: step alone / bare DeepSpeed" in out and "<= 1.05x" in out
+    assert out.count("\n") >= 1 + 4 + 1 + 1 + 5 + 3

@@ -1,6 +1,4 @@
-"""``asyncrl bench``: one invocation, one table of ratios (target beside each row), one JSON file.
-
-Rows measured here, side by side in one process so machine speed cancels out of each ratio:
+"""Weight-path and generation rows of ``asyncrl bench`` (one engine per model size).
 
 * weight path at three model sizes (random-init Qwen2-style models: tiny, ~50M, ~300M params), for
   each transport (``file``: streamed write + sha256 + one fsync, actor-side sha256 verify; ``shm``:
@@ -8,12 +6,8 @@ Rows measured here, side by side in one process so machine speed cancels out of 
   the copy floor (model bytes / measured memcpy bandwidth), and the generation pause per swap;
 * generation: asyncrl's engine wrapper (``Engine.generate_group``) vs raw vLLM ``AsyncLLM.generate``
   on the same engine, sampling and concurrency;
-* the buffer path (``benchmarks/bench_buffer.py``: codec, put+read+ack, admission), when run from a
-  checkout.
-
-Not measured by this command (see the README's Benchmarks section): the learner step vs bare
-DeepSpeed / torch, pipeline steps/s at max_staleness 0/1/4 against the overlap bound, and start-up
-by phase.
+* generation of one learner step's groups alone (the demo's prompts, G, groups_per_step, sampling and
+  concurrency): the ``gen`` term of the pipeline's back-to-back limit (asyncrl.bench.pipeline).
 
 Swaps are timed with generation idle, so a pause is the swap itself (a swap during generation also
 waits for the engine step in progress, which is not a pause of sampling).
@@ -21,19 +15,14 @@ waits for the engine step in progress, which is not a pause of sampling).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import importlib.util
-import json
-import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "SIZES"]
+__all__ = ["SIZES", "copy_bandwidth", "weight_path", "PAUSE_TARGET_MS", "P2S_TARGET", "GEN_TARGET"]
 
 #: name -> tiny-model spec overrides (hidden, intermediate, layers, heads, kv heads).
 SIZES = {
@@ -60,7 +49,9 @@ def copy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
     return nbytes / best
 
 
-async def _weight_path(size: str, root: Path, iters: int, bw: float, gen: dict | None) -> list[dict]:
+async def _weight_path(
+    size: str, root: Path, iters: int, bw: float, gen: dict | None, demo: dict | None
+) -> list[dict]:
     from safetensors.torch import load_file
 
     from asyncrl.actors.engine import Engine
@@ -122,6 +113,8 @@ async def _weight_path(size: str, root: Path, iters: int, bw: float, gen: dict |
             )
         if gen is not None:
             gen.update(await _generation(engine, **gen))
+        if demo is not None:
+            demo.update(await _demo_step_generation(engine, **demo))
     finally:
         engine.shutdown()
     return rows
@@ -165,75 +158,44 @@ async def _generation(engine: Any, groups: int, concurrency: int, n: int, max_to
     return {"raw_tok_s": max(r), "ours_tok_s": max(o), "ratio": max(r) / max(o)}
 
 
-def _buffer_rows(quick: bool) -> list[dict]:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_buffer.py"
-    if not path.exists():
-        return []
-    spec = importlib.util.spec_from_file_location("asyncrl_bench_buffer", path)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    rows = mod.measure(groups=200 if quick else 2000)
-    targets = {"codec": 1.5, "put+read+ack": 2.5, "admission": 2.0}
-    out = []
-    for what, a, b, desc in rows:
-        t = next(v for k, v in targets.items() if what.startswith(k))
-        out.append(
-            {"what": what, "asyncrl_s": a, "baseline_s": b, "ratio": a / b, "target": t, "baseline": desc}
-        )
-    return out
+async def _demo_step_generation(engine: Any, cfg: Any, steps: int) -> dict:
+    """Seconds to generate one learner step's groups alone (the demo's prompts, shape and sampling).
+
+    ``groups_per_step`` groups of ``group_size``, at most ``num_actors * groups_in_flight`` at a
+    time, ``max_tokens`` each; rewards are not scored (microseconds on the tiny tasks). Median over
+    ``steps`` steps after one warm-up step.
+    """
+    from transformers import AutoTokenizer
+
+    from asyncrl.tasks import make_task, prompt_token_ids
+
+    a = cfg.actors
+    tok = AutoTokenizer.from_pretrained(str(engine.model_path), local_files_only=True)
+    prompts = [prompt_token_ids(tok, p.text, cfg.model.chat_template, cfg.task.system_prompt)
+               for p in make_task(cfg.task, 0).prompts[:64]]  # fmt: skip
+    sem = asyncio.Semaphore(a.num_actors * a.groups_in_flight)
+
+    async def group(i: int) -> int:
+        async with sem:
+            seqs = await engine.generate_group(prompts[i % len(prompts)], a.group_size, a.temperature,
+                                               a.top_p, a.max_tokens, f"demo-{i}")  # fmt: skip
+            return sum(len(s.token_ids) for s in seqs)
+
+    times, toks, k = [], [], 0
+    for i in range(steps + 1):
+        t = time.perf_counter()
+        n = sum(await asyncio.gather(*(group(k + j) for j in range(cfg.buffer.groups_per_step))))
+        k += cfg.buffer.groups_per_step
+        if i:
+            times.append(time.perf_counter() - t)
+            toks.append(n)
+    return {"gen_step_s": statistics.median(times), "tokens_per_step": statistics.mean(toks), "steps": steps}
 
 
-def table(result: dict) -> list[str]:
-    """The printed table: one line per ratio, its target beside it."""
-    lines = [f"{'row':<74} {'measured':>12} {'target':>10} {'ok':>3}"]
-
-    def row(name: str, value: float, target: float, fmt: str = "{:.2f}x") -> None:
-        ok = "yes" if value <= target else "NO"
-        lines.append(f"{name:<74} {fmt.format(value):>12} {('<= ' + fmt.format(target)):>10} {ok:>3}")
-
-    for w in result["weights"]:
-        tag = f"{w['size']} ({w['params'] / 1e6:.1f}M params, {w['bytes'] / 2**20:.1f} MiB) {w['transport']}"
-        row(f"weights {tag}: publish-to-serving / copy floor", w["ratio_to_floor"], P2S_TARGET)
-        row(f"weights {tag}: pause per swap (ms)", w["pause_s"] * 1e3, PAUSE_TARGET_MS, "{:.1f}")
-    g = result.get("generation")
-    if g:
-        row("generation: raw AsyncLLM tok/s / asyncrl Engine tok/s", g["ratio"], GEN_TARGET)
-    for b in result["buffer"]:
-        row(f"buffer: {b['what']} / {b['baseline'][:24]}", b["ratio"], b["target"])
-    return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model only, few iterations (CI smoke)")
-    ap.add_argument("--sizes", default=None, help=f"comma-separated subset of {','.join(SIZES)}")
-    ap.add_argument("--iters", type=int, default=None, help="swaps per size and transport")
-    ap.add_argument("--out", default="bench.json", help="where the JSON result goes")
-    args = ap.parse_args(argv)
-    sizes = (args.sizes or ("tiny" if args.quick else ",".join(SIZES))).split(",")
-    bad = [s for s in sizes if s not in SIZES]
-    if bad:
-        ap.error(f"--sizes: unknown {bad}; expected a subset of {list(SIZES)}")
-    iters = args.iters or (2 if args.quick else 5)
-    bw = copy_bandwidth(32 << 20 if args.quick else 256 << 20)
-    gen = dict(groups=8 if args.quick else 32, concurrency=4, n=4, max_tokens=16 if args.quick else 48)
-    result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
-        "copy_bandwidth_GBps": bw / 1e9,
-        "weights": [],
-        "generation": None,
-    }
-    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as d:
-        for size in sizes:
-            g = dict(gen) if size == sizes[0] else None
-            result["weights"] += asyncio.run(_weight_path(size, Path(d), iters, bw, g))
-            if g is not None:
-                result["generation"] = g
-    result["buffer"] = _buffer_rows(args.quick)
-    lines = table(result)
-    print("\n".join(lines))
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+def weight_path(sizes: list[str], root: Path, iters: int, bw: float, gen: dict, demo: dict | None):
+    """Rows of every size; ``gen`` runs on the first size's engine, ``demo`` on the tiny one (kwargs, filled in place)."""
+    rows = []
+    for size in sizes:
+        g = gen if size == sizes[0] else None
+        rows += asyncio.run(_weight_path(size, root, iters, bw, g, demo if size == "tiny" else None))
+    return rows

@@ -1,0 +1,161 @@
+"""Pipeline rows of ``asyncrl bench``: short real ``asyncrl run``s of the demo at several max_staleness.
+
+Each run is the demo config (``configs/default.yaml`` unless ``--config``) with only ``run.dir``,
+``run.max_steps``, ``buffer.max_staleness`` and the console changed, started as the user would start
+it (``python -m asyncrl.cli run``). From its ``metrics.jsonl`` (steady-state window: after the steps
+asyncrl.plan.calibrate leaves out, the same window ``asyncrl plan --from`` measures):
+
+* steps/s and samples/s;
+* the learner step inside the pipeline (median ``train_s``, the same scope as the "alone" row);
+* at max_staleness 0 (sync: the learner waits while the actors generate, the actors wait while the
+  learner trains): T_gen = mean ``wait_s`` per step (weight reload + generation of the step's groups)
+  and T_train = mean ``step_s - wait_s`` (train + publish + checkpoint share). The overlap bound
+  (T_gen + T_train) / max(T_gen, T_train) is the best async/sync speed-up perfect overlap can give.
+
+The back-to-back limit is 1 / (gen + train + publish + reload per step), each measured alone in the
+same bench invocation: gen = one step's groups on an idle engine (asyncrl.bench.weights), train =
+the Trainer step alone (asyncrl.bench.learner), publish and reload = the tiny model's weight path for
+the run's transport.
+
+Start-up by phase comes from timestamps the run writes anyway: the run's start (``time`` vs
+``step_time`` of the first record), redis.log's "Ready to accept connections", the actor log's state
+lines (starting / waiting_for_weights = engine up / running = v0 loaded), and the learner's
+``learner_startup.json`` (asyncrl.learner.loop.STARTUP_FILE).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["STALENESS", "B2B_TARGET", "OVERLAP_TARGET", "FIRST_STEP_TARGET_S", "run_demo", "steady",
+           "startup_phases", "pipeline_rows", "back_to_back"]  # fmt: skip
+
+STALENESS = (0, 1, 4)
+B2B_TARGET = 0.9  # steady-state steps/s >= 0.9x the back-to-back limit
+OVERLAP_TARGET = 0.95  # async/sync >= 0.95x the overlap bound
+FIRST_STEP_TARGET_S = 25.0
+
+_REDIS_READY = re.compile(r"^\d+:M (\d+ \w{3} \d{4} \d\d:\d\d:\d\d\.\d{3}) \* Ready to accept connections")
+_ACTOR_STATE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) asyncrl\.actors\.actor INFO (actor-\d+): (starting|waiting_for_weights|running)$"
+)
+
+
+def run_demo(config: str | None, eta: int, steps: int, root: Path, timeout_s: float = 600.0) -> Path:
+    """One real ``asyncrl run`` of the demo at ``buffer.max_staleness=eta``; returns its run dir."""
+    rdir = root / f"run-eta{eta}"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", *(["-c", config] if config else []),
+           f"run.dir={rdir}", f"run.max_steps={steps}", f"buffer.max_staleness={eta}",
+           f"run.max_wall_s={int(timeout_s)}", "console.mode='off'"]  # fmt: skip
+    with open(root / f"run-eta{eta}.out", "wb") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s + 120)
+    summary = json.loads((rdir / "summary.json").read_text()) if (rdir / "summary.json").exists() else {}
+    if proc.returncode != 0 or not summary.get("finished"):
+        raise RuntimeError(f"demo run at max_staleness={eta} did not finish (exit {proc.returncode}, "
+                           f"status {summary.get('status')!r}); see {root / f'run-eta{eta}.out'}")  # fmt: skip
+    return rdir
+
+
+def steady(rdir: Path) -> dict:
+    """Steady-state numbers of one run (window of asyncrl.plan.calibrate.measure)."""
+    from asyncrl.learner.records import METRICS_FILE, read_jsonl
+    from asyncrl.plan.calibrate import measure
+
+    m = measure(rdir)
+    win = read_jsonl(rdir / METRICS_FILE)[m.warmup :]
+    n = len(win)
+    return {
+        "max_staleness": m.max_staleness,
+        "steps": m.steps,
+        "window_steps": n,
+        "window_s": m.window_s,
+        "steps_per_s": n / m.window_s,
+        "samples_per_s": m.samples_per_s,
+        "train_s_median": statistics.median(r["train_s"] for r in win),
+        "wait_s_mean": sum(r["wait_s"] for r in win) / n,
+        "learner_s_mean": sum(r["step_s"] - r["wait_s"] for r in win) / n,
+        "publish_s_mean": m.publish_s,
+        "staleness_mean": m.staleness_mean,
+    }
+
+
+def _local_ts(text: str, fmt: str) -> float:
+    """Unix time of a log timestamp written in local time (redis-server and Python logging both are)."""
+    whole, frac = re.split(r"[.,]", text)
+    return time.mktime(time.strptime(whole, fmt)) + int(frac) / 1000
+
+
+def startup_phases(rdir: Path) -> dict:
+    """Seconds after the run's start at which each start-up milestone was reached (None: not found)."""
+    from asyncrl.learner.loop import STARTUP_FILE
+    from asyncrl.learner.records import METRICS_FILE, read_jsonl
+
+    first = read_jsonl(rdir / METRICS_FILE)[0]
+    t0 = first["step_time"] - first["time"]
+    out: dict[str, Any] = dict.fromkeys(
+        ("redis_ready", "learner_started", "deepspeed_ready", "weights_published", "actor_started",
+         "engine_up", "actor_serving_v0", "first_batch", "first_step"))  # fmt: skip
+    out["first_step"] = first["time"]
+    log = rdir / "redis" / "redis.log"
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        m = _REDIS_READY.match(line)
+        if m:
+            out["redis_ready"] = _local_ts(m.group(1), "%d %b %Y %H:%M:%S") - t0
+            break
+    names = {"starting": "actor_started", "waiting_for_weights": "engine_up", "running": "actor_serving_v0"}
+    for log in sorted((rdir / "logs").glob("actor-*.log")):  # the last actor to get there counts
+        for line in log.read_text(errors="replace").splitlines():
+            m = _ACTOR_STATE.match(line)
+            if m and (key := names[m.group(3)]):
+                t = _local_ts(m.group(1), "%Y-%m-%d %H:%M:%S") - t0
+                out[key] = t if out[key] is None else max(out[key], t)
+    marks = rdir / STARTUP_FILE
+    if marks.exists():
+        for k, v in json.loads(marks.read_text()).items():
+            if k in out and k != "first_step":
+                out[k] = v - t0
+    return out
+
+
+def back_to_back(gen_step_s: float, train_s: float, publish_s: float, reload_s: float) -> dict:
+    """1 / (gen + train + publish + reload): steps/s with every phase run in turn at its alone speed."""
+    per_step = gen_step_s + train_s + publish_s + reload_s
+    return {"gen_s": gen_step_s, "train_s": train_s, "publish_s": publish_s, "reload_s": reload_s,
+            "per_step_s": per_step, "steps_per_s": 1.0 / per_step}  # fmt: skip
+
+
+def overlap_bound(t_gen: float, t_train: float) -> float:
+    """(T_gen + T_train) / max(T_gen, T_train): async/sync speed-up with perfect overlap."""
+    return (t_gen + t_train) / max(t_gen, t_train)
+
+
+def pipeline_rows(config: str | None, staleness: tuple[int, ...], steps: int, root: Path,
+                  b2b: dict | None, train_alone_s: float | None) -> dict:  # fmt: skip
+    """Run the demo at each max_staleness and derive the pipeline rows (see the module docstring)."""
+    runs = {}
+    for eta in staleness:
+        rdir = run_demo(config, eta, steps, root)
+        runs[eta] = {**steady(rdir), "startup": startup_phases(rdir)}
+    res: dict[str, Any] = {"runs": {str(k): v for k, v in runs.items()}, "back_to_back": b2b}
+    if 0 in runs:
+        sync = runs[0]
+        t_gen, t_train = sync["wait_s_mean"], sync["learner_s_mean"]
+        bound = overlap_bound(t_gen, t_train)
+        res.update(T_gen_s=t_gen, T_train_s=t_train, overlap_bound=bound)
+        for eta, r in runs.items():
+            if eta > 0:
+                r["speedup_vs_sync"] = r["steps_per_s"] / sync["steps_per_s"]
+                r["speedup_over_bound"] = r["speedup_vs_sync"] / bound
+    for r in runs.values():
+        if b2b:
+            r["over_back_to_back"] = r["steps_per_s"] / b2b["steps_per_s"]
+        if train_alone_s:
+            r["train_in_pipeline_over_alone"] = r["train_s_median"] / train_alone_s
+    return res

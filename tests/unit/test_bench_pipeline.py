@@ -1,0 +1,120 @@
+"""asyncrl bench's pipeline rows: steady-state window, overlap bound, back-to-back limit and the start-up
+breakdown, on a run dir written here with known timestamps (the real runs are in the full bench)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.bench.pipeline import back_to_back, overlap_bound, startup_phases, steady
+from asyncrl.bench.report import table
+from asyncrl.learner.loop import STARTUP_FILE
+
+T0 = 1_790_000_000.25  # the run's start (unix s)
+
+
+def _local(t: float, fmt: str, sep: str) -> str:
+    return time.strftime(fmt, time.localtime(t)) + f"{sep}{round((t % 1) * 1000):03d}"
+
+
+def _run_dir(tmp: Path, eta: int, steps: int, rng: random.Random) -> tuple[Path, list[dict]]:
+    rdir = tmp / f"eta{eta}"
+    (rdir / "redis").mkdir(parents=True)
+    (rdir / "logs").mkdir()
+    (rdir / "config.yaml").write_text(f"buffer:\n  max_staleness: {eta}\n")
+    recs, t = [], 30.0
+    for s in range(1, steps + 1):
+        wait, train, pub = rng.uniform(0, 0.05), rng.uniform(0.02, 0.08), rng.uniform(0.005, 0.02)
+        step_s = wait + train + pub + rng.uniform(0, 0.01)
+        t += step_s
+        recs.append({"step": s, "time": t, "step_time": T0 + t, "step_s": step_s, "wait_s": wait, "train_s": train,
+                     "publish_s": pub, "published": True, "checkpointed": s % 50 == 0, "tokens": 150 + s % 7,
+                     "sequences": 32, "staleness_hist": {"0": 100, "1": 50 + s % 3}})  # fmt: skip
+    (rdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (rdir / "redis" / "redis.log").write_text(
+        f"7:C {_local(T0 + 0.1, '%d %b %Y %H:%M:%S', '.')} # oO0OoO0OoO0Oo Redis is starting\n"
+        f"7:M {_local(T0 + 0.4, '%d %b %Y %H:%M:%S', '.')} * Ready to accept connections tcp\n"
+    )
+    for i, (start, up, run) in enumerate([(9.5, 28.0, 28.5), (9.7, 29.25, 29.5)]):
+        lines = [f"{_local(T0 + start, '%Y-%m-%d %H:%M:%S', ',')} asyncrl.actors.actor INFO actor-{i}: starting",
+                 "(EngineCore pid=1) INFO 11-23 14:35:41 [core.py:133] noise",
+                 f"{_local(T0 + up, '%Y-%m-%d %H:%M:%S', ',')} asyncrl.actors.actor INFO actor-{i}: waiting_for_weights",
+                 f"{_local(T0 + run, '%Y-%m-%d %H:%M:%S', ',')} asyncrl.actors.actor INFO actor-{i}: running"]  # fmt: skip
+        (rdir / "logs" / f"actor-{i}.log").write_text("\n".join(lines) + "\n")
+    marks = {"start_time": T0, "learner_started": T0 + 5.0, "deepspeed_ready": T0 + 8.0,
+             "weights_published": T0 + 8.5, "first_batch": T0 + 30.0, "first_step": T0 + 30.1}  # fmt: skip
+    (rdir / STARTUP_FILE).write_text(json.dumps(marks))
+    return rdir, recs
+
+
+def test_startup_phases_from_the_logs_the_run_writes(tmp_path: Path) -> None:
+    rdir, recs = _run_dir(tmp_path, 1, 20, random.Random(0))
+    s = startup_phases(rdir)
+    want = {"redis_ready": 0.4, "learner_started": 5.0, "deepspeed_ready": 8.0, "weights_published": 8.5,
+            "actor_started": 9.7, "engine_up": 29.25, "actor_serving_v0": 29.5, "first_batch": 30.0,
+            "first_step": recs[0]["time"]}  # fmt: skip
+    assert s == pytest.approx(want, abs=2e-3)  # the last actor to reach a state counts
+
+
+def test_startup_phases_tolerate_missing_logs(tmp_path: Path) -> None:
+    rdir, recs = _run_dir(tmp_path, 1, 5, random.Random(1))
+    for p in [rdir / STARTUP_FILE, rdir / "redis" / "redis.log", *(rdir / "logs").iterdir()]:
+        p.unlink()
+    s = startup_phases(rdir)
+    assert s.pop("first_step") == pytest.approx(recs[0]["time"])
+    assert set(s.values()) == {None}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_steady_state_window_against_a_plain_reference(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    steps = rng.randint(10, 200)
+    rdir, recs = _run_dir(tmp_path, 0, steps, rng)
+    got = steady(rdir)
+    k = min(max(3, steps // 10), steps - 2)  # calibrate.default_warmup
+    win = recs[k:]
+    dur = win[-1]["time"] - recs[k - 1]["time"]
+    assert got["window_steps"] == len(win) and got["window_s"] == pytest.approx(dur)
+    assert got["steps_per_s"] == pytest.approx(len(win) / dur)
+    assert got["samples_per_s"] == pytest.approx(32 * len(win) / dur)
+    assert got["wait_s_mean"] == pytest.approx(sum(r["wait_s"] for r in win) / len(win))
+    assert got["learner_s_mean"] == pytest.approx(sum(r["step_s"] - r["wait_s"] for r in win) / len(win))
+    train = sorted(r["train_s"] for r in win)
+    n = len(train)
+    assert got["train_s_median"] == pytest.approx((train[(n - 1) // 2] + train[n // 2]) / 2)
+
+
+def test_overlap_bound_and_back_to_back() -> None:
+    rng = random.Random(3)
+    for _ in range(100):
+        g, t = rng.uniform(1e-3, 1), rng.uniform(1e-3, 1)
+        b = overlap_bound(g, t)
+        assert 1.0 < b <= 2.0 and b == pytest.approx((g + t) / max(g, t))
+    assert overlap_bound(0.05, 0.05) == 2.0 and overlap_bound(1.0, 1e-9) == pytest.approx(1.0)
+    b2b = back_to_back(0.038, 0.026, 0.005, 0.012)  # the issue's numbers: ~12 steps/s
+    assert b2b["per_step_s"] == pytest.approx(0.081) and b2b["steps_per_s"] == pytest.approx(1 / 0.081)
+
+
+def test_table_marks_met_and_missed_targets() -> None:
+    run = {"window_steps": 100, "window_s": 10.0, "steps_per_s": 10.0, "samples_per_s": 320.0,
+           "train_s_median": 0.03, "max_staleness": 1, "over_back_to_back": 0.5,
+           "train_in_pipeline_over_alone": 1.2, "speedup_vs_sync": 1.4, "speedup_over_bound": 0.97,
+           "startup": {"redis_ready": 0.4, "first_step": 31.0}}  # fmt: skip
+    res = {"weights": [], "buffer": [], "pipeline": {
+        "runs": {"1": run}, "T_gen_s": 0.05, "T_train_s": 0.04, "overlap_bound": 1.8,
+        "back_to_back": back_to_back(0.038, 0.026, 0.005, 0.012)}}  # fmt: skip
+    lines = {ln.split("  ")[0]: ln for ln in table(res)[1:]}
+    assert lines["pipeline eta=1: steps/s / back-to-back limit"].split()[-4:] == [
+        "0.50x",
+        ">=",
+        "0.90x",
+        "NO",
+    ]
+    assert lines["pipeline eta=1: async/sync 1.40x / overlap bound"].endswith("yes")
+    first = next(v for k, v in lines.items() if "first learner step" in k)
+    assert first.endswith("NO") and "<= 25.0" in first
+    assert next(v for k, v in lines.items() if "inside the pipeline" in k).endswith("yes")
