@@ -59,7 +59,11 @@ def _parser() -> argparse.ArgumentParser:
         "bench", help="benchmark: one table of ratios with targets, and JSON (see asyncrl.bench)"
     )
     p.add_argument("--quick", action="store_true", help="tiny model only, few iterations (CI smoke)")
-    p.add_argument("--sizes", help="comma-separated subset of tiny,50M,300M; --iters N; --out FILE")
+    p.add_argument(
+        "--sizes",
+        help="comma-separated subset of tiny,50M,300M; --iters N; --out FILE; "
+        "--[no-]pipeline, --staleness 0,1,4, --pipeline-steps N (asyncrl bench -h)",
+    )
     p = sub.add_parser("config", help="print the resolved config, or every field with --explain")
     p.add_argument("--explain", action="store_true")
     _add_config_args(p)
