@@ -77,6 +77,7 @@ class NcclReceiver:
         self.joined: str | None = None  # session id of the group our workers are in
         self.rank_offset: int | None = None
         self._seq = -1  # last round taken part in
+        self._refused: str | None = None  # a session whose ranks we could not claim
 
     def _report(self, version: int, seq: int, stage: str, reason: str = "") -> None:
         assert self.joined is not None
@@ -87,9 +88,17 @@ class NcclReceiver:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         info = await asyncio.to_thread(self.session.session)
-        if info is None or info.id == self.joined:
+        if info is None or info.id in (self.joined, self._refused):
             return False
-        offset = await asyncio.to_thread(self.session.claim, info.id, self.actor_id, self.ranks)
+        try:
+            offset = await asyncio.to_thread(self.session.claim, info.id, self.actor_id, self.ranks)
+        except BroadcastError as e:
+            # Typically a restarted engine whose previous incarnation holds this actor's ranks: that
+            # group is broken (its next round fails naming us), and the learner forms a new one,
+            # which we join. Until then: serve the weights we have, without asking again.
+            self._refused = info.id
+            log.warning("%s: not joining weight broadcast %s: %s", self.actor_id, info.id, e)
+            return False
         self.joined, self.rank_offset, self._seq = info.id, offset, -1
         try:
             await self.engine.llm.init_weight_transfer_engine(

@@ -342,3 +342,31 @@ def test_check_names():
     assert "missing ['b']" in check_names({"a", "b"}, ["a"])
     assert "unexpected ['c']" in check_names({"a"}, ["a", "c"])
     assert "duplicate" in check_names({"a"}, ["a", "a"])
+
+
+def test_a_restarted_actor_waits_for_the_next_group(stack, redis_client, run_name):
+    """A new engine of an actor already in the group cannot take its old ranks (that group is broken):
+    it stays out without erroring, the learner's next round fails naming it, and the group the learner
+    forms next (its restart) has everyone in it again."""
+    plane, actors, pub, buf = stack
+    pub.publish(0, _weights(0))
+    actors[1].close()
+    names = set(_weights(0))
+    plane2 = _Plane(world_size=plane.world_size)
+    reborn = _Actor(redis_client, run_name, "actor-1", plane2, names, ranks=1)
+    try:
+        time.sleep(0.3)
+        assert reborn.error is None and reborn.receiver.joined is None  # stayed out, kept polling
+        with pytest.raises(BroadcastError, match=r"\['actor-1'\]"):
+            pub.publish(1, _weights(1))
+        # The learner's restart: a new transport forms a new group; both actors join it.
+        actors[0].engine.llm.plane = plane2
+        pub2 = Publisher(buf, NcclTransport(
+            BroadcastSession(redis_client, run_name), names, master_address="127.0.0.1", master_port=1,
+            world_size=plane2.world_size, timeout_s=2.0, join_timeout_s=10.0,
+            trainer=lambda c, s: _CpuTrainer(c, s, plane2), device="cpu"), 2, "float32")  # fmt: skip
+        pub2.publish(1, _weights(1))
+        assert buf.version() == 1 and actors[0].engine.version == reborn.engine.version == 1
+        assert all(torch.equal(reborn.engine.llm.received[n], t) for n, t in _weights(1).items())
+    finally:
+        reborn.close()
