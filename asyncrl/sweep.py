@@ -33,7 +33,7 @@ from asyncrl.orchestrator import stop_process
 from asyncrl.sweep_report import CellSpec, Marks, SeedRun, write_report
 
 SWEEP_KEYS = ("name", "dir", "base_config", "grid", "objectives", "overrides", "seeds", "baseline", "marks_s",
-              "step_marks", "cell_timeout_s")  # fmt: skip
+              "step_marks", "cell_timeout_s", "report_dir")  # fmt: skip
 GRID_KEYS = ("max_staleness", "objective")
 #: Keys the sweep sets per run; a common or objective override may not fight over them.
 RESERVED = ("run.name", "run.dir", "run.progress", "run.seed", "buffer.max_staleness")
@@ -57,6 +57,13 @@ class SweepSpec:
     seeds: list[int] = field(default_factory=lambda: list(DEFAULT_SEEDS))
     step_marks: list[int] = field(default_factory=list)
     baseline: str | None = None  # objective the others are compared with (paired by seed)
+    # Where the report goes (default: dir). A second sweep file can share another's run dirs (its
+    # finished runs are skipped) and report on a different grid without overwriting the first report.
+    report_dir: Path | None = None
+
+    @property
+    def out_dir(self) -> Path:
+        return self.report_dir or self.dir
 
     @property
     def marks(self) -> Marks:
@@ -194,7 +201,7 @@ def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepS
     timeout = s.get("cell_timeout_s", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
         raise _fail("sweep.cell_timeout_s", f"{timeout!r} is not a number of seconds >= 0")
-    for key in ("dir", "base_config"):
+    for key in ("dir", "base_config", "report_dir"):
         if not isinstance(s.get(key, ""), str):
             raise _fail(f"sweep.{key}", f"must be a path string, got {s[key]!r}")
     base = Path(s["base_config"]).resolve() if s.get("base_config") else None
@@ -212,6 +219,7 @@ def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepS
         seeds=list(seeds),
         step_marks=sorted(set(step_marks)),
         baseline=baseline,
+        report_dir=Path(s["report_dir"]).resolve() if s.get("report_dir") else None,
     )
 
 
@@ -337,6 +345,7 @@ def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None
     """
     spec = load_spec(config_path, overrides)
     spec.dir.mkdir(parents=True, exist_ok=True)
+    spec.out_dir.mkdir(parents=True, exist_ok=True)
     runs = spec.runs()
     print(f"sweep {spec.name}: {len(spec.cells())} cells x {len(spec.seeds)} seeds in {spec.dir}", flush=True)
     statuses: dict[str, tuple[str, int | None]] = {}
@@ -363,10 +372,10 @@ def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None
             marker = read_marker(run)
             done = is_finished(run)
             statuses[run.name] = ("ok" if done else marker.get("status", "missing"), marker.get("exit_code"))
-    write_report(spec.cells(), spec.seeds, statuses, spec.marks, spec.dir, spec.baseline)
+    write_report(spec.cells(), spec.seeds, statuses, spec.marks, spec.out_dir, spec.baseline)
     failed = [n for n, (st, _) in statuses.items() if st != "ok"]
     print(
-        f"results: {spec.dir / 'results.md'}  {spec.dir / 'results.csv'}  (+ runs.csv, comparison.csv, PNGs)"
+        f"results: {spec.out_dir / 'results.md'}  {spec.out_dir / 'results.csv'}  (+ runs.csv, comparison.csv, PNGs)"
     )
     if failed:
         print(f"not ok: {', '.join(failed)}; re-run the same command to retry them", file=sys.stderr)

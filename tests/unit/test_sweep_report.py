@@ -215,6 +215,10 @@ def test_parse_spec_builds_cells_and_overrides():
     assert cmd[1:4] == ["-m", "asyncrl.cli", "run"] and "--config" not in cmd
     spec2 = parse_spec(_raw(), ["sweep.grid.max_staleness=[4]", "sweep.dir=/tmp/x"])
     assert spec2.max_staleness == [4] and spec2.dir == Path("/tmp/x")
+    assert spec.out_dir == spec.dir and spec2.out_dir == Path("/tmp/x")
+    spec3 = parse_spec(_raw(), ["sweep.dir=/tmp/x", "sweep.report_dir=/tmp/x/sub"])
+    assert spec3.dir == Path("/tmp/x") and spec3.out_dir == Path("/tmp/x/sub")
+    assert spec3.cells()[0].dir == Path("/tmp/x/s0-naive")  # runs stay in dir
 
 
 @pytest.mark.parametrize(
@@ -245,6 +249,7 @@ def test_parse_spec_builds_cells_and_overrides():
         (_raw(cell_timeout_s=-5), "sweep.cell_timeout_s"),
         (_raw(name="a b"), "sweep.name"),
         (_raw(base_config="/no/such.yaml"), "sweep.base_config"),
+        (_raw(report_dir=3), "sweep.report_dir"),
     ],
 )
 def test_parse_spec_errors_name_the_key(raw, needle):
@@ -265,13 +270,21 @@ def test_load_spec_checks_cell_configs(tmp_path: Path):
     assert spec.name == "u" and spec.overrides == ["run.max_steps=3", "run.max_steps=5"]
 
 
-@pytest.mark.parametrize("name", ["sweep_staleness.yaml", "sweep_tiny.yaml"])
+SHIPPED = [
+    "sweep_staleness.yaml",
+    "sweep_staleness_full.yaml",
+    "sweep_staleness_ladder.yaml",
+    "sweep_tiny.yaml",
+]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_sweep_configs_validate(name, monkeypatch):
     monkeypatch.chdir(REPO)
     spec = load_spec(REPO / "configs" / name)
     assert spec.objectives["naive"] and spec.objectives["full"] == [] and spec.baseline == "naive"
     assert "learner.fill_window=true" in spec.overrides
-    if name == "sweep_staleness.yaml":
+    if name == "sweep_staleness_full.yaml":  # the full grid (documented, not run)
         assert spec.max_staleness == [0, 1, 2, 4, 8, 16] and list(spec.objectives) == [
             "naive",
             "dppo",
@@ -279,9 +292,18 @@ def test_shipped_sweep_configs_validate(name, monkeypatch):
             "full",
             "full-adaptive",
         ]
-        assert len(spec.seeds) >= 3 and spec.step_marks and spec.marks_s
+    elif name == "sweep_staleness.yaml":  # the grid behind the README table
+        assert spec.max_staleness == [0, 1, 4, 16] and list(spec.objectives) == ["naive", "full"]
+    elif name == "sweep_staleness_ladder.yaml":  # shares the runs of sweep_staleness.yaml
+        main = load_spec(REPO / "configs" / "sweep_staleness.yaml")
+        assert spec.dir == main.dir and spec.out_dir != main.out_dir and spec.overrides == main.overrides
+        assert spec.max_staleness == [16] and list(spec.objectives) == ["naive", "dppo", "dppo-k2", "full"]
+        assert spec.seeds == main.seeds and spec.objectives["naive"] == main.objectives["naive"]
     else:
         assert len(spec.cells()) == 2 and len(spec.seeds) == 2
+    if name != "sweep_tiny.yaml":
+        assert len(spec.seeds) >= 3 and spec.step_marks and spec.marks_s
+        assert "task.name=echo" in spec.overrides
 
 
 def test_finished_means_summary_and_no_failure_marker(tmp_path: Path):
@@ -351,6 +373,30 @@ def test_run_sweep_failure_row_retry_and_skip(tmp_path: Path, monkeypatch, capsy
         )
     with (tmp_path / "out" / "results.csv").open() as f:
         assert all(r["seeds_ok"] == "2" for r in csv.DictReader(f))
+
+
+def test_second_sweep_file_shares_runs_and_reports_elsewhere(tmp_path: Path, monkeypatch, capsys):
+    # configs/sweep_staleness_ladder.yaml's pattern: same dir (finished runs skipped), own report_dir.
+    import sys
+
+    from asyncrl.sweep import run_sweep
+
+    monkeypatch.setattr(
+        SweepSpec, "command", lambda self, run: [sys.executable, "-c", FAKE_RUN, *self.run_overrides(run)]
+    )
+    monkeypatch.setenv("FAIL_CELLS", "")
+    main, sub = tmp_path / "main.yaml", tmp_path / "sub.yaml"
+    main.write_text(yaml.safe_dump(_raw(dir=str(tmp_path / "out"), seeds=[0, 1])))
+    assert run_sweep(main) == 0
+    before = (tmp_path / "out" / "results.csv").read_text()
+    sub.write_text(yaml.safe_dump(_raw(dir=str(tmp_path / "out"), seeds=[0, 1], report_dir=str(tmp_path / "out" / "r"),
+                                       grid={"max_staleness": [2], "objective": ["naive", "corrected"]})))  # fmt: skip
+    capsys.readouterr()
+    assert run_sweep(sub) == 0
+    assert capsys.readouterr().out.count("skipped (done)") == 4  # nothing re-run
+    assert (tmp_path / "out" / "results.csv").read_text() == before  # the first report is untouched
+    with (tmp_path / "out" / "r" / "results.csv").open() as f:
+        assert [r["cell"] for r in csv.DictReader(f)] == ["s2-naive", "s2-corrected"]
 
 
 def test_adaptive_cell_is_compared_with_the_best_fixed_bound(tmp_path: Path):
