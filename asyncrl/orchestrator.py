@@ -49,7 +49,6 @@ from asyncrl.console import make_console
 from asyncrl.cpu_binding import resolve_plan
 from asyncrl.learner.records import read_jsonl  # stdlib only: a torn last line is skipped
 from asyncrl.lifetime import arm_reaper, die_with_parent
-from asyncrl.lifetime import arm_reaper, die_with_parent
 
 
 def _free_port() -> int:
@@ -102,9 +101,6 @@ def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, res
     # A kill -9 of `asyncrl run` runs no cleanup: the learner dies with it (die_with_parent), and so does
     # every process started from here on, the learner's, Ray's and the vLLM engines' (asyncrl.lifetime).
     arm_reaper()
-    # A kill -9 of `asyncrl run` runs no cleanup: the learner dies with it (die_with_parent), and so does
-    # every process started from here on, the learner's, Ray's and the vLLM engines' (asyncrl.lifetime).
-    arm_reaper()
     env = dict(os.environ)
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), ASYNCRL_START_TIME=repr(start_time))  # fmt: skip
@@ -116,7 +112,6 @@ def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, res
     cmd = [sys.executable, "-m", "asyncrl.cli", "learn", "--config", str(cfg_path)]
     if resume:
         cmd.insert(4, "--resume")
-    cmd = die_with_parent(cmd)  # see arm_reaper() above
     cmd = die_with_parent(cmd)  # see arm_reaper() above
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
