@@ -25,7 +25,9 @@ Invariants:
 * the actor never imports the learner; it meets it only through ``asyncrl.buffer``.
 
 :class:`RolloutActor` works without Ray (tests, scripts); ``ray_actor.RayRolloutActor`` is the
-thin wrapper the pool turns into a Ray actor.
+thin wrapper the pool turns into a Ray actor. This module holds its lifecycle (run, restarts, stop,
+heartbeats); the group workers are in :mod:`asyncrl.actors.group_worker`, the weight-version side in
+:mod:`asyncrl.actors.version_watch`.
 """
 
 from __future__ import annotations
@@ -33,35 +35,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
-import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from asyncrl.buffer import ReplayBuffer, WeightIntegrityError, WeightManifest, verify
+from asyncrl.buffer import ReplayBuffer
 from asyncrl.buffer.broadcast import BroadcastSession
-from asyncrl.buffer.paths import confine, weight_roots
+from asyncrl.buffer.paths import weight_roots
 from asyncrl.evaluate import PeriodicEval
-from asyncrl.tasks import Prompt, PromptSource, make_task, prompt_token_ids
+from asyncrl.tasks import PromptSource, make_task
 
 from .admission_wake import AdmissionWaker
 from .engine import SWAP_MODES, Engine
-from .groups import build_group
+from .group_worker import GroupProduction
 from .nccl_receiver import NcclReceiver
 from .nccl_receiver import expected_names as nccl_expected_names
-from .rewards import RewardFailure, RewardRunner
-from .seeding import prompt_seq, request_seed
+from .rewards import RewardRunner
+from .version_watch import MANIFEST_POLL_S, VersionWatching
 
 __all__ = ["RolloutActor"]
 
 log = logging.getLogger(__name__)
 
-_MANIFEST_POLL_S = 0.2  # registry poll while waiting for the first version / between hints
-_NCCL_POLL_S = 0.005  # broadcast-round poll (learner.weight_transport=nccl)
 
-
-class RolloutActor:
+class RolloutActor(GroupProduction, VersionWatching):
     """One actor: engine + group workers + version watcher + heartbeat. See the module doc."""
 
     def __init__(
@@ -288,8 +285,10 @@ class RolloutActor:
         try:
             import ray
 
+            # Only inside a Ray actor: a driver with Ray up (tests) has no actor id, and asking asserts.
+            ctx = ray.get_runtime_context() if ray.is_initialized() else None
             self.counters["reconstructed"] = bool(
-                ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+                ctx is not None and ctx.get_actor_id() is not None and ctx.was_current_actor_reconstructed
             )
         except ImportError:
             pass
@@ -311,7 +310,7 @@ class RolloutActor:
         while not self._stop_requested:
             if await self._maybe_swap(first=True):
                 return
-            await self._sleep(_MANIFEST_POLL_S)
+            await self._sleep(MANIFEST_POLL_S)
 
     async def _sleep(self, seconds: float, hint: asyncio.Event | None = None) -> None:
         """Sleep, waking early on a stop request (or when ``hint`` is set)."""
@@ -343,191 +342,6 @@ class RolloutActor:
                 for w in workers:
                     w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
-
-    # ------------------------------------------------------------------ weights
-
-    async def _newest_valid_manifest(self) -> WeightManifest | None:
-        """The newest published manifest newer than the served version whose weights verify.
-
-        Manifests that fail verification (tampered, half-written) are refused once, logged and
-        remembered; an older valid one is used instead only if it is still newer than what the
-        engine serves (a restarted actor thus falls back to the newest good version).
-        """
-        assert self.engine is not None
-        current = -1 if self.engine.version is None else self.engine.version
-        versions = await asyncio.to_thread(self.buffer.manifest_versions)
-        for v in sorted((v for v in versions if v > current), reverse=True):
-            m = await asyncio.to_thread(self.buffer.manifest, v)
-            if m is None or (m.version, m.sha256) in self._rejected:
-                continue
-            try:
-                confine(m.path, self.weight_roots)  # a manifest path from Redis: never outside the run
-                await asyncio.to_thread(verify, m)
-            except WeightIntegrityError as e:
-                self._rejected.add((m.version, m.sha256))
-                self.counters["weight_rejects"] += 1
-                log.error("%s: refusing weights v%d: %s", self.actor_id, m.version, e)
-                continue
-            return m
-        return None
-
-    async def _maybe_swap(self, first: bool = False) -> bool:
-        """Serve the newest valid manifest if it is newer than the served version; True if swapped."""
-        assert self.engine is not None
-        mode = "in_flight" if first else self.swap_mode
-        if self.receiver is not None:  # nccl: the learner drives; join its group / take part in its round
-            res = await self.receiver.poll(mode)
-            if res is None:
-                return False
-        else:
-            m = await self._newest_valid_manifest()
-            if m is None:
-                return False
-            res = await self.engine.swap_weights(m.path, m.version, mode)
-        self.counters["version"] = res.version
-        if not first:
-            self.counters["swaps"] += 1
-            self.counters["swap_pause_s"].append(res.pause_s)
-        log.info("%s: serving v%d (%s, pause %.3fs)", self.actor_id, res.version, res.mode, res.pause_s)
-        await self._heartbeat_async()
-        return True
-
-    async def _watch_versions(self) -> None:
-        """Swap on every newer manifest. Pub/sub only wakes us early; the registry is authoritative."""
-        sub = await asyncio.to_thread(self.buffer.subscribe_versions)
-        try:
-            while not self._stop_requested:
-                await self._maybe_eval()  # before looking for newer weights: eval pins the version
-                # nccl: the learner waits for every actor to start a round, so look often.
-                await asyncio.to_thread(
-                    sub.latest, _MANIFEST_POLL_S if self.receiver is None else _NCCL_POLL_S
-                )
-                await self._maybe_swap()
-        finally:
-            sub.close()
-
-    async def _maybe_eval(self) -> None:
-        """Periodic eval (actor 0, every eval.every versions) on the served weights; see asyncrl.evaluate."""
-        ev, engine = self.evaluator, self.engine
-        if ev is not None and engine is not None and ev.due(engine.version):
-            await ev.run(engine.llm, self._tokenizer, engine.version)
-            await self._heartbeat_async()  # the learner picks the result up from the heartbeat
-
-    # ------------------------------------------------------------------ groups
-
-    async def _admit(self) -> bool:
-        """Take one admission slot, waiting while the staleness bound is reached; False on stop.
-
-        The wait is added to ``admission_wait_s`` as it happens (not only when it ends), so a
-        long stall is visible while it lasts; ``admission_blocked`` counts the waiting workers.
-        """
-        last = time.monotonic()
-        blocked = False
-        try:
-            while True:
-                if self._stop_requested:
-                    return False
-                if self._max_groups is not None and self._started >= self._max_groups:
-                    return False
-                # Pass the version we sample with: weights already too stale are refused until the
-                # version watcher has swapped (exactly synchronous training at max_staleness = 0).
-                version = self.engine.version if self.engine is not None else None
-                if not self.cfg.actors.refuse_stale_weights:
-                    version = None
-                # Taken before the attempt: a hint that arrives while it runs is not lost (admission_wake).
-                hint = self._waker.event if self._waker is not None else None
-                if await asyncio.to_thread(self.buffer.try_admit, None, None, version, self.actor_id):
-                    self._started += 1
-                    return True
-                if not blocked:
-                    blocked = True
-                    self.counters["admission_blocked"] += 1
-                await self._sleep(self.cfg.actors.admission_poll_s, hint)
-                now = time.monotonic()
-                self.counters["admission_wait_s"] += now - last
-                last = now
-        finally:
-            if blocked:
-                self.counters["admission_blocked"] -= 1
-
-    async def _write(self, fn: Any, *args: Any, written: bool = False) -> Any:
-        """A buffer write in a thread, shielded from the worker's cancellation: once started it runs to
-        its end (retries included), is counted when it succeeds (``written``: a put), and is awaited by
-        :meth:`_writes_done` before a reclaim or shutdown."""
-        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        self._writes.add(fut)
-
-        def done(f: asyncio.Future) -> None:
-            self._writes.discard(f)
-            if written and not f.cancelled() and f.exception() is None:
-                self.counters["groups_written"] += 1
-
-        fut.add_done_callback(done)
-        return await asyncio.shield(fut)
-
-    async def _writes_done(self) -> None:
-        if self._writes:
-            await asyncio.gather(*list(self._writes), return_exceptions=True)
-
-    def _encode_prompt(self, prompt: Prompt) -> list[int]:
-        ids = self._prompt_ids.get(prompt.prompt_id)
-        if ids is None:
-            # The chat template (when the model has one) is applied here, once: these ids are what the
-            # engine samples from and what the record carries to the learner.
-            ids = self._prompt_ids[prompt.prompt_id] = prompt_token_ids(
-                self._tokenizer, prompt.text, self.cfg.model.chat_template, self.cfg.task.system_prompt
-            )
-        return ids
-
-    async def _group_worker(self) -> None:
-        a = self.cfg.actors
-        assert self.engine is not None
-        assert self.source is not None
-        while await self._admit():
-            # The prompt's position in this actor's stream names the group independently of timing:
-            # it seeds its sampling and orders it in the learner's batch (asyncrl.actors.seeding).
-            seq = prompt_seq(self.source.cursor, len(self.source))
-            seed = request_seed(self.cfg.run.seed, self.index, seq) if a.seeded_sampling else None
-            prompt = self.source.next()
-            prompt_ids = self._encode_prompt(prompt)
-            group_id = f"{self.actor_id}-{uuid.uuid4().hex[:12]}"
-            v_start, swaps_start = self.engine.version, self.counters["swaps"]
-            try:
-                seqs = await self.engine.generate_group(
-                    prompt_ids, a.group_size, a.temperature, a.top_p, a.max_tokens, group_id, seed=seed
-                )
-            except BaseException:
-                # Cancelled (stop with abort) or failed: nothing is written, the slot goes back.
-                self.buffer.credit(1, self.actor_id, request_id=group_id)
-                self.counters["groups_aborted"] += 1
-                raise
-            self.counters["generated_tokens"] += sum(len(s.token_ids) for s in seqs)
-            if any(s.finish_reason == "abort" for s in seqs):
-                await self._write(self.buffer.credit, 1, self.actor_id, group_id)
-                self.counters["groups_aborted"] += 1
-                continue
-            assert v_start is not None and self.engine.version is not None
-            meta = {
-                "temperature": float(a.temperature),  # the learner divides logits by it
-                "top_p": float(a.top_p),
-                "max_tokens": int(a.max_tokens),
-                "task": self.task.name,
-                "actor_index": self.index,
-                "version_start": int(v_start),
-                "version_end": int(self.engine.version),
-                "swaps": int(self.counters["swaps"] - swaps_start),
-                "swap_mode": self.swap_mode,
-                "prompt_seq": seq,
-            }
-            try:  # off the event loop, within task.reward_timeout_s (asyncrl.actors.rewards)
-                rewards = await self.rewards.score(prompt, [s.text for s in seqs])
-            except RewardFailure as e:
-                self.counters["groups_reward_failed"] += 1
-                log.warning("%s: group %s dropped: %s", self.actor_id, group_id, e)
-                await self._write(self.buffer.abandon, group_id, self.actor_id, str(e))
-                continue
-            group = build_group(group_id, rewards, prompt, prompt_ids, seqs, self.actor_id, meta)
-            await self._write(self.buffer.put, group, self.actor_id, written=True)
 
     # ------------------------------------------------------------------ heartbeat
 

@@ -3,26 +3,10 @@
 Actors ``put`` groups (after ``try_admit``), heartbeat, and subscribe to weight versions;
 the learner ``read``s, ``ack``s, ``credit``s dropped groups and ``publish_weights``.
 
-Delivery contract (DESIGN.md, "Delivery semantics"):
-
-* Groups are read through a consumer group. A consumer gets its OWN pending (delivered,
-  unacknowledged) entries first, then new ones. A restarted consumer (new instance, same
-  consumer name) therefore re-reads what it had not acknowledged: nothing is lost. A live
-  instance never re-delivers an entry it returned: it keeps a cursor (the highest id it
-  returned) and re-walks only its pending entries above it. Those exist only when an
-  XREADGROUP's reply was lost (a connection cut, or a frozen Redis that served a request the
-  client had already timed out and resent): without the re-walk they would stay pending forever.
-* ``ack`` acknowledges and deletes entries in one MULTI, so the stream holds only work not
-  yet done. Its length is then bounded by admission, not by ``maxlen``.
-* Entries that do not decode (bad msgpack, schema violations) never reach the caller: they
-  are moved to the dead-letter stream with the reason, acknowledged, deleted, and return an
-  admission credit so a bad producer cannot deadlock admission. So are entries delivered more
-  than ``max_deliveries`` times (the consumer group's delivery count): a group whose step keeps
-  crashing the learner is quarantined instead of being read first again after every restart.
-* Retries (connection.py) are safe: ``put`` is deduplicated by group id in the same script as
-  its XADD; drops and dead letters credit exactly the entries their XACK acknowledged, so a
-  repeat acknowledges and credits nothing; acks are idempotent. Errors that outlast the retry
-  budget propagate; nothing here swallows them.
+Split by what the code holds: the producer side (put, abandon) in :mod:`asyncrl.buffer.producer`, the
+consumer side and its delivery contract (read, ack, drop, dead letters) in :mod:`asyncrl.buffer.consumer`,
+weights/heartbeats in :mod:`asyncrl.buffer.registry`, admission in :mod:`asyncrl.buffer.admission`; this
+module holds the connection, statistics, version and admission entry points and pool leases.
 """
 
 from __future__ import annotations
@@ -30,116 +14,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from asyncrl.buffer.admission import (
-    DEDUP_TTL_S,
     Admission,
     AdmissionEvents,
     admission_bound_formula,
     check_admission_args,
-    wake_lua,
 )
 from asyncrl.buffer.cluster import cluster_client, connection_kwargs, split_cluster_url
 from asyncrl.buffer.connection import DEFAULT_RETRY_BUDGET_S, redis_options
-from asyncrl.buffer.layout import DEFAULT_CONSUMER_GROUP, ROLLOUT_FIELD, Keys
-from asyncrl.buffer.records import Group, RecordError, decode, encode
+from asyncrl.buffer.consumer import DEAD_DATA_LIMIT, DEAD_MAXLEN, DROP_LUA, Entry, StreamConsumer, _s
+from asyncrl.buffer.layout import DEFAULT_CONSUMER_GROUP, Keys
+from asyncrl.buffer.producer import ABANDON_LUA, PUT_LUA, StreamProducer
 from asyncrl.buffer.registry import RunRegistry
 
 __all__ = ["Entry", "ReplayBuffer", "DEAD_MAXLEN", "DEAD_DATA_LIMIT"]
 
 log = logging.getLogger(__name__)
 
-#: The dead-letter stream is capped (approximately) so a broken producer cannot fill Redis.
-DEAD_MAXLEN = 10_000
-#: Raw bytes kept per dead letter; the original size is recorded separately.
-DEAD_DATA_LIMIT = 64 * 1024
 
-# KEYS: rollouts, inflight, dedup. ARGV: field, data, owner ('' = none), maxlen (0 = none), dedup ttl.
-# Returns the entry id; a repeat of the same group id returns the first id and appends nothing.
-PUT_LUA = """
-local prev = redis.call('GET', KEYS[3])
-if prev then return prev end
-local id
-if tonumber(ARGV[4]) > 0 then
-  id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', ARGV[1], ARGV[2])
-else
-  id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-end
-if ARGV[3] ~= '' then
-  redis.call('HINCRBY', KEYS[2], ARGV[3], -1)
-end
-redis.call('SET', KEYS[3], id, 'EX', tonumber(ARGV[5]))
-return id
-"""
-
-# KEYS: rollouts, credits, dead. ARGV: consumer group, time, dead maxlen, admission channel, then per
-# entry the four values id, reason ('' = no dead letter), data, size. Acknowledges and deletes every
-# entry; only the entries this call acknowledged (were pending) get a dead letter and a credit, so a
-# repeat of the same call changes nothing. Returns how many were acknowledged (= credited).
-DROP_LUA = f"""
-local n = 0
-for i = 5, #ARGV, 4 do
-  local id = ARGV[i]
-  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
-    n = n + 1
-    if ARGV[i + 1] ~= '' then
-      redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'id', id, 'reason', ARGV[i + 1],
-                 'data', ARGV[i + 2], 'size', ARGV[i + 3], 'time', ARGV[2])
-    end
-  end
-  redis.call('XDEL', KEYS[1], id)
-end
-if n > 0 then
-  redis.call('INCRBY', KEYS[2], n)
-  {wake_lua("ARGV[4]", "credit")}
-end
-return n
-"""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One delivered group and the stream id to acknowledge it with."""
-
-    entry_id: str
-    group: Group
-
-
-# KEYS: credits, inflight, dedup, dead. ARGV: owner ('' = none), dedup ttl, group id, reason, time, dead maxlen,
-# admission channel.
-# An actor gives up a group it was admitted for (its reward failed): credit, in-flight tally, dead letter,
-# once per group id (shares the dedup key of ``credit(request_id=group_id)``). Returns 1, or 0 if repeated.
-ABANDON_LUA = f"""
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  return 0
-end
-redis.call('INCRBY', KEYS[1], 1)
-if ARGV[1] ~= '' then
-  redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
-end
-redis.call('SET', KEYS[3], '1', 'EX', tonumber(ARGV[2]))
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'id', ARGV[3], 'reason', ARGV[4], 'data', '',
-           'size', 0, 'time', ARGV[5])
-{wake_lua("ARGV[7]", "credit")}
-return 1
-"""
-
-
-def _s(b: bytes | str) -> str:
-    return b.decode() if isinstance(b, bytes) else b
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-class ReplayBuffer(RunRegistry):
+class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
     """Replay buffer of one run on one Redis. Thread-safe; one instance per process is enough.
 
     ``client`` must return bytes (``decode_responses=False``). ``maxlen`` enables approximate
@@ -278,200 +175,7 @@ class ReplayBuffer(RunRegistry):
 
     # ------------------------------------------------------------------ producing
 
-    def put(self, group: Group, owner: str | None = None) -> str:
-        """Encode (validating) and append ``group``; returns the stream entry id.
-
-        ``owner``: the actor id the group was admitted for (``try_admit(owner=...)``); its in-flight
-        tally drops by one in the same transaction as the append.
-
-        The append is deduplicated by ``group.group_id`` (for :data:`DEDUP_TTL_S`): a retried or
-        repeated put of the same group returns the first entry id and appends nothing, so a lost
-        reply can neither train a group twice nor unbalance the admission tally.
-        """
-        k = self.keys
-        dedup = k.request(f"put:{group.group_id}")
-        try:
-            return _s(
-                self._put_script(
-                    keys=[k.rollouts, k.inflight, dedup],
-                    args=[ROLLOUT_FIELD, encode(group), owner or "", self._maxlen or 0, DEDUP_TTL_S],
-                )
-            )
-        except (redis.ConnectionError, redis.TimeoutError):
-            # It may still run later (a frozen server); settled (tombstoned if it has not) before this
-            # client's next admission, credit or reclaim, so a reclaim never counts its slot twice.
-            self._admission.uncertain("put", dedup, owner)
-            raise
-
-    def put_raw(self, data: bytes) -> str:
-        """Append pre-encoded bytes as-is (custom producers, tests). Not validated here, and not
-        deduplicated: a retry after a lost reply may append twice (use ``put`` for real groups)."""
-        kw: dict[str, Any] = {"maxlen": self._maxlen, "approximate": True} if self._maxlen else {}
-        return _s(self._client.xadd(self.keys.rollouts, {ROLLOUT_FIELD: data}, **kw))
-
     # ------------------------------------------------------------------ consuming
-
-    def _lock_for(self, consumer: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._consumer_locks.setdefault(consumer, threading.Lock())
-
-    def read(self, consumer: str, n: int, block_ms: int | None = 1000) -> list[Entry]:
-        """Up to ``n`` valid groups for ``consumer``: its pending entries first, then new ones.
-
-        Blocks up to ``block_ms`` (None or 0: not at all) only while nothing valid was found.
-        Invalid and quarantined entries are dead-lettered and skipped (see module docstring).
-        """
-        if not isinstance(consumer, str) or not consumer:
-            raise ValueError("consumer must be a non-empty string")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        deadline = time.monotonic() + (block_ms or 0) / 1000.0
-        out: list[Entry] = []
-        stream = self.keys.rollouts
-        with self._lock_for(consumer):
-            # The cursor moves only when this call returns: if a Redis error ends it early, the
-            # entries it had collected stay pending above the cursor and the next call returns them.
-            cursor = self._cursor.get(consumer, "0")
-            # 1) This consumer's pending entries above the cursor, in id order: after a restart all
-            #    that an earlier incarnation was given; later only deliveries whose reply was lost.
-            while len(out) < n:
-                resp = self._client.xreadgroup(
-                    self.group_name, consumer, {stream: cursor}, count=n - len(out)
-                )
-                entries = resp[0][1] if resp else []
-                if not entries:
-                    break
-                cursor = _s(entries[-1][0])
-                out.extend(self._accept(entries, consumer, redelivered=True))
-            # 2) New entries; block only while we have nothing to return.
-            while len(out) < n:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
-                block = min(remaining_ms, self._max_block_ms) if (not out and remaining_ms > 0) else None
-                resp = self._client.xreadgroup(
-                    self.group_name, consumer, {stream: ">"}, count=n - len(out), block=block
-                )
-                entries = resp[0][1] if resp else []
-                if entries:
-                    if _id_key(_s(entries[-1][0])) > _id_key(cursor):
-                        cursor = _s(entries[-1][0])
-                    out.extend(self._accept(entries, consumer))
-                elif block is None or time.monotonic() >= deadline:
-                    break
-            self._cursor[consumer] = cursor
-        return out
-
-    def _delivery_counts(self, consumer: str, first: str, last: str, n: int) -> dict[str, int]:
-        rows = self._client.xpending_range(
-            self.keys.rollouts, self.group_name, min=first, max=last, count=n, consumername=consumer
-        )
-        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
-
-    def _accept(
-        self,
-        entries: list[tuple[bytes, dict[bytes, bytes] | None]],
-        consumer: str = "",
-        redelivered: bool = False,
-    ) -> list[Entry]:
-        """Decode entries; dead-letter the invalid (and, when ``redelivered``, the over-delivered)
-        ones in one script and return the rest."""
-        good: list[Entry] = []
-        bad: list[tuple[str, str, bytes]] = []
-        counts: dict[str, int] = {}
-        if redelivered and self.max_deliveries is not None and entries:
-            counts = self._delivery_counts(consumer, _s(entries[0][0]), _s(entries[-1][0]), len(entries))
-        for raw_id, fields in entries:
-            entry_id = _s(raw_id)
-            if not fields:
-                # A pending entry whose data was trimmed (maxlen) or deleted before its ack.
-                bad.append((entry_id, "entry: deleted from the stream before it was acknowledged", b""))
-                continue
-            data = fields.get(ROLLOUT_FIELD)
-            if data is None:
-                names = sorted(_s(k) for k in fields)
-                bad.append((entry_id, f"entry: no {ROLLOUT_FIELD.decode()!r} field (fields: {names})", b""))
-                continue
-            delivered = counts.get(entry_id, 0)
-            if self.max_deliveries is not None and delivered > self.max_deliveries:
-                bad.append(
-                    (
-                        entry_id,
-                        f"quarantined: delivered {delivered} times (> max_deliveries={self.max_deliveries}); "
-                        "the learner kept failing before it could commit a step with it",
-                        data,
-                    )
-                )
-                continue
-            try:
-                good.append(Entry(entry_id, decode(data)))
-            except RecordError as exc:
-                bad.append((entry_id, str(exc), data))
-        if bad:
-            self.dead_letter(bad)
-        return good
-
-    def dead_letter(self, bad: Iterable[tuple[str, str, bytes]]) -> int:
-        """Move delivered entries ``(entry_id, reason, data)`` to the dead-letter stream with their
-        reason, acknowledge and delete them, and return one admission credit each: they were
-        admitted but will never be trained on. Idempotent (see DROP_LUA); returns how many it moved."""
-        rows = list(bad)
-        for entry_id, reason, _data in rows:
-            if not reason:
-                raise ValueError(f"dead letter {entry_id}: a reason is required")
-            log.warning("run %s: dead-lettering rollout %s: %s", self.run, entry_id, reason)
-        return self._drop(rows)
-
-    def drop(self, entry_ids: Iterable[str]) -> int:
-        """Acknowledge and delete delivered entries the learner will not train on (too stale,
-        filtered) and credit each one admission slot, atomically. Idempotent: a repeat or retry
-        credits nothing more. Returns how many were acknowledged (= credited)."""
-        return self._drop([(entry_id, "", b"") for entry_id in entry_ids])
-
-    def _drop(self, rows: list[tuple[str, str, bytes]]) -> int:
-        if not rows:
-            return 0
-        k = self.keys
-        args: list[Any] = [self.group_name, repr(time.time()), DEAD_MAXLEN, k.admission_channel]
-        for entry_id, reason, data in rows:
-            args += [entry_id, reason, data[:DEAD_DATA_LIMIT], len(data)]
-        return int(self._drop_script(keys=[k.rollouts, k.credits, k.dead], args=args))
-
-    def ack(self, entry_ids: Iterable[str]) -> int:
-        """Acknowledge and delete entries (atomically); returns how many were pending."""
-        ids = list(entry_ids)
-        if not ids:
-            return 0
-        pipe = self._client.pipeline(transaction=True)
-        pipe.xack(self.keys.rollouts, self.group_name, *ids)
-        pipe.xdel(self.keys.rollouts, *ids)
-        acked, _deleted = pipe.execute()
-        return int(acked)
-
-    def abandon(self, group_id: str, owner: str | None, reason: str) -> bool:
-        """An admitted group that will never be written (e.g. its reward raised or timed out): return
-        its admission slot (and ``owner``'s in-flight tally) and record it in the dead-letter stream
-        (``original_id`` = the group id, no data) with ``reason``. Idempotent per group id; returns
-        False for a repeat."""
-        k = self.keys
-        log.warning("run %s: group %s dropped by %s: %s", self.run, group_id, owner or "?", reason)
-        dedup = k.request(f"credit:{group_id}")
-        try:
-            return bool(
-                self._abandon_script(
-                    keys=[k.credits, k.inflight, dedup, k.dead],
-                    args=[
-                        owner or "",
-                        DEDUP_TTL_S,
-                        group_id,
-                        reason,
-                        repr(time.time()),
-                        DEAD_MAXLEN,
-                        k.admission_channel,
-                    ],  # fmt: skip
-                )
-            )
-        except (redis.ConnectionError, redis.TimeoutError):
-            self._admission.uncertain("credit", dedup, owner)
-            raise
 
     def lease_pool(self, token: str, ttl_s: float = 15.0, max_pools: int = 1024) -> int:
         """Claim the lowest free actor-pool number of this run for ``token`` (one per live
@@ -502,23 +206,6 @@ class ReplayBuffer(RunRegistry):
         key = self.keys.pool_lease(n)
         if _s(self._client.get(key) or b"") == token:
             self._client.delete(key)
-
-    def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
-        """The newest ``count`` dead letters, oldest first."""
-        rows = self._client.xrevrange(self.keys.dead, count=count)
-        out = []
-        for dead_id, f in reversed(rows):
-            out.append(
-                {
-                    "entry_id": _s(dead_id),
-                    "original_id": _s(f.get(b"id", b"")),
-                    "reason": _s(f.get(b"reason", b"")),
-                    "data": f.get(b"data", b""),
-                    "size": int(f.get(b"size", 0)),
-                    "time": float(f.get(b"time", 0.0)),
-                }
-            )
-        return out
 
     def stats(self) -> dict[str, Any]:
         """depth (stream length), pending, dead, admitted, credits, version, bound and staleness_bound

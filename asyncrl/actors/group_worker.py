@@ -1,0 +1,151 @@
+"""The rollout actor's group workers: admission -> prompt -> G completions -> rewards -> buffer.
+
+A mixin of :class:`asyncrl.actors.actor.RolloutActor`. Each of ``actors.groups_in_flight`` workers loops:
+take one admission slot (waiting, woken by admission hints, while the staleness bound is reached), take
+the next prompt, sample its group on the engine, score it off the event loop, and write it.
+
+Invariants: a group that was admitted but not written (aborted, failed, reward failure) returns its
+slot (credit or abandon with a dead letter), so admission cannot leak; a buffer write, once started,
+runs to its end under cancellation and is awaited before a reclaim or shutdown (:meth:`_write`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from asyncrl.tasks import Prompt, prompt_token_ids
+
+from .groups import build_group
+from .rewards import RewardFailure
+from .seeding import prompt_seq, request_seed
+
+__all__ = ["GroupProduction"]
+
+log = logging.getLogger(__name__)
+
+
+class GroupProduction:
+    """Group workers of one rollout actor (mixin of RolloutActor; see the module doc)."""
+
+    cfg: Any
+    engine: Any
+    buffer: Any
+    counters: dict[str, Any]
+
+    async def _admit(self) -> bool:
+        """Take one admission slot, waiting while the staleness bound is reached; False on stop.
+
+        The wait is added to ``admission_wait_s`` as it happens (not only when it ends), so a
+        long stall is visible while it lasts; ``admission_blocked`` counts the waiting workers.
+        """
+        last = time.monotonic()
+        blocked = False
+        try:
+            while True:
+                if self._stop_requested:
+                    return False
+                if self._max_groups is not None and self._started >= self._max_groups:
+                    return False
+                # Pass the version we sample with: weights already too stale are refused until the
+                # version watcher has swapped (exactly synchronous training at max_staleness = 0).
+                version = self.engine.version if self.engine is not None else None
+                if not self.cfg.actors.refuse_stale_weights:
+                    version = None
+                # Taken before the attempt: a hint that arrives while it runs is not lost (admission_wake).
+                hint = self._waker.event if self._waker is not None else None
+                if await asyncio.to_thread(self.buffer.try_admit, None, None, version, self.actor_id):
+                    self._started += 1
+                    return True
+                if not blocked:
+                    blocked = True
+                    self.counters["admission_blocked"] += 1
+                await self._sleep(self.cfg.actors.admission_poll_s, hint)
+                now = time.monotonic()
+                self.counters["admission_wait_s"] += now - last
+                last = now
+        finally:
+            if blocked:
+                self.counters["admission_blocked"] -= 1
+
+    async def _write(self, fn: Any, *args: Any, written: bool = False) -> Any:
+        """A buffer write in a thread, shielded from the worker's cancellation: once started it runs to
+        its end (retries included), is counted when it succeeds (``written``: a put), and is awaited by
+        :meth:`_writes_done` before a reclaim or shutdown."""
+        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._writes.add(fut)
+
+        def done(f: asyncio.Future) -> None:
+            self._writes.discard(f)
+            if written and not f.cancelled() and f.exception() is None:
+                self.counters["groups_written"] += 1
+
+        fut.add_done_callback(done)
+        return await asyncio.shield(fut)
+
+    async def _writes_done(self) -> None:
+        if self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+
+    def _encode_prompt(self, prompt: Prompt) -> list[int]:
+        ids = self._prompt_ids.get(prompt.prompt_id)
+        if ids is None:
+            # The chat template (when the model has one) is applied here, once: these ids are what the
+            # engine samples from and what the record carries to the learner.
+            ids = self._prompt_ids[prompt.prompt_id] = prompt_token_ids(
+                self._tokenizer, prompt.text, self.cfg.model.chat_template, self.cfg.task.system_prompt
+            )
+        return ids
+
+    async def _group_worker(self) -> None:
+        a = self.cfg.actors
+        assert self.engine is not None
+        assert self.source is not None
+        while await self._admit():
+            # The prompt's position in this actor's stream names the group independently of timing:
+            # it seeds its sampling and orders it in the learner's batch (asyncrl.actors.seeding).
+            seq = prompt_seq(self.source.cursor, len(self.source))
+            seed = request_seed(self.cfg.run.seed, self.index, seq) if a.seeded_sampling else None
+            prompt = self.source.next()
+            prompt_ids = self._encode_prompt(prompt)
+            group_id = f"{self.actor_id}-{uuid.uuid4().hex[:12]}"
+            v_start, swaps_start = self.engine.version, self.counters["swaps"]
+            try:
+                seqs = await self.engine.generate_group(
+                    prompt_ids, a.group_size, a.temperature, a.top_p, a.max_tokens, group_id, seed=seed
+                )
+            except BaseException:
+                # Cancelled (stop with abort) or failed: nothing is written, the slot goes back.
+                self.buffer.credit(1, self.actor_id, request_id=group_id)
+                self.counters["groups_aborted"] += 1
+                raise
+            self.counters["generated_tokens"] += sum(len(s.token_ids) for s in seqs)
+            if any(s.finish_reason == "abort" for s in seqs):
+                await self._write(self.buffer.credit, 1, self.actor_id, group_id)
+                self.counters["groups_aborted"] += 1
+                continue
+            assert v_start is not None and self.engine.version is not None
+            meta = {
+                "temperature": float(a.temperature),  # the learner divides logits by it
+                "top_p": float(a.top_p),
+                "max_tokens": int(a.max_tokens),
+                "task": self.task.name,
+                "actor_index": self.index,
+                "version_start": int(v_start),
+                "version_end": int(self.engine.version),
+                "swaps": int(self.counters["swaps"] - swaps_start),
+                "swap_mode": self.swap_mode,
+                "prompt_seq": seq,
+            }
+            try:  # off the event loop, within task.reward_timeout_s (asyncrl.actors.rewards)
+                rewards = await self.rewards.score(prompt, [s.text for s in seqs])
+            except RewardFailure as e:
+                self.counters["groups_reward_failed"] += 1
+                log.warning("%s: group %s dropped: %s", self.actor_id, group_id, e)
+                await self._write(self.buffer.abandon, group_id, self.actor_id, str(e))
+                continue
+            group = build_group(group_id, rewards, prompt, prompt_ids, seqs, self.actor_id, meta)
+            await self._write(self.buffer.put, group, self.actor_id, written=True)

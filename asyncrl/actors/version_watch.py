@@ -1,0 +1,97 @@
+"""The rollout actor's weight side: find the newest verifiable version, swap it in, run periodic eval.
+
+A mixin of :class:`asyncrl.actors.actor.RolloutActor` (it uses the actor's engine, buffer, counters and
+heartbeat). Invariants: a manifest is served only after its path is confined to this run's weight
+directories and its sha256 (or sizes) verified; a manifest that fails is refused once, remembered and
+logged, and the actor keeps generating on the weights it has. With ``learner.weight_transport=nccl``
+the learner drives the swap (:mod:`asyncrl.actors.nccl_receiver`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from asyncrl.buffer import WeightIntegrityError, WeightManifest, verify
+from asyncrl.buffer.paths import confine
+
+__all__ = ["VersionWatching", "MANIFEST_POLL_S", "NCCL_POLL_S"]
+
+log = logging.getLogger(__name__)
+
+MANIFEST_POLL_S = 0.2  # registry poll while waiting for the first version / between hints
+NCCL_POLL_S = 0.005  # broadcast-round poll (learner.weight_transport=nccl)
+
+
+class VersionWatching:
+    """Weight versions of one rollout actor (mixin of RolloutActor; see the module doc)."""
+
+    engine: Any
+    buffer: Any
+    counters: dict[str, Any]
+
+    async def _newest_valid_manifest(self) -> WeightManifest | None:
+        """The newest published manifest newer than the served version whose weights verify.
+
+        Manifests that fail verification (tampered, half-written) are refused once, logged and
+        remembered; an older valid one is used instead only if it is still newer than what the
+        engine serves (a restarted actor thus falls back to the newest good version).
+        """
+        assert self.engine is not None
+        current = -1 if self.engine.version is None else self.engine.version
+        versions = await asyncio.to_thread(self.buffer.manifest_versions)
+        for v in sorted((v for v in versions if v > current), reverse=True):
+            m = await asyncio.to_thread(self.buffer.manifest, v)
+            if m is None or (m.version, m.sha256) in self._rejected:
+                continue
+            try:
+                confine(m.path, self.weight_roots)  # a manifest path from Redis: never outside the run
+                await asyncio.to_thread(verify, m)
+            except WeightIntegrityError as e:
+                self._rejected.add((m.version, m.sha256))
+                self.counters["weight_rejects"] += 1
+                log.error("%s: refusing weights v%d: %s", self.actor_id, m.version, e)
+                continue
+            return m
+        return None
+
+    async def _maybe_swap(self, first: bool = False) -> bool:
+        """Serve the newest valid manifest if it is newer than the served version; True if swapped."""
+        assert self.engine is not None
+        mode = "in_flight" if first else self.swap_mode
+        if self.receiver is not None:  # nccl: the learner drives; join its group / take part in its round
+            res = await self.receiver.poll(mode)
+            if res is None:
+                return False
+        else:
+            m = await self._newest_valid_manifest()
+            if m is None:
+                return False
+            res = await self.engine.swap_weights(m.path, m.version, mode)
+        self.counters["version"] = res.version
+        if not first:
+            self.counters["swaps"] += 1
+            self.counters["swap_pause_s"].append(res.pause_s)
+        log.info("%s: serving v%d (%s, pause %.3fs)", self.actor_id, res.version, res.mode, res.pause_s)
+        await self._heartbeat_async()
+        return True
+
+    async def _watch_versions(self) -> None:
+        """Swap on every newer manifest. Pub/sub only wakes us early; the registry is authoritative."""
+        sub = await asyncio.to_thread(self.buffer.subscribe_versions)
+        try:
+            while not self._stop_requested:
+                await self._maybe_eval()  # before looking for newer weights: eval pins the version
+                # nccl: the learner waits for every actor to start a round, so look often.
+                await asyncio.to_thread(sub.latest, MANIFEST_POLL_S if self.receiver is None else NCCL_POLL_S)
+                await self._maybe_swap()
+        finally:
+            sub.close()
+
+    async def _maybe_eval(self) -> None:
+        """Periodic eval (actor 0, every eval.every versions) on the served weights; see asyncrl.evaluate."""
+        ev, engine = self.evaluator, self.engine
+        if ev is not None and engine is not None and ev.due(engine.version):
+            await ev.run(engine.llm, self._tokenizer, engine.version)
+            await self._heartbeat_async()  # the learner picks the result up from the heartbeat

@@ -1,0 +1,258 @@
+"""The consumer side of the replay buffer: read through the consumer group, ack, drop, dead letters.
+
+A mixin of :class:`asyncrl.buffer.replay.ReplayBuffer` (it uses ``self._client``, ``self.keys``,
+``self.group_name``, ``self.max_deliveries`` and the per-consumer cursors and locks).
+
+Delivery contract (DESIGN.md, "Delivery semantics"):
+
+* Groups are read through a consumer group. A consumer gets its OWN pending (delivered,
+  unacknowledged) entries first, then new ones. A restarted consumer (new instance, same
+  consumer name) therefore re-reads what it had not acknowledged: nothing is lost. A live
+  instance never re-delivers an entry it returned: it keeps a cursor (the highest id it
+  returned) and re-walks only its pending entries above it. Those exist only when an
+  XREADGROUP's reply was lost (a connection cut, or a frozen Redis that served a request the
+  client had already timed out and resent): without the re-walk they would stay pending forever.
+* ``ack`` acknowledges and deletes entries in one MULTI, so the stream holds only work not
+  yet done. Its length is then bounded by admission, not by ``maxlen``.
+* Entries that do not decode (bad msgpack, schema violations) never reach the caller: they
+  are moved to the dead-letter stream with the reason, acknowledged, deleted, and return an
+  admission credit so a bad producer cannot deadlock admission. So are entries delivered more
+  than ``max_deliveries`` times (the consumer group's delivery count): a group whose step keeps
+  crashing the learner is quarantined instead of being read first again after every restart.
+* Retries (connection.py) are safe: ``put`` is deduplicated by group id in the same script as
+  its XADD; drops and dead letters credit exactly the entries their XACK acknowledged, so a
+  repeat acknowledges and credits nothing; acks are idempotent. Errors that outlast the retry
+  budget propagate; nothing here swallows them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.buffer.admission import wake_lua
+from asyncrl.buffer.layout import ROLLOUT_FIELD
+from asyncrl.buffer.records import Group, RecordError, decode
+
+__all__ = ["Entry", "StreamConsumer", "DEAD_MAXLEN", "DEAD_DATA_LIMIT", "DROP_LUA"]
+
+log = logging.getLogger(__name__)
+
+#: The dead-letter stream is capped (approximately) so a broken producer cannot fill Redis.
+DEAD_MAXLEN = 10_000
+
+
+#: Raw bytes kept per dead letter; the original size is recorded separately.
+DEAD_DATA_LIMIT = 64 * 1024
+
+
+# KEYS: rollouts, credits, dead. ARGV: consumer group, time, dead maxlen, admission channel, then per
+# entry the four values id, reason ('' = no dead letter), data, size. Acknowledges and deletes every
+# entry; only the entries this call acknowledged (were pending) get a dead letter and a credit, so a
+# repeat of the same call changes nothing. Returns how many were acknowledged (= credited).
+DROP_LUA = f"""
+local n = 0
+for i = 5, #ARGV, 4 do
+  local id = ARGV[i]
+  if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
+    n = n + 1
+    if ARGV[i + 1] ~= '' then
+      redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'id', id, 'reason', ARGV[i + 1],
+                 'data', ARGV[i + 2], 'size', ARGV[i + 3], 'time', ARGV[2])
+    end
+  end
+  redis.call('XDEL', KEYS[1], id)
+end
+if n > 0 then
+  redis.call('INCRBY', KEYS[2], n)
+  {wake_lua("ARGV[4]", "credit")}
+end
+return n
+"""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One delivered group and the stream id to acknowledge it with."""
+
+    entry_id: str
+    group: Group
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _s(b: bytes | str) -> str:
+    return b.decode() if isinstance(b, bytes) else b
+
+
+class StreamConsumer:
+    """Reading and disposing of rollouts (mixin of ReplayBuffer; see the module docstring)."""
+
+    _client: Any
+    keys: Any
+    run: str
+    group_name: str
+    max_deliveries: int | None
+    _cursor: dict[str, str]
+    _consumer_locks: dict[str, threading.Lock]
+    _locks_guard: threading.Lock
+    _max_block_ms: int
+
+    def _lock_for(self, consumer: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._consumer_locks.setdefault(consumer, threading.Lock())
+
+    def read(self, consumer: str, n: int, block_ms: int | None = 1000) -> list[Entry]:
+        """Up to ``n`` valid groups for ``consumer``: its pending entries first, then new ones.
+
+        Blocks up to ``block_ms`` (None or 0: not at all) only while nothing valid was found.
+        Invalid and quarantined entries are dead-lettered and skipped (see module docstring).
+        """
+        if not isinstance(consumer, str) or not consumer:
+            raise ValueError("consumer must be a non-empty string")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        deadline = time.monotonic() + (block_ms or 0) / 1000.0
+        out: list[Entry] = []
+        stream = self.keys.rollouts
+        with self._lock_for(consumer):
+            # The cursor moves only when this call returns: if a Redis error ends it early, the
+            # entries it had collected stay pending above the cursor and the next call returns them.
+            cursor = self._cursor.get(consumer, "0")
+            # 1) This consumer's pending entries above the cursor, in id order: after a restart all
+            #    that an earlier incarnation was given; later only deliveries whose reply was lost.
+            while len(out) < n:
+                resp = self._client.xreadgroup(
+                    self.group_name, consumer, {stream: cursor}, count=n - len(out)
+                )
+                entries = resp[0][1] if resp else []
+                if not entries:
+                    break
+                cursor = _s(entries[-1][0])
+                out.extend(self._accept(entries, consumer, redelivered=True))
+            # 2) New entries; block only while we have nothing to return.
+            while len(out) < n:
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                block = min(remaining_ms, self._max_block_ms) if (not out and remaining_ms > 0) else None
+                resp = self._client.xreadgroup(
+                    self.group_name, consumer, {stream: ">"}, count=n - len(out), block=block
+                )
+                entries = resp[0][1] if resp else []
+                if entries:
+                    if _id_key(_s(entries[-1][0])) > _id_key(cursor):
+                        cursor = _s(entries[-1][0])
+                    out.extend(self._accept(entries, consumer))
+                elif block is None or time.monotonic() >= deadline:
+                    break
+            self._cursor[consumer] = cursor
+        return out
+
+    def _delivery_counts(self, consumer: str, first: str, last: str, n: int) -> dict[str, int]:
+        rows = self._client.xpending_range(
+            self.keys.rollouts, self.group_name, min=first, max=last, count=n, consumername=consumer
+        )
+        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+
+    def _accept(
+        self,
+        entries: list[tuple[bytes, dict[bytes, bytes] | None]],
+        consumer: str = "",
+        redelivered: bool = False,
+    ) -> list[Entry]:
+        """Decode entries; dead-letter the invalid (and, when ``redelivered``, the over-delivered)
+        ones in one script and return the rest."""
+        good: list[Entry] = []
+        bad: list[tuple[str, str, bytes]] = []
+        counts: dict[str, int] = {}
+        if redelivered and self.max_deliveries is not None and entries:
+            counts = self._delivery_counts(consumer, _s(entries[0][0]), _s(entries[-1][0]), len(entries))
+        for raw_id, fields in entries:
+            entry_id = _s(raw_id)
+            if not fields:
+                # A pending entry whose data was trimmed (maxlen) or deleted before its ack.
+                bad.append((entry_id, "entry: deleted from the stream before it was acknowledged", b""))
+                continue
+            data = fields.get(ROLLOUT_FIELD)
+            if data is None:
+                names = sorted(_s(k) for k in fields)
+                bad.append((entry_id, f"entry: no {ROLLOUT_FIELD.decode()!r} field (fields: {names})", b""))
+                continue
+            delivered = counts.get(entry_id, 0)
+            if self.max_deliveries is not None and delivered > self.max_deliveries:
+                bad.append(
+                    (
+                        entry_id,
+                        f"quarantined: delivered {delivered} times (> max_deliveries={self.max_deliveries}); "
+                        "the learner kept failing before it could commit a step with it",
+                        data,
+                    )
+                )
+                continue
+            try:
+                good.append(Entry(entry_id, decode(data)))
+            except RecordError as exc:
+                bad.append((entry_id, str(exc), data))
+        if bad:
+            self.dead_letter(bad)
+        return good
+
+    def dead_letter(self, bad: Iterable[tuple[str, str, bytes]]) -> int:
+        """Move delivered entries ``(entry_id, reason, data)`` to the dead-letter stream with their
+        reason, acknowledge and delete them, and return one admission credit each: they were
+        admitted but will never be trained on. Idempotent (see DROP_LUA); returns how many it moved."""
+        rows = list(bad)
+        for entry_id, reason, _data in rows:
+            if not reason:
+                raise ValueError(f"dead letter {entry_id}: a reason is required")
+            log.warning("run %s: dead-lettering rollout %s: %s", self.run, entry_id, reason)
+        return self._drop(rows)
+
+    def drop(self, entry_ids: Iterable[str]) -> int:
+        """Acknowledge and delete delivered entries the learner will not train on (too stale,
+        filtered) and credit each one admission slot, atomically. Idempotent: a repeat or retry
+        credits nothing more. Returns how many were acknowledged (= credited)."""
+        return self._drop([(entry_id, "", b"") for entry_id in entry_ids])
+
+    def _drop(self, rows: list[tuple[str, str, bytes]]) -> int:
+        if not rows:
+            return 0
+        k = self.keys
+        args: list[Any] = [self.group_name, repr(time.time()), DEAD_MAXLEN, k.admission_channel]
+        for entry_id, reason, data in rows:
+            args += [entry_id, reason, data[:DEAD_DATA_LIMIT], len(data)]
+        return int(self._drop_script(keys=[k.rollouts, k.credits, k.dead], args=args))
+
+    def ack(self, entry_ids: Iterable[str]) -> int:
+        """Acknowledge and delete entries (atomically); returns how many were pending."""
+        ids = list(entry_ids)
+        if not ids:
+            return 0
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xack(self.keys.rollouts, self.group_name, *ids)
+        pipe.xdel(self.keys.rollouts, *ids)
+        acked, _deleted = pipe.execute()
+        return int(acked)
+
+    def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
+        """The newest ``count`` dead letters, oldest first."""
+        rows = self._client.xrevrange(self.keys.dead, count=count)
+        out = []
+        for dead_id, f in reversed(rows):
+            out.append(
+                {
+                    "entry_id": _s(dead_id),
+                    "original_id": _s(f.get(b"id", b"")),
+                    "reason": _s(f.get(b"reason", b"")),
+                    "data": f.get(b"data", b""),
+                    "size": int(f.get(b"size", 0)),
+                    "time": float(f.get(b"time", 0.0)),
+                }
+            )
+        return out
