@@ -44,7 +44,7 @@ FIRST_STEP_TARGET_S = 25.0
 
 _REDIS_READY = re.compile(r"^\d+:M (\d+ \w{3} \d{4} \d\d:\d\d:\d\d\.\d{3}) \* Ready to accept connections")
 _ACTOR_STATE = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) asyncrl\.actors\.actor INFO (actor-\d+): (starting|waiting_for_weights|running)$"
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) asyncrl\.actors\.\S+ INFO (actor-\d+): (starting|waiting_for_weights|running)$"
 )
 
 
