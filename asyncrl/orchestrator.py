@@ -17,6 +17,11 @@ data (the buffer), the learner restored from its last checkpoint. ``summary.json
 end; ``"finished": true`` (the learner reached ``run.max_steps``) marks a finished run, which a
 re-run refuses to overwrite.
 
+Cores: on a CPU-only machine the learner and the engines get disjoint cores (``run.cpu_binding``,
+asyncrl.cpu_binding): the plan is made (and a ``run.learner_cpus`` this machine cannot honour refused)
+before anything starts; the learner is bound when it is (re)started, each actor slot through its Ray
+runtime_env.
+
 Secrets: the Redis password never goes on a command line or into ``config.yaml`` (it is redacted
 there). The embedded Redis binds 127.0.0.1 and gets a random password unless ``redis.password`` is
 set; the learner gets the URL through its environment (``ASYNCRL_REDIS_URL``/``ASYNCRL_REDIS_PASSWORD``,
