@@ -137,6 +137,7 @@ def inputs_from_run_config(run_dir: str | Path, base: PlanInputs | None = None) 
         groups_in_flight=int(a.groups_in_flight),
         group_size=int(a.group_size),
         admission_poll_s=float(a.admission_poll_s),
+        admission_events=bool(a.get("admission_events", False)),  # run dirs from before the events: polled
         refuse_stale_weights=bool(a.refuse_stale_weights),
         groups_per_step=int(b.groups_per_step),
         max_staleness=int(b.max_staleness),
@@ -171,7 +172,8 @@ def calibrate(
     p = inputs_from_run_config(ref.run_dir, base)
     sources = {k: "config" for k in ("num_actors", "groups_in_flight", "group_size", "groups_per_step",
                                       "max_staleness", "publish_every", "checkpoint_every",
-                                      "refuse_stale_weights", "admission_poll_s", "lengths.max_tokens")}  # fmt: skip
+                                      "refuse_stale_weights", "admission_poll_s", "admission_events",
+                                      "lengths.max_tokens")}  # fmt: skip
     law = p.lengths
     if law.kind == "lognormal" and not law.min_tokens < ref.mean_length < law.max_tokens:
         law = replace(law, kind="fixed")  # every completion at the cap: no spread to model

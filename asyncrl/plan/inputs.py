@@ -68,6 +68,14 @@ class PlanInputs:
         0.0, "Seconds per group outside the decode loop (admission, prefill, reward, write).", ge=0
     )
     admission_poll_s: float = F(0.05, "Retry period of a refused admission (actors.admission_poll_s).", ge=0)
+    admission_events: bool = F(
+        True,
+        "actors.admission_events: a refused worker is woken by the event that can admit it (a publish, "
+        "a credit) admission_wake_s later, instead of on its next poll (admission_poll_s / 2 on average).",
+    )
+    admission_wake_s: float = F(
+        0.002, "Seconds from an admitting event to the woken worker's retry (measured 1.2-2.7 ms).", ge=0
+    )
     swap_latency_s: float = F(
         0.01, "Seconds from a publish until an actor starts its swap (notify + poll).", ge=0
     )

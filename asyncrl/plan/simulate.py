@@ -7,8 +7,9 @@ The model follows the real roles step by step (DESIGN.md):
   groups_per_step * publish_every + credits``: groups per version, and with ``refuse_stale_weights`` the engine's weights must be at most
   eta behind V), then its ``group_size`` completions decode in the engine; the group reaches the
   buffer ``group_overhead_s`` after its last token. A refused worker retries when something that
-  could admit it changed (a publish, a credit, its engine's swap), ``admission_poll_s / 2`` later:
-  the expected delay of the real actor's fixed-period poll.
+  could admit it changed (a publish, a credit, its engine's swap), ``admission_wake_s`` later when
+  the actors are woken by events (``actors.admission_events``, the default), else ``admission_poll_s
+  / 2`` later: the expected delay of the real actor's fixed-period poll.
 * **Engines are fluid continuous batchers.** With ``n`` running sequences a decode step takes
   ``gen_step_s + n * gen_token_s`` and gives each one token, so every running sequence advances at
   the same rate. Each engine keeps a work counter ``W`` (tokens per running sequence so far): a
@@ -161,6 +162,9 @@ class _Sim:
         self.ids = itertools.count()
         self.lengths = LengthSampler(p.lengths, p.seed)
         self.engines = [_Engine(i, p) for i in range(p.num_actors)]
+        # A refused worker's retry after an event that could admit it: woken by the event (Redis
+        # pub/sub hint) or, without events, on its fixed-period poll (half a period on average).
+        self.retry_delay = p.admission_wake_s if p.admission_events else p.admission_poll_s / 2
         self.V = 0
         self.admitted = 0
         self.credits = 0
@@ -247,7 +251,7 @@ class _Sim:
         for e in engines:
             if e.in_flight < self.p.groups_in_flight and not e.retry_pending:
                 e.retry_pending = True
-                self.at(self.t + self.p.admission_poll_s / 2, "retry", e)
+                self.at(self.t + self.retry_delay, "retry", e)
 
     def on_retry(self, e: _Engine) -> None:
         self.try_admit(e)

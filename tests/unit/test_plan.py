@@ -30,7 +30,7 @@ def sync_inputs(rng: random.Random) -> PlanInputs:
     return PlanInputs(
         num_actors=1, groups_in_flight=gps + rng.randint(0, 3), group_size=rng.randint(1, 8),
         lengths=fixed(rng.uniform(1, 50)), gen_step_s=rng.uniform(1e-3, 2e-2), gen_token_s=0.0,
-        group_overhead_s=rng.uniform(0, 0.1), admission_poll_s=0.0, swap_latency_s=rng.uniform(0, 0.2),
+        group_overhead_s=rng.uniform(0, 0.1), admission_poll_s=0.0, admission_events=False, swap_latency_s=rng.uniform(0, 0.2),
         swap_s=rng.uniform(0, 0.2), groups_per_step=gps, max_staleness=0,
         learner_step_s=rng.uniform(0, 0.3), learner_token_s=rng.uniform(0, 1e-3),
         publish_s=rng.uniform(0, 0.2), checkpoint_s=0.0, steps=30, warmup_steps=5,
@@ -63,7 +63,7 @@ def test_learner_bound_trains_at_its_own_rate_on_data_exactly_eta_old(eta: int) 
     gps, G, L = 3, 4, 7.0
     p = PlanInputs(
         num_actors=2, groups_in_flight=20, group_size=G, lengths=fixed(L), gen_step_s=0.0, gen_token_s=1e-12,
-        admission_poll_s=0.0, swap_latency_s=0.0, swap_s=0.0, groups_per_step=gps, max_staleness=eta,
+        admission_poll_s=0.0, admission_events=False, swap_latency_s=0.0, swap_s=0.0, groups_per_step=gps, max_staleness=eta,
         learner_step_s=0.05, learner_token_s=2e-3, publish_s=0.02, steps=60, warmup_steps=2 * eta + 2,
     )  # fmt: skip
     r = simulate(p)
@@ -80,7 +80,7 @@ def test_generation_bound_is_the_engines_throughput(n_actors: int) -> None:
     c = 2e-3
     p = PlanInputs(
         num_actors=n_actors, groups_in_flight=3, group_size=4, lengths=fixed(9.0), gen_step_s=0.0,
-        gen_token_s=c, admission_poll_s=0.0, swap_latency_s=0.0, swap_s=0.0, groups_per_step=2,
+        gen_token_s=c, admission_poll_s=0.0, admission_events=False, swap_latency_s=0.0, swap_s=0.0, groups_per_step=2,
         max_staleness=50, learner_step_s=0.0, learner_token_s=0.0, publish_s=0.0, steps=600, warmup_steps=10,
     )  # fmt: skip
     r = simulate(p)
@@ -93,7 +93,7 @@ def test_max_running_seqs_caps_a_gpu_like_engine() -> None:
     a, k = 0.01, 5
     p = PlanInputs(
         num_actors=1, groups_in_flight=4, group_size=8, max_running_seqs=k, lengths=fixed(6.0),
-        gen_step_s=a, gen_token_s=0.0, admission_poll_s=0.0, swap_latency_s=0.0, swap_s=0.0,
+        gen_step_s=a, gen_token_s=0.0, admission_poll_s=0.0, admission_events=False, swap_latency_s=0.0, swap_s=0.0,
         groups_per_step=1, max_staleness=40, learner_step_s=0.0, learner_token_s=0.0, publish_s=0.0,
         steps=100, warmup_steps=10,
     )  # fmt: skip
@@ -182,7 +182,8 @@ def _write_run(rdir: Path, p: PlanInputs) -> None:
     rdir.mkdir(parents=True)
     (rdir / "config.yaml").write_text(
         f"actors: {{num_actors: {p.num_actors}, groups_in_flight: {p.groups_in_flight}, group_size: "
-        f"{p.group_size}, admission_poll_s: {p.admission_poll_s}, refuse_stale_weights: true, max_tokens: "
+        f"{p.group_size}, admission_poll_s: {p.admission_poll_s}, admission_events: {str(p.admission_events).lower()}, "
+        f"refuse_stale_weights: true, max_tokens: "
         f"{int(p.lengths.max_tokens)}}}\nbuffer: {{groups_per_step: {p.groups_per_step}, max_staleness: "
         f"{p.max_staleness}}}\nlearner: {{publish_every: {p.publish_every}, checkpoint_every: {p.checkpoint_every}}}\n"
     )
@@ -230,3 +231,25 @@ def test_plan_cli_projects_the_shipped_fleet_file_without_heavy_imports() -> Non
     assert r.returncode == 0, r.stderr
     speedups = json.loads(r.stdout.strip().splitlines()[-1])
     assert speedups[0] == pytest.approx(1.0) and speedups[1] > 1.2
+
+
+@pytest.mark.parametrize("poll,swap", [(0.04, 0.0), (0.2, 0.0), (0.2, 0.03)])
+def test_synchronous_step_pays_the_admission_retry_delay(poll: float, swap: float) -> None:
+    """At eta=0 every step waits for its engine's swap, then for the refused worker's retry: woken by
+    the event (admission_wake_s after the publish, and again after the swap) or on its poll (poll / 2
+    after the publish on average, which overlaps the swap). Deterministic inputs, so the step periods
+    differ by exactly the difference of the two admission times."""
+
+    def period(events: bool) -> float:
+        p = PlanInputs(
+            num_actors=1, groups_in_flight=2, group_size=4, lengths=fixed(5.0), gen_step_s=0.0, gen_token_s=1e-3,
+            admission_poll_s=poll, admission_events=events, admission_wake_s=0.002, swap_latency_s=0.0,
+            swap_s=swap, groups_per_step=2, max_staleness=0, learner_step_s=0.03, learner_token_s=0.0,
+            publish_s=0.005, learner_cv=0.0, steps=40, warmup_steps=5,
+        )  # fmt: skip
+        r = simulate(p)
+        assert r.staleness_max == 0
+        return 1.0 / r.steps_per_s
+
+    polled, woken = max(poll / 2, swap), swap + 0.002  # admission after the publish, in both
+    assert period(False) - period(True) == pytest.approx(polled - woken, rel=1e-6)
