@@ -293,7 +293,7 @@ def test_shipped_sweep_configs_validate(name, monkeypatch):
             "full-adaptive",
         ]
     elif name == "sweep_staleness.yaml":  # the grid behind the README table
-        assert spec.max_staleness == [0, 4, 16] and list(spec.objectives) == ["naive", "full"]
+        assert spec.max_staleness == [0, 1, 4, 16] and list(spec.objectives) == ["naive", "full"]
     elif name == "sweep_staleness_ladder.yaml":  # shares the runs of sweep_staleness.yaml
         main = load_spec(REPO / "configs" / "sweep_staleness.yaml")
         assert spec.dir == main.dir and spec.out_dir != main.out_dir and spec.overrides == main.overrides
