@@ -118,7 +118,7 @@ class ModelConfig:
 class TaskConfig:
     name: str = F(
         "copy",
-        "Task: a built-in (copy/reverse/count/addition: tiny, dense reward in [0,1]; gsm8k: math), a name "
+        "Task: a built-in (copy/reverse/count/addition/echo: tiny, dense reward in [0,1]; gsm8k: math), a name "
         "registered under the 'asyncrl.tasks' entry-point group, or a factory 'pkg.module:make_task' / "
         "'path/to/file.py:make_task' (see docs/custom_tasks.md).",
     )
