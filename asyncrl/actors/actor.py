@@ -51,6 +51,7 @@ from .group_worker import GroupProduction
 from .nccl_receiver import NcclReceiver
 from .nccl_receiver import expected_names as nccl_expected_names
 from .rewards import RewardRunner
+from .supervision import slot_actor_id
 from .version_watch import MANIFEST_POLL_S, VersionWatching
 
 __all__ = ["RolloutActor"]
@@ -81,7 +82,7 @@ class RolloutActor(GroupProduction, VersionWatching):
         self.run_dir = Path(run_dir)
         self.index = actor_index
         pool = cfg.actors.pool_index  # leased per serve-actors process: pools never share ids
-        self.actor_id = actor_id or (f"actor-{actor_index}" if pool == 0 else f"actor-{pool}-{actor_index}")
+        self.actor_id = actor_id or slot_actor_id(pool, actor_index)
         self.model_path = Path(model_path) if model_path else resolve_model_path(cfg, self.run_dir)
         # AUTH, ACL user, TLS client certificate, timeouts and the outage retry budget from the config.
         self.buffer = ReplayBuffer.from_config(cfg, redis_url, password=redis_password)

@@ -294,26 +294,40 @@ def serve_actors(
     """Run the actor pool until ``stop_event`` is set or the process gets SIGINT/SIGTERM.
 
     In-flight groups are aborted on stop (never written; their admission slots are credited back)
-    and every engine is shut down. Raises if an actor fails for good. Returns the final counters.
+    and every engine is shut down. A failed, dead or silent actor is replaced (see
+    :mod:`asyncrl.actors.supervision`); raises ``ActorSupervisionError`` once a slot has failed more
+    than ``run.max_restarts`` times. Returns the final counters.
     """
     stop_event = stop_event or threading.Event()
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stop_event.set())
+    from asyncrl.buffer import ReplayBuffer
+
+    from .supervision import ActorSupervisor
+
     lease = _PoolLease(cfg, redis_url, redis_password)
     pool = ActorPool(cfg, run_dir, redis_url=redis_url, redis_password=redis_password)
+    # A short socket timeout: a frozen Redis must not freeze the supervision loop with it.
+    buf = ReplayBuffer.from_config(cfg, redis_url, redis_password, socket_timeout=5.0)
     try:
         pool.start()
         log.info("actor pool %d: %d actors writing to run %r", cfg.actors.pool_index, cfg.actors.num_actors,
                  cfg.run.name)  # fmt: skip
+        # The same supervision as `asyncrl run`: a failed, dead or silent actor (heartbeat older than
+        # actors.heartbeat_timeout_s) is replaced in its slot, its admission slots reclaimed, at most
+        # run.max_restarts times per slot; then ActorSupervisionError ends the process non-zero.
+        supervisor = ActorSupervisor(pool, buf, cfg.actors.heartbeat_timeout_s, cfg.run.max_restarts)
         while not stop_event.wait(poll_s):
             lease.renew()
-            pool.check()
+            for msg in supervisor.poll():
+                log.warning("%s", msg)
     finally:
         try:
             results = pool.stop(abort=True)
         finally:
+            buf.close()
             lease.release()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -1,4 +1,5 @@
-"""Supervision of the actor pool by `asyncrl run`: detect a dead, failed or silent actor and replace it.
+"""Supervision of an actor pool (`asyncrl run` and `asyncrl serve-actors`): detect a dead, failed or
+silent actor and replace it.
 
 Ray already restarts a crashed actor *process* (``actors.max_restarts``) and retries its ``run`` call.
 What Ray cannot see is an actor whose loop raised (the process is fine, the work stopped), one that
@@ -24,9 +25,15 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["ActorSupervisor", "ActorSupervisionError"]
+__all__ = ["ActorSupervisor", "ActorSupervisionError", "slot_actor_id"]
 
 log = logging.getLogger(__name__)
+
+
+def slot_actor_id(pool_index: int, index: int) -> str:
+    """The actor id of slot ``index`` of pool ``pool_index`` (pool 0: ``asyncrl run`` and the first
+    ``serve-actors``; later pools lease their number, see :class:`asyncrl.actors.pool._PoolLease`)."""
+    return f"actor-{index}" if pool_index == 0 else f"actor-{pool_index}-{index}"
 
 
 class ActorSupervisionError(RuntimeError):
@@ -49,12 +56,21 @@ class ActorSupervisor:
         self._redis_down = False
 
     def _heartbeats(self) -> dict[int, dict[str, Any]]:
-        """Slot index -> newest heartbeat of an actor of that slot."""
+        """Slot index -> newest heartbeat of this pool's actor of that slot.
+
+        Only this pool's actor ids count: several ``serve-actors`` pools of one run share the registry
+        and their slot indices (a live slot 0 of another pool must not vouch for a dead one here)."""
+        pool_index = int(
+            getattr(getattr(getattr(self.pool, "cfg", None), "actors", None), "pool_index", 0) or 0
+        )
         out: dict[int, dict[str, Any]] = {}
         for actor_id, hb in self.buffer.actors().items():
             i = hb.get("index")
-            if isinstance(i, int) and (i not in out or hb.get("time", 0) > out[i].get("time", 0)):
-                out[i] = {**hb, "actor_id": hb.get("actor_id", actor_id)}
+            aid = hb.get("actor_id", actor_id)
+            if not isinstance(i, int) or aid != slot_actor_id(pool_index, i):
+                continue
+            if i not in out or hb.get("time", 0) > out[i].get("time", 0):
+                out[i] = {**hb, "actor_id": aid}
         return out
 
     def _ended(self, i: int) -> str | None:

@@ -41,12 +41,21 @@ def test_kill9_of_asyncrl_run_leaves_no_process_behind(tmp_path, faults):
         faults.injected("kill -9 asyncrl run")
         kill(run.proc.pid)
         assert run.proc.wait(10) == -signal.SIGKILL
-        deadline = time.monotonic() + 30  # Ray's agents notice their raylet's death on a poll
+        # The roles that hold the run's state (learner, embedded redis-server, the actor) go at once.
+        roles = [p for p in tree if p.pid in set(named.values())]
+        deadline = time.monotonic() + 10
+        while (alive := [p for p in roles if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive, f"roles alive 10 s after `asyncrl run` was killed: {alive}"
+        # Everything else too. The reaper normally takes Ray's agents within a second, but the CI
+        # machine once saw its DashboardAgent and RuntimeEnvAgent outlive 30 s (they exit on their own
+        # ~60 s after their raylet, when their GCS reports time out): allow for that, not for a leak.
+        deadline = time.monotonic() + 90
         while (
             left := [p for p in tree if _alive(p)] + processes_with_marker(run.marker)
         ) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not left, f"alive 30 s after `asyncrl run` was killed (of {len(tree)}): {left}"
+        assert not left, f"alive 100 s after `asyncrl run` was killed (of {len(tree)}): {left}"
         faults.survived("kill -9 asyncrl run")
     finally:  # never leak a failed case's processes
         for p in tree:

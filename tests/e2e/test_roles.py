@@ -1,5 +1,7 @@
 """The two roles as separate OS processes sharing only a Redis URL, a run name and the weights dir.
 
+Before the learner starts, the one actor is frozen (SIGSTOP) and serve-actors must replace it.
+
 The actors start first (they must wait for weight version 0), the learner second (it publishes v0 and
 waits for data). With ``max_staleness=0`` admission lets the actors run exactly one step ahead, so the
 training is synchronous on-policy: every trained token has staleness 0.
@@ -7,11 +9,13 @@ training is synchronous on-policy: every trained token has staleness 0.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
 import uuid
 
+import psutil
 import pytest
 
 from asyncrl.buffer import EmbeddedRedis, ReplayBuffer
@@ -20,6 +24,8 @@ from tests.e2e.procs import ROOT, asyncrl_cmd, marked_env, read_jsonl, wait_for,
 pytestmark = pytest.mark.slow
 
 STEPS = 6
+#: > an engine start-up on a loaded 2-core box (a replacement is judged from its spawn time).
+HEARTBEAT_TIMEOUT_S = 60
 
 
 def test_serve_actors_and_learn_as_two_processes_on_policy(tmp_path):
@@ -28,7 +34,8 @@ def test_serve_actors_and_learn_as_two_processes_on_policy(tmp_path):
     name = f"roles-{marker[:8]}"
     with EmbeddedRedis(tmp_path / "redis") as srv:
         common = ["--config", str(ROOT / "configs" / "default.yaml"), f"redis.url={srv.url}", f"run.name={name}",
-                  f"run.dir={rdir}", f"run.max_steps={STEPS}", "buffer.max_staleness=0"]  # fmt: skip
+                  f"run.dir={rdir}", f"run.max_steps={STEPS}", "buffer.max_staleness=0",
+                  f"actors.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]  # fmt: skip
         env = marked_env(marker)
         alog, llog = tmp_path / "actors.log", tmp_path / "learner.log"
         actors = subprocess.Popen(asyncrl_cmd("serve-actors", *common), env=env, stdout=alog.open("wb"),
@@ -39,6 +46,17 @@ def test_serve_actors_and_learn_as_two_processes_on_policy(tmp_path):
             wait_for(lambda: buf.actors(), 240, "an actor heartbeat", actors, alog)
             time.sleep(2)
             assert buf.stats()["depth"] == 0 and buf.version() == 0 and buf.latest_manifest() is None
+            # serve-actors supervises its pool like `asyncrl run`: an actor frozen by SIGSTOP (its run call
+            # never ends; only the heartbeat age tells) is replaced in its slot, under the same actor id.
+            frozen = buf.actors()["actor-0"]["pid"]
+            os.kill(frozen, signal.SIGSTOP)
+            try:
+                wait_for(lambda: buf.actors().get("actor-0", {}).get("pid") not in (None, frozen),
+                         HEARTBEAT_TIMEOUT_S + 240, "a replacement actor's heartbeat", actors, alog)  # fmt: skip
+            finally:
+                if psutil.pid_exists(frozen):
+                    os.kill(frozen, signal.SIGCONT)  # (already killed by the replacement: no-op)
+            assert "replaced (1/" in alog.read_text(), alog.read_text()[-3000:]
             learner = subprocess.Popen(asyncrl_cmd("learn", *common), env=env, stdout=llog.open("wb"),
                                        stderr=subprocess.STDOUT)  # fmt: skip
             rc = learner.wait(timeout=600)
