@@ -12,6 +12,10 @@ Delivery contract (DESIGN.md, "Delivery semantics"):
   returned) and re-walks only its pending entries above it. Those exist only when an
   XREADGROUP's reply was lost (a connection cut, or a frozen Redis that served a request the
   client had already timed out and resent): without the re-walk they would stay pending forever.
+  When the resent read itself delivered newer entries, the lost ones sit BELOW the cursor: after
+  any failure the client's retry monitor counted, the next read claims back (XCLAIM) exactly the
+  consumer's pending entries that it never returned (the returned, unacknowledged ones are in
+  flight at the caller and are left alone).
 * ``ack`` acknowledges and deletes entries in one MULTI, so the stream holds only work not
   yet done. Its length is then bounded by admission, not by ``maxlen``.
 * Entries that do not decode (bad msgpack, schema violations) never reach the caller: they
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.buffer.admission import wake_lua
+from asyncrl.buffer.cluster import connection_kwargs
 from asyncrl.buffer.layout import ROLLOUT_FIELD
 from asyncrl.buffer.records import Group, RecordError, decode
 
@@ -126,6 +131,17 @@ class StreamConsumer:
             # The cursor moves only when this call returns: if a Redis error ends it early, the
             # entries it had collected stay pending above the cursor and the next call returns them.
             cursor = self._cursor.get(consumer, "0")
+            # 0) After a Redis failure (an outage counted by the client's retry monitor) an XREADGROUP
+            #    ">" whose reply was lost and that was retried may have delivered entries BELOW a later
+            #    cursor: pending to this consumer, never returned. Claim those back (only those: the
+            #    entries returned and not yet acknowledged are in flight at the caller).
+            outages, seen = self._outage_count(), self._outages_seen()
+            complete = True
+            if consumer in self._cursor and outages != seen.get(consumer, outages):
+                got, complete = self._recover_lost(consumer, cursor, n)
+                out.extend(got)
+            if complete:  # else scan again on the next call (at most n are claimed per call)
+                seen[consumer] = outages
             # 1) This consumer's pending entries above the cursor, in id order: after a restart all
             #    that an earlier incarnation was given; later only deliveries whose reply was lost.
             while len(out) < n:
@@ -152,7 +168,36 @@ class StreamConsumer:
                 elif block is None or time.monotonic() >= deadline:
                     break
             self._cursor[consumer] = cursor
+            self._returned().update(e.entry_id for e in out)
         return out
+
+    # Lost-reply recovery (step 0 of read). State lives on the instance, created on first use.
+    def _returned(self) -> set[str]:
+        """Entry ids returned by ``read`` and not yet acknowledged, dropped or dead-lettered."""
+        return self.__dict__.setdefault("_returned_ids", set())
+
+    def _outages_seen(self) -> dict[str, int]:
+        return self.__dict__.setdefault("_outages_seen_by", {})
+
+    def _outage_count(self) -> int:
+        retry = connection_kwargs(self._client).get("retry")
+        return int(getattr(getattr(retry, "monitor", None), "outages", 0))
+
+    def _recover_lost(self, consumer: str, cursor: str, n: int) -> tuple[list[Entry], bool]:
+        """(the entries claimed back, at most ``n``; whether that was all of them)."""
+        returned = self._returned()
+        rows = self._client.xpending_range(
+            self.keys.rollouts, self.group_name, min="-", max=cursor, count=len(returned) + n + 64,
+            consumername=consumer,
+        )  # fmt: skip
+        lost = [_s(r["message_id"]) for r in rows if _s(r["message_id"]) not in returned]
+        if not lost:
+            return [], True
+        complete, lost = len(lost) <= n, lost[:n]
+        log.warning("run %s: %d rollouts delivered to %s during a Redis failure were never returned; "
+                    "claiming them back", self.run, len(lost), consumer)  # fmt: skip
+        entries = self._client.xclaim(self.keys.rollouts, self.group_name, consumer, 0, lost)
+        return self._accept([(i, f) for i, f in entries], consumer, redelivered=True), complete
 
     def _delivery_counts(self, consumer: str, first: str, last: str, n: int) -> dict[str, int]:
         rows = self._client.xpending_range(
@@ -223,6 +268,7 @@ class StreamConsumer:
     def _drop(self, rows: list[tuple[str, str, bytes]]) -> int:
         if not rows:
             return 0
+        self._returned().difference_update(r[0] for r in rows)
         k = self.keys
         args: list[Any] = [self.group_name, repr(time.time()), DEAD_MAXLEN, k.admission_channel]
         for entry_id, reason, data in rows:
@@ -234,6 +280,7 @@ class StreamConsumer:
         ids = list(entry_ids)
         if not ids:
             return 0
+        self._returned().difference_update(ids)
         pipe = self._client.pipeline(transaction=True)
         pipe.xack(self.keys.rollouts, self.group_name, *ids)
         pipe.xdel(self.keys.rollouts, *ids)

@@ -222,6 +222,41 @@ def test_lost_read_reply_is_redelivered_once(buffer: ReplayBuffer, redis_client:
     assert buffer.read("c", 10, block_ms=0) == []
 
 
+def test_lost_read_reply_below_a_later_cursor_is_claimed_back_after_an_outage(
+    redis_url: str, run_name: str, redis_client: redis.Redis
+) -> None:
+    """The case the cursor alone misses (seen in the chaos run with a frozen Redis): an XREADGROUP ">"
+    served but its reply lost, retried by the client, the retry delivering NEWER entries, so the
+    cursor moves past the lost ones. After an outage the client's retry monitor counted, the next
+    read claims back exactly the lost entries (not the ones returned and still in flight)."""
+    from asyncrl.buffer.cluster import connection_kwargs
+
+    buffer = ReplayBuffer.connect(redis_url, run_name)  # asyncrl's client: retry with an outage monitor
+    ids = [buffer.put(small_group()) for _ in range(5)]
+    assert [e.entry_id for e in buffer.read("c", 1, block_ms=0)] == ids[:1]  # in flight at the caller
+    stream = {buffer.keys.rollouts: ">"}
+    lost = redis_client.xreadgroup(buffer.group_name, "c", stream, count=2)  # served, reply lost
+    assert [x[0].decode() for x in lost[0][1]] == ids[1:3]
+    # The retried ">" read of that call, as the buffer would have returned it: cursor and in-flight set.
+    retried = redis_client.xreadgroup(buffer.group_name, "c", stream, count=1)
+    assert [x[0].decode() for x in retried[0][1]] == ids[3:4]
+    buffer._cursor["c"] = ids[3]
+    buffer._returned().add(ids[3])
+    # Without a failure seen by the client nothing is claimed: only the new entry comes.
+    assert [e.entry_id for e in buffer.read("c", 10, block_ms=0)] == ids[4:5]
+    monitor = connection_kwargs(buffer.client)["retry"].monitor
+    monitor.outages += 1  # what the retry monitor records when a command fails and is retried
+    assert [e.entry_id for e in buffer.read("c", 10, block_ms=0)] == ids[1:3]  # exactly the lost two
+    assert buffer.read("c", 10, block_ms=0) == []
+    pending = {_id.decode() for _id in (r["message_id"] for r in redis_client.xpending_range(
+        buffer.keys.rollouts, buffer.group_name, "-", "+", 10))}  # fmt: skip
+    assert pending == {ids[0], *ids[1:5]}
+    buffer.ack(ids)
+    assert buffer.read("c", 10, block_ms=0) == [] and buffer.stats()["pending"] == 0
+    buffer.delete_run()
+    buffer.close()
+
+
 def test_quarantine_after_max_deliveries(redis_server: EmbeddedRedis, run_name: str) -> None:
     """A group whose steps keep crashing the learner (read, never acknowledged, learner restarted) is
     dead-lettered once its delivery count exceeds max_deliveries, and its slot credited."""
