@@ -6,19 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fields import CONFIG_DIR, ConfigError, F, _copy  # noqa: F401
-from .sections import (  # noqa: F401
-    ConsoleConfig,
-    EvalConfig,
-    MetricsConfig,
-    ModelConfig,
-    RayConfig,
-    RedisConfig,
-    RunConfig,
-    TaskConfig,
-    TinyModelConfig,
-    TrackingConfig,
-)
+from .fields import F
 
 
 @dataclass

@@ -6,20 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .actors import ActorsConfig, AdaptiveStalenessConfig, BufferConfig  # noqa: F401
-from .fields import CONFIG_DIR, ConfigError, F, _copy  # noqa: F401
-from .sections import (  # noqa: F401
-    ConsoleConfig,
-    EvalConfig,
-    MetricsConfig,
-    ModelConfig,
-    RayConfig,
-    RedisConfig,
-    RunConfig,
-    TaskConfig,
-    TinyModelConfig,
-    TrackingConfig,
-)
+from .fields import ConfigError, F
 
 #: Estimators a KL *loss* term may use. k1 = log pi - log ref is refused (reason in _check_loss).
 KL_LOSS_KINDS = ("abs", "k2", "k3")

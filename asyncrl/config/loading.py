@@ -12,10 +12,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from .actors import ActorsConfig, AdaptiveStalenessConfig, BufferConfig  # noqa: F401
-from .fields import CONFIG_DIR, ConfigError, F, _copy  # noqa: F401
-from .learner import KL_LOSS_KINDS, OBJECTIVE_AT_DEFAULTS, LearnerConfig, LossConfig, _check_loss  # noqa: F401
-from .sections import (  # noqa: F401
+from .actors import ActorsConfig, BufferConfig
+from .fields import CONFIG_DIR, ConfigError, F
+from .learner import LearnerConfig, LossConfig, _check_loss
+from .sections import (
     ConsoleConfig,
     EvalConfig,
     MetricsConfig,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .fields import CONFIG_DIR, ConfigError, F, _copy  # noqa: F401
+from .fields import F
 
 
 @dataclass
