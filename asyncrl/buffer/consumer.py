@@ -180,8 +180,11 @@ class StreamConsumer:
         return self.__dict__.setdefault("_outages_seen_by", {})
 
     def _outage_count(self) -> int:
-        retry = connection_kwargs(self._client).get("retry")
-        return int(getattr(getattr(retry, "monitor", None), "outages", 0))
+        # The client's Retry (and its monitor) is fixed at construction: look it up once, not per read.
+        if "_retry_monitor" not in self.__dict__:
+            retry = connection_kwargs(self._client).get("retry")
+            self.__dict__["_retry_monitor"] = getattr(retry, "monitor", None)
+        return int(getattr(self.__dict__["_retry_monitor"], "outages", 0))
 
     def _recover_lost(self, consumer: str, cursor: str, n: int) -> tuple[list[Entry], bool]:
         """(the entries claimed back, at most ``n``; whether that was all of them)."""
