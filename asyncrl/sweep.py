@@ -33,7 +33,7 @@ from asyncrl.orchestrator import stop_process
 from asyncrl.sweep_report import CellSpec, Marks, SeedRun, write_report
 
 SWEEP_KEYS = ("name", "dir", "base_config", "grid", "objectives", "overrides", "seeds", "baseline", "marks_s",
-              "step_marks", "cell_timeout_s", "report_dir")  # fmt: skip
+              "step_marks", "cell_timeout_s", "report_dir", "extra_cells")  # fmt: skip
 GRID_KEYS = ("max_staleness", "objective")
 #: Keys the sweep sets per run; a common or objective override may not fight over them.
 RESERVED = ("run.name", "run.dir", "run.progress", "run.seed", "buffer.max_staleness")
@@ -50,7 +50,7 @@ class SweepSpec:
     dir: Path
     base_config: Path | None
     max_staleness: list[int]
-    objectives: dict[str, list[str]]  # only the objectives on the grid, in grid order
+    objectives: dict[str, list[str]]  # only the objectives of some cell: grid order, then extra_cells'
     overrides: list[str] = field(default_factory=list)
     marks_s: list[float] = field(default_factory=list)
     cell_timeout_s: float = 0.0
@@ -60,6 +60,10 @@ class SweepSpec:
     # Where the report goes (default: dir). A second sweep file can share another's run dirs (its
     # finished runs are skipped) and report on a different grid without overwriting the first report.
     report_dir: Path | None = None
+    # (max_staleness, objective) points run besides the cross product, e.g. an adaptive row at one
+    # ceiling only; never a grid point (validated). Their objectives are in ``objectives`` too.
+    extra_cells: list[tuple[int, str]] = field(default_factory=list)
+    grid_objectives: list[str] = field(default_factory=list)  # the grid's axis (empty = all objectives)
 
     @property
     def out_dir(self) -> Path:
@@ -74,12 +78,14 @@ class SweepSpec:
         return [SeedRun(c, s) for s in self.seeds for c in self.cells()]
 
     def cells(self) -> list[CellSpec]:
-        """Grid points in run order: staleness outer, objective inner."""
-        return [
-            CellSpec(f"s{s}-{obj}", s, obj, self.dir / f"s{s}-{obj}")
-            for s in self.max_staleness
-            for obj in self.objectives
-        ]
+        """Grid points and extra cells in run order: staleness outer (the grid's bounds, then the extra
+        cells' new ones), then the grid's objectives, then the extra cells at that bound."""
+        grid_objs = self.grid_objectives or list(self.objectives)
+        points: list[tuple[int, str]] = []
+        for s in dict.fromkeys([*self.max_staleness, *(s for s, _ in self.extra_cells)]):
+            points += [(s, o) for o in grid_objs] if s in self.max_staleness else []
+            points += [(t, o) for t, o in self.extra_cells if t == s]
+        return [CellSpec(f"s{s}-{o}", s, o, self.dir / f"s{s}-{o}") for s, o in points]
 
     def run_overrides(self, run: SeedRun) -> list[str]:
         """Dotlist of a run: common, then objective, then what the sweep owns (last wins)."""
@@ -130,6 +136,32 @@ def _unique_list(value: Any, key: str) -> list:
     return value
 
 
+def _extra_cells(value: Any, stale: list, objs: list, defined: dict) -> list[tuple[int, str]]:
+    """``sweep.extra_cells``: [max_staleness, objective] pairs off the grid, each defined and new."""
+    key = "sweep.extra_cells"
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _fail(key, f"must be a list of [max_staleness, objective] pairs, got {value!r}")
+    out: list[tuple[int, str]] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, list) or len(item) != 2:
+            raise _fail(f"{key}[{i}]", f"{item!r} must be a pair [max_staleness, objective]")
+        bound, obj = item
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise _fail(f"{key}[{i}]", f"max_staleness {bound!r} is not an integer >= 0")
+        if not isinstance(obj, str) or not _NAME.match(obj) or obj not in defined:
+            raise _fail(
+                f"{key}[{i}]", f"objective {obj!r} not defined (defined: {', '.join(defined) or 'none'})"
+            )
+        if bound in stale and obj in objs:
+            raise _fail(f"{key}[{i}]", f"{item!r} is already a grid point")
+        if (bound, obj) in out:
+            raise _fail(f"{key}[{i}]", f"{item!r} is listed twice")
+        out.append((bound, obj))
+    return out
+
+
 def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepSpec:
     """Validate a loaded sweep file (plus ``sweep.*`` dotlist overrides) into a SweepSpec.
 
@@ -177,6 +209,9 @@ def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepS
         if obj not in defined:
             raise _fail(f"sweep.objectives.{obj}", f"not defined (defined: {', '.join(defined) or 'none'})")
         objectives[obj] = _dotlist(defined[obj], f"sweep.objectives.{obj}")
+    extra = _extra_cells(s.get("extra_cells"), stale, objs, defined)
+    for _, obj in extra:
+        objectives.setdefault(obj, _dotlist(defined[obj], f"sweep.objectives.{obj}"))
     marks = s.get("marks_s") or []
     if not isinstance(marks, list):
         raise _fail("sweep.marks_s", f"must be a list of seconds, got {marks!r}")
@@ -220,6 +255,8 @@ def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepS
         step_marks=sorted(set(step_marks)),
         baseline=baseline,
         report_dir=Path(s["report_dir"]).resolve() if s.get("report_dir") else None,
+        extra_cells=extra,
+        grid_objectives=list(objs),
     )
 
 

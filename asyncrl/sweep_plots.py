@@ -127,7 +127,7 @@ def _paired(comps: Sequence[dict], path: Path) -> None:
         ax.axhline(0, color="k", linewidth=0.8)
         for j, obj in enumerate(objs):
             pts = sorted((c["max_staleness"], c["diff"], c["diff_lo"], c["diff_hi"]) for c in comps
-                         if c["metric"] == m and c["objective"] == obj and c["n"] and "best fixed" not in c["baseline"])  # fmt: skip
+                         if c["metric"] == m and c["objective"] == obj and c["n"] and "fixed bound" not in c["baseline"])  # fmt: skip
             if pts:
                 xs = np.array([stale.index(p[0]) for p in pts]) + (j - (len(objs) - 1) / 2) * 0.1
                 err = np.array([[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]])

@@ -287,6 +287,8 @@ def cell_row(cell: CellSpec, runs: Sequence[dict[str, Any]], marks: Marks) -> di
 
 #: Columns the paired naive-vs-corrected comparison is made on (those present in a report).
 COMPARE = ("final_reward", "reward_mean_steps", "reward_auc_time")
+#: What "the best fixed bound" of an objective is ranked by (see :func:`comparisons`).
+BEST_BY = "reward_mean_steps"
 
 
 def comparisons(
@@ -296,7 +298,11 @@ def comparisons(
 
     * per staleness level, every objective other than ``baseline`` minus ``baseline``;
     * every ``<X>-adaptive`` cell (the adaptive controller on objective X, ``max_staleness`` its
-      ceiling) minus the X cell at the best fixed bound (highest mean final reward over seeds).
+      ceiling) minus the X cell at its ceiling (does the controller beat the fixed bound it may go up
+      to?) and minus the X cell at the best fixed bound: highest mean over seeds of
+      ``reward_mean_steps``, the whole equal-steps curve (final reward saturates near the task's
+      maximum at most bounds, so ranking by it would pick among ties by noise); ties go to the lower
+      bound. When the best fixed bound is the ceiling, the pair is listed once, as the best.
     """
     metrics = [*COMPARE[:2], *(step_column(n) for n in marks.steps[-1:]), *COMPARE[2:],
                *(mark_column(m) for m in marks.seconds[-1:])]  # fmt: skip
@@ -306,7 +312,7 @@ def comparisons(
         return {r["seed"]: r[m] for r in runs.get(name, []) if r["status"] == "ok"}
 
     def best_fixed(obj: str) -> CellSpec | None:
-        scored = [(bootstrap_ci(list(per_seed(c.name, "final_reward").values())).mean, -c.max_staleness, c)
+        scored = [(bootstrap_ci(list(per_seed(c.name, BEST_BY).values())).mean, -c.max_staleness, c)
                   for c in cells if c.objective == obj]  # fmt: skip
         scored = [t for t in scored if math.isfinite(t[0])]
         return max(scored, key=lambda t: t[:2])[2] if scored else None
@@ -317,7 +323,13 @@ def comparisons(
         if base is not None and c.objective != baseline:
             pairs.append((c, base, baseline))
         fixed = c.objective.removesuffix("-adaptive")
-        if c.objective.endswith("-adaptive") and (ref := best_fixed(fixed)) is not None:
+        if not c.objective.endswith("-adaptive"):
+            continue
+        ref = best_fixed(fixed)
+        same = by_key.get((c.max_staleness, fixed))
+        if same is not None and same is not ref:
+            pairs.append((c, same, f"{fixed} at fixed bound {same.max_staleness}"))
+        if ref is not None:
             pairs.append((c, ref, f"{fixed} at best fixed bound {ref.max_staleness}"))
     out = []
     for c, base, label in pairs:

@@ -250,12 +250,62 @@ def test_parse_spec_builds_cells_and_overrides():
         (_raw(name="a b"), "sweep.name"),
         (_raw(base_config="/no/such.yaml"), "sweep.base_config"),
         (_raw(report_dir=3), "sweep.report_dir"),
+        (_raw(extra_cells=[4, "naive"]), "sweep.extra_cells[0]"),
+        (_raw(extra_cells="4,naive"), "sweep.extra_cells"),
+        (_raw(extra_cells=[[4, "naive", 1]]), "sweep.extra_cells[0]"),
+        (_raw(extra_cells=[[-1, "naive"]]), "sweep.extra_cells[0]"),
+        (_raw(extra_cells=[[True, "naive"]]), "sweep.extra_cells[0]"),
+        (_raw(extra_cells=[[4, "magic"]]), "sweep.extra_cells[0]"),
+        (_raw(extra_cells=[[2, "naive"]]), "sweep.extra_cells[0]"),  # already a grid point
+        (_raw(extra_cells=[[4, "naive"], [4, "naive"]]), "sweep.extra_cells[1]"),
     ],
 )
 def test_parse_spec_errors_name_the_key(raw, needle):
     with pytest.raises(ConfigError) as e:
         parse_spec(raw)
     assert needle in str(e.value)
+
+
+def test_extra_cells_join_the_grid_in_run_order(tmp_path: Path):
+    objectives = {
+        "naive": ["learner.loss.is_mode=none"],
+        "corrected": [],
+        "adaptive": ["buffer.adaptive.enabled=true"],
+    }
+    spec = parse_spec(
+        _raw(objectives=objectives, extra_cells=[[4, "adaptive"], [2, "adaptive"], [4, "naive"]])
+    )
+    names = [c.name for c in spec.cells()]
+    # Staleness outer (grid bounds first, then new ones), grid objectives, then that bound's extras.
+    assert names == [
+        "s0-naive",
+        "s0-corrected",
+        "s2-naive",
+        "s2-corrected",
+        "s2-adaptive",
+        "s4-adaptive",
+        "s4-naive",
+    ]
+    assert list(spec.objectives) == ["naive", "corrected", "adaptive"] and spec.grid_objectives == [
+        "naive",
+        "corrected",
+    ]
+    cell = {c.name: c for c in spec.cells()}["s4-adaptive"]
+    ov = spec.run_overrides(SeedRun(cell, 1))
+    assert "buffer.adaptive.enabled=true" in ov and "buffer.max_staleness=4" in ov
+    assert len(spec.runs()) == 7 * 3
+    # A grid override keeps the extra cells (they are separate), `sweep.extra_cells=[]` drops them.
+    only = parse_spec(
+        _raw(objectives=objectives, extra_cells=[[4, "adaptive"]]), ["sweep.grid.max_staleness=[4]"]
+    )
+    assert [c.name for c in only.cells()] == ["s4-naive", "s4-corrected", "s4-adaptive"]
+    none = parse_spec(_raw(objectives=objectives, extra_cells=[[4, "adaptive"]]), ["sweep.extra_cells=[]"])
+    assert [c.name for c in none.cells()] == ["s0-naive", "s0-corrected", "s2-naive", "s2-corrected"]
+    cli = parse_spec(_raw(objectives=objectives), ["sweep.extra_cells=[[16,adaptive]]"])
+    assert (
+        cli.extra_cells == [(16, "adaptive")]
+        and "adaptive" not in parse_spec(_raw(objectives=objectives)).objectives
+    )
 
 
 def test_load_spec_checks_cell_configs(tmp_path: Path):
@@ -285,6 +335,9 @@ def test_shipped_sweep_configs_validate(name, monkeypatch):
     assert spec.objectives["naive"] and spec.objectives["full"] == [] and spec.baseline == "naive"
     assert "learner.fill_window=true" in spec.overrides
     if name == "sweep_staleness_full.yaml":  # the full grid (documented, not run)
+        main = load_spec(REPO / "configs" / "sweep_staleness.yaml")  # its runs are a subset of this grid
+        assert spec.dir == main.dir and spec.out_dir != main.out_dir and spec.overrides == main.overrides
+        assert {c.name for c in main.cells()} < {c.name for c in spec.cells()}
         assert spec.max_staleness == [0, 1, 2, 4, 8, 16] and list(spec.objectives) == [
             "naive",
             "dppo",
@@ -293,7 +346,9 @@ def test_shipped_sweep_configs_validate(name, monkeypatch):
             "full-adaptive",
         ]
     elif name == "sweep_staleness.yaml":  # the grid behind the README table
-        assert spec.max_staleness == [0, 1, 4, 16] and list(spec.objectives) == ["naive", "full"]
+        assert spec.max_staleness == [0, 1, 2, 4, 8, 16] and spec.grid_objectives == ["naive", "full"]
+        assert spec.extra_cells == [(4, "full-adaptive"), (16, "full-adaptive")]
+        assert spec.objectives["full-adaptive"] == ["buffer.adaptive.enabled=true"]
     elif name == "sweep_staleness_ladder.yaml":  # shares the runs of sweep_staleness.yaml
         main = load_spec(REPO / "configs" / "sweep_staleness.yaml")
         assert spec.dir == main.dir and spec.out_dir != main.out_dir and spec.overrides == main.overrides
@@ -399,20 +454,35 @@ def test_second_sweep_file_shares_runs_and_reports_elsewhere(tmp_path: Path, mon
         assert [r["cell"] for r in csv.DictReader(f)] == ["s2-naive", "s2-corrected"]
 
 
-def test_adaptive_cell_is_compared_with_the_best_fixed_bound(tmp_path: Path):
+def test_adaptive_cell_is_compared_with_its_ceiling_and_the_best_fixed_bound(tmp_path: Path):
     from asyncrl.sweep_report import comparisons, run_row
 
     marks = Marks()
-    spec = {("full", 0): 0.5, ("full", 2): 0.7, ("full", 4): 0.6, ("full-adaptive", 4): 0.75}
+    # Reward per step of each cell (seed k adds 0.01 k). full@0 has the best final reward but the
+    # worst mean over steps; full@2 and full@8 tie on the mean: the lower bound is the best fixed one.
+    curves = {
+        ("full", 0): [0.2, 0.2, 0.9, 0.9],
+        ("full", 2): [0.6, 0.6, 0.6, 0.6],
+        ("full", 4): [0.5, 0.5, 0.5, 0.5],
+        ("full", 8): [0.6, 0.6, 0.6, 0.6],
+        ("full-adaptive", 4): [0.75, 0.75, 0.75, 0.75],
+        ("full-adaptive", 2): [0.7, 0.7, 0.7, 0.7],
+    }
     cells, runs = [], {}
-    for (obj, s), level in spec.items():
+    for (obj, s), ys in curves.items():
         cell = CellSpec(f"s{s}-{obj}", s, obj, tmp_path / f"s{s}-{obj}")
         cells.append(cell)
         for seed in (0, 1):
-            recs = [_record(i + 1, 10.0 * i, level + 0.01 * seed) for i in range(4)]
+            recs = [_record(i + 1, 10.0 * i, y + 0.01 * seed) for i, y in enumerate(ys)]
             _make_run(tmp_path, cell, seed, recs, {"wall_s": 50.0})
         runs[cell.name] = [run_row(SeedRun(cell, seed), marks, "ok", 0) for seed in (0, 1)]
     rows = [c for c in comparisons(cells, runs, marks, None) if c["metric"] == "final_reward"]
-    assert len(rows) == 1 and rows[0]["objective"] == "full-adaptive"
-    assert rows[0]["baseline"] == "full at best fixed bound 2" and rows[0]["n"] == 2
-    assert rows[0]["diff"] == pytest.approx(0.05) and rows[0]["excludes_zero"]
+    got = {(r["max_staleness"], r["baseline"]): r for r in rows}
+    # Ceiling 4: against full@4 and against the best fixed bound (2); ceiling 2 IS the best: once.
+    assert sorted(got) == [(2, "full at best fixed bound 2"), (4, "full at best fixed bound 2"),
+                           (4, "full at fixed bound 4")]  # fmt: skip
+    assert all(r["objective"] == "full-adaptive" and r["n"] == 2 for r in rows)
+    assert got[(4, "full at fixed bound 4")]["diff"] == pytest.approx(0.25)
+    assert got[(4, "full at best fixed bound 2")]["diff"] == pytest.approx(0.15)
+    assert got[(2, "full at best fixed bound 2")]["diff"] == pytest.approx(0.1)
+    assert all(r["excludes_zero"] for r in rows)  # the same shift on every seed
