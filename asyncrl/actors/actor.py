@@ -52,6 +52,7 @@ from .nccl_receiver import NcclReceiver
 from .nccl_receiver import expected_names as nccl_expected_names
 from .rewards import RewardRunner
 from .supervision import slot_actor_id
+from .timeline import Timeline
 from .version_watch import MANIFEST_POLL_S, VersionWatching
 
 __all__ = ["RolloutActor"]
@@ -107,6 +108,8 @@ class RolloutActor(GroupProduction, VersionWatching):
         self._rejected: set[tuple[int, str]] = set()
         self._writes: set[asyncio.Future] = set()  # buffer writes in flight (see _write)
         self._waker: AdmissionWaker | None = None  # admission hints (actors.admission_events)
+        # Per-group and per-swap timestamps for `asyncrl plan`'s calibration (asyncrl.actors.timeline).
+        self.timeline = Timeline(self.run_dir, self.actor_id)
         # /metrics of this actor ("host:port"), advertised in heartbeats for Prometheus file_sd.
         self.metrics_addr: str | None = None
         # Snapshot for the scrape thread, refreshed on the loop thread with every heartbeat: the
@@ -216,6 +219,7 @@ class RolloutActor(GroupProduction, VersionWatching):
                 log.warning("%s: final heartbeat not written: %s", self.actor_id, e)
             await self._writes_done()
             self.buffer.close()
+            self.timeline.close()
             self._done.set()
         return self.stats()  # after the finally: the final state is "stopped"
 

@@ -35,12 +35,14 @@ class GroupProduction:
     engine: Any
     buffer: Any
     counters: dict[str, Any]
+    timeline: Any
 
-    async def _admit(self) -> bool:
+    async def _admit(self, info: dict[str, Any] | None = None) -> bool:
         """Take one admission slot, waiting while the staleness bound is reached; False on stop.
 
         The wait is added to ``admission_wait_s`` as it happens (not only when it ends), so a
         long stall is visible while it lasts; ``admission_blocked`` counts the waiting workers.
+        ``info`` (the timeline's record) gets ``blocked``: whether the slot was refused at least once.
         """
         last = time.monotonic()
         blocked = False
@@ -59,6 +61,8 @@ class GroupProduction:
                 hint = self._waker.event if self._waker is not None else None
                 if await asyncio.to_thread(self.buffer.try_admit, None, None, version, self.actor_id):
                     self._started += 1
+                    if info is not None:
+                        info["blocked"] = blocked
                     return True
                 if not blocked:
                     blocked = True
@@ -104,7 +108,11 @@ class GroupProduction:
         a = self.cfg.actors
         assert self.engine is not None
         assert self.source is not None
-        while await self._admit():
+        while True:
+            rec: dict[str, Any] = {"t_try": time.time()}  # the group's timeline (asyncrl.actors.timeline)
+            if not await self._admit(rec):
+                break
+            rec["t_admit"] = time.time()
             # The prompt's position in this actor's stream names the group independently of timing:
             # it seeds its sampling and orders it in the learner's batch (asyncrl.actors.seeding).
             seq = prompt_seq(self.source.cursor, len(self.source))
@@ -113,6 +121,7 @@ class GroupProduction:
             prompt_ids = self._encode_prompt(prompt)
             group_id = f"{self.actor_id}-{uuid.uuid4().hex[:12]}"
             v_start, swaps_start = self.engine.version, self.counters["swaps"]
+            rec["t_gen0"] = time.time()
             try:
                 seqs = await self.engine.generate_group(
                     prompt_ids, a.group_size, a.temperature, a.top_p, a.max_tokens, group_id, seed=seed
@@ -122,6 +131,7 @@ class GroupProduction:
                 self.buffer.credit(1, self.actor_id, request_id=group_id)
                 self.counters["groups_aborted"] += 1
                 raise
+            rec["t_gen1"] = time.time()
             self.counters["generated_tokens"] += sum(len(s.token_ids) for s in seqs)
             if any(s.finish_reason == "abort" for s in seqs):
                 await self._write(self.buffer.credit, 1, self.actor_id, group_id)
@@ -149,3 +159,5 @@ class GroupProduction:
                 continue
             group = build_group(group_id, rewards, prompt, prompt_ids, seqs, self.actor_id, meta)
             await self._write(self.buffer.put, group, self.actor_id, written=True)
+            self.timeline.record("group", **rec, t_written=time.time(), tokens=sum(len(s.token_ids) for s in seqs),
+                                 v_start=int(v_start), v_end=int(meta["version_end"]))  # fmt: skip

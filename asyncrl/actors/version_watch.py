@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from asyncrl.buffer import WeightIntegrityError, WeightManifest, verify
@@ -30,6 +31,7 @@ class VersionWatching:
     engine: Any
     buffer: Any
     counters: dict[str, Any]
+    timeline: Any
 
     async def _newest_valid_manifest(self) -> WeightManifest | None:
         """The newest published manifest newer than the served version whose weights verify.
@@ -73,6 +75,10 @@ class VersionWatching:
         if not first:
             self.counters["swaps"] += 1
             self.counters["swap_pause_s"].append(res.pause_s)
+            # The swap returned just now after pausing the engine for pause_s: when it started.
+            self.timeline.record(
+                "swap", t_start=time.time() - res.pause_s, pause_s=res.pause_s, version=res.version
+            )
         log.info("%s: serving v%d (%s, pause %.3fs)", self.actor_id, res.version, res.mode, res.pause_s)
         await self._heartbeat_async()
         return True

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from asyncrl.learner.records import METRICS_FILE, read_jsonl
 
+from .handoff import Handoff, handoff, handoff_samples
 from .inputs import Lengths, PlanInputs
 from .simulate import simulate
 
@@ -58,6 +59,7 @@ class Measured:
     mean_length: float
     learner_busy_s_per_step: float = 0.0  # window seconds per step not spent waiting for data
     learner_cv: float = 0.0  # coefficient of variation of (step_s - wait_s)
+    window_start: float = 0.0  # unix time the window starts (the actors' timelines are cut there)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -123,7 +125,16 @@ def measure(run_dir: str | Path, warmup: int | None = None) -> Measured:
         mean_length=tokens / max(sum(r["sequences"] for r in win), 1),
         learner_busy_s_per_step=(dur - sum(r["wait_s"] for r in win)) / len(win),
         learner_cv=_cv([r["step_s"] - r["wait_s"] for r in win]),
+        window_start=float(recs[k - 1]["step_time"])
+        if k > 0 and "step_time" in recs[k - 1]
+        else float("-inf"),
     )
+
+
+def measure_handoffs(runs: list[Measured]) -> Handoff:
+    """The hand-off costs (asyncrl.plan.handoff) pooled over the steady-state windows of ``runs``."""
+    return handoff([handoff_samples(m.run_dir, read_jsonl(Path(m.run_dir) / METRICS_FILE), m.window_start)
+                    for m in runs])  # fmt: skip
 
 
 def inputs_from_run_config(run_dir: str | Path, base: PlanInputs | None = None) -> PlanInputs:
@@ -193,6 +204,16 @@ def calibrate(
                     "checkpoint_s": "measured", "gen_token_s": f"fitted to {ref.tokens_per_s:.1f} tok/s",
                     "gen_step_s": "assumed", "swap_s": "assumed", "swap_latency_s": "assumed",
                     "group_overhead_s": "assumed", "lengths.kind": "assumed", "lengths.sigma": "assumed"})  # fmt: skip
+    # The hand-offs, from the actors' timelines of every run given (each cost is the same mechanism at
+    # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
+    h = measure_handoffs(runs)
+    for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "group_overhead_s", "admission_wake_s"):
+        value = getattr(h, key)
+        if value is not None:
+            p = replace(p, **{key: value})
+            sources[key] = f"measured ({h.swaps} swaps, {h.groups} groups, {h.woken} woken admissions)"
+        else:
+            sources.setdefault(key, "assumed")
     p = replace(p, gen_token_s=_fit(lambda x: replace(p, gen_token_s=x), ref.tokens_per_s, 1e-7, 10.0))
     overlap = [m for m in runs[1:] if m.max_staleness > ref.max_staleness]
     if overlap:

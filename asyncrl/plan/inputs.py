@@ -80,6 +80,9 @@ class PlanInputs:
         0.01, "Seconds from a publish until an actor starts its swap (notify + poll).", ge=0
     )
     swap_s: float = F(0.045, "Seconds an engine is paused per weight swap (reload + KV recompute).", ge=0)
+    swap_running_extra_s: float = F(
+        0.0, "Extra pause seconds of a swap while sequences are running (their KV cache is recomputed).", ge=0
+    )
     refuse_stale_weights: bool = F(True, "actors.refuse_stale_weights (admission also checks the sampler).")
     # staleness control
     groups_per_step: int = F(4, "Groups per learner step (buffer.groups_per_step).", ge=1)

@@ -16,8 +16,9 @@ The model follows the real roles step by step (DESIGN.md):
   sequence that started at ``W0`` with length ``L`` ends when ``W = W0 + L``, and the version of each
   of its tokens follows from the engine's swap history in ``W`` coordinates (exact per-token versions,
   like vLLM's weight-version spans). A long sequence left alone speeds up: heavy tails matter.
-* **Swaps.** ``swap_latency_s`` after a publish each engine pauses for ``swap_s`` (reload + KV
-  recompute: in-flight requests survive) and then samples with the newest version.
+* **Swaps.** ``swap_latency_s`` after a publish each engine pauses for ``swap_s`` (reload; plus
+  ``swap_running_extra_s`` when sequences are running: their KV is recomputed, in-flight requests
+  survive) and then samples with the newest version.
 * **Learner.** Reads groups in arrival order, drops those staler than eta at the version the step
   starts with (returning their credit), trains ``groups_per_step`` groups for ``learner_step_s +
   learner_token_s * tokens``, publishes (``publish_s``; V is bumped when it ends) every
@@ -291,7 +292,8 @@ class _Sim:
         e.paused = e.swapping = True
         e.epoch += 1  # no progress while paused
         self.engines_changed()
-        self.at(self.t + self.p.swap_s, "swapped", (e, self.V))
+        extra = self.p.swap_running_extra_s if e.running or e.waiting else 0.0
+        self.at(self.t + self.p.swap_s + extra, "swapped", (e, self.V))
 
     def on_swapped(self, arg: tuple[_Engine, int]) -> None:
         e, version = arg

@@ -1,0 +1,175 @@
+"""The hand-off costs of a real run, measured from its actors' timelines instead of assumed.
+
+Each rollout actor writes ``logs/<actor_id>.timeline.jsonl`` (:mod:`asyncrl.actors.timeline`): per
+group when it asked for admission, got it, started and finished generating and was written; per
+weight swap when the engine paused and for how long. With the learner's ``metrics.jsonl`` that gives
+every hand-off the simulator models, in its own terms:
+
+* ``swap_s`` / ``swap_running_extra_s``: the engine's pause per swap when no sequence was running
+  (the synchronous case: only the reload) and the extra seconds when sequences were running (their
+  KV cache is recomputed after the reload);
+* ``swap_latency_s``: from the end of the learner step that published version v (its ``step_time``:
+  the simulator bumps V at the end of the step) to the start of an actor's pause for v;
+* ``group_overhead_s``: per group, the seconds outside the decode loop (admission to submission,
+  last token to the buffer write returning: rewards, serialization, the Redis write);
+* ``admission_wake_s``: per group that was refused at least once, from the last event that could
+  admit it (a publish, or its engine's swap ending: weights too stale are refused) to the admission.
+
+Every function takes plain records, so each is tested on hand-made ones with exact values.
+Invariant: imports neither torch, vllm nor ray (``asyncrl plan`` runs on a laptop).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncrl.learner.records import read_jsonl
+
+__all__ = [
+    "TIMELINE_GLOB",
+    "Handoff",
+    "read_timeline",
+    "publish_ends",
+    "swap_pauses",
+    "swap_latencies",
+    "group_overheads",
+    "admission_waits",
+    "handoff_samples",
+    "handoff",
+]
+
+#: The actors' timelines in a run dir (asyncrl.actors.timeline.TIMELINE_SUFFIX; not imported: that
+#: package imports the engine's dependencies).
+TIMELINE_GLOB = "logs/*.timeline.jsonl"
+
+
+@dataclass
+class Handoff:
+    """Measured hand-off costs (None: nothing in the run measured it)."""
+
+    swap_s: float | None = None
+    swap_running_extra_s: float | None = None
+    swap_latency_s: float | None = None
+    group_overhead_s: float | None = None
+    admission_wake_s: float | None = None
+    swaps: int = 0
+    groups: int = 0
+    woken: int = 0  # groups whose admission wait was measured
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def read_timeline(run_dir: str | Path, since: float = float("-inf")) -> tuple[list[dict], list[dict]]:
+    """(groups, swaps) of every actor of the run, each record tagged with its ``actor``; only groups
+    admitted and swaps started at or after ``since`` (unix seconds), in time order."""
+    groups: list[dict] = []
+    swaps: list[dict] = []
+    for path in sorted(Path(run_dir).glob(TIMELINE_GLOB)):
+        actor = path.name.split(".", 1)[0]
+        for r in read_jsonl(path):
+            if r.get("kind") == "group" and r["t_admit"] >= since:
+                groups.append({**r, "actor": actor})
+            elif r.get("kind") == "swap" and r["t_start"] >= since:
+                swaps.append({**r, "actor": actor})
+    groups.sort(key=lambda r: r["t_admit"])
+    swaps.sort(key=lambda r: r["t_start"])
+    return groups, swaps
+
+
+def publish_ends(steps: list[dict]) -> dict[int, float]:
+    """Version -> unix time its publish ended, from metrics.jsonl records: the ``step_time`` of a step
+    that published and did not checkpoint (a checkpoint runs after the publish, so its end is not the
+    publish's; those versions are left out)."""
+    return {
+        int(r["version"]): float(r["step_time"])
+        for r in steps
+        if r.get("published") and not r.get("checkpointed")
+    }
+
+
+def _running(groups: list[dict], actor: str, t: float) -> bool:
+    """Whether ``actor`` had a group generating at time ``t``."""
+    return any(g["actor"] == actor and g["t_gen0"] < t < g["t_gen1"] for g in groups)
+
+
+def swap_pauses(swaps: list[dict], groups: list[dict]) -> tuple[list[float], list[float]]:
+    """The pauses of swaps while the actor's engine had no group generating, and while it had."""
+    idle = [s["pause_s"] for s in swaps if not _running(groups, s["actor"], s["t_start"])]
+    busy = [s["pause_s"] for s in swaps if _running(groups, s["actor"], s["t_start"])]
+    return idle, busy
+
+
+def swap_latencies(swaps: list[dict], publish: dict[int, float]) -> list[float]:
+    """Seconds from the end of version v's publish to the start of an actor's pause for v."""
+    return [s["t_start"] - publish[int(s["version"])] for s in swaps if int(s["version"]) in publish]
+
+
+def group_overheads(groups: list[dict]) -> list[float]:
+    """Seconds per group outside the decode loop: admission to submission plus last token to the end
+    of the buffer write."""
+    return [(g["t_gen0"] - g["t_admit"]) + (g["t_written"] - g["t_gen1"]) for g in groups]
+
+
+def admission_waits(groups: list[dict], swaps: list[dict], publish: dict[int, float]) -> list[float]:
+    """Seconds from the last event that could admit a refused worker (any publish end, or the end of
+    its own engine's swap) to its admission, for the groups refused at least once that have such an
+    event between their first try and their admission."""
+    pubs = sorted(publish.values())
+    ends: dict[str, list[float]] = {}
+    for s in swaps:
+        ends.setdefault(s["actor"], []).append(s["t_start"] + s["pause_s"])
+    for v in ends.values():
+        v.sort()
+    waits = []
+    for g in groups:
+        if not g.get("blocked"):
+            continue
+        cands = []
+        for times in (pubs, ends.get(g["actor"], [])):
+            i = bisect.bisect_right(times, g["t_admit"]) - 1
+            if i >= 0 and times[i] >= g["t_try"]:
+                cands.append(times[i])
+        if cands:
+            waits.append(g["t_admit"] - max(cands))
+    return waits
+
+
+def handoff_samples(
+    run_dir: str | Path, steps: list[dict[str, Any]], since: float = float("-inf")
+) -> dict[str, list[float]]:
+    """Every hand-off sample of one run (``steps``: its metrics.jsonl records) from time ``since`` on."""
+    groups, swaps = read_timeline(run_dir, since)
+    if not groups and not swaps:  # a run dir from before the timelines (or a learner-only run)
+        return {}
+    publish = publish_ends(steps)
+    idle, busy = swap_pauses(swaps, groups)
+    return {"swap_idle": idle, "swap_busy": busy, "swap_latency": swap_latencies(swaps, publish),
+            "group_overhead": group_overheads(groups), "admission_wake": admission_waits(groups, swaps, publish)}  # fmt: skip
+
+
+def handoff(samples: list[dict[str, list[float]]]) -> Handoff:
+    """The simulator's hand-off inputs from the samples of one or more runs, pooled: means; the swap
+    latency clipped at 0 (a step's record is written a moment after its publish returns); the extra
+    pause with sequences running is the difference of the two means (>= 0), measured only when both
+    kinds of swap occurred (else ``swap_s`` is the one kind's mean)."""
+    pool: dict[str, list[float]] = {}
+    for s in samples:
+        for k, v in s.items():
+            pool.setdefault(k, []).extend(v)
+    idle, busy = _mean(pool.get("swap_idle", [])), _mean(pool.get("swap_busy", []))
+    lat = _mean(pool.get("swap_latency", []))
+    return Handoff(
+        swap_s=idle if idle is not None else busy,
+        swap_running_extra_s=max(busy - idle, 0.0) if idle is not None and busy is not None else None,
+        swap_latency_s=None if lat is None else max(lat, 0.0),
+        group_overhead_s=_mean(pool.get("group_overhead", [])),
+        admission_wake_s=_mean(pool.get("admission_wake", [])),
+        swaps=len(pool.get("swap_idle", [])) + len(pool.get("swap_busy", [])),
+        groups=len(pool.get("group_overhead", [])),
+        woken=len(pool.get("admission_wake", [])),
+    )

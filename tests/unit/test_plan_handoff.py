@@ -1,0 +1,229 @@
+"""Hand-off costs measured from the actors' timelines (asyncrl.plan.handoff), on hand-made run dirs
+with exact expected values, and the simulator's extra swap pause with sequences running."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from asyncrl.actors.timeline import TIMELINE_SUFFIX, Timeline
+from asyncrl.plan import Lengths, PlanInputs, simulate
+from asyncrl.plan.calibrate import calibrate, measure
+from asyncrl.plan.handoff import (
+    TIMELINE_GLOB,
+    admission_waits,
+    group_overheads,
+    handoff,
+    handoff_samples,
+    publish_ends,
+    read_timeline,
+    swap_latencies,
+    swap_pauses,
+)
+
+
+def group(actor: str, t_admit: float, gen0: float, gen1: float, written: float, *, t_try: float | None = None,
+          blocked: bool = False) -> dict:  # fmt: skip
+    return {"kind": "group", "actor": actor, "t_try": t_admit if t_try is None else t_try, "t_admit": t_admit,
+            "t_gen0": gen0, "t_gen1": gen1, "t_written": written, "blocked": blocked, "tokens": 40,
+            "v_start": 0, "v_end": 0}  # fmt: skip
+
+
+def swap(actor: str, t_start: float, pause: float, version: int) -> dict:
+    return {"kind": "swap", "actor": actor, "t_start": t_start, "pause_s": pause, "version": version}
+
+
+def test_timeline_files_match_the_glob_the_planner_reads(tmp_path: Path) -> None:
+    """The actor writes where the planner looks (the planner does not import the actor package)."""
+    tl = Timeline(tmp_path, "actor-3")
+    tl.record("swap", t_start=5.0, pause_s=0.25, version=2)
+    tl.record(
+        "group", **{k: v for k, v in group("x", 1.0, 1.5, 2.0, 2.5).items() if k not in ("kind", "actor")}
+    )
+    tl.close()
+    assert tl.path.name == "actor-3" + TIMELINE_SUFFIX
+    assert [p.name for p in tmp_path.glob(TIMELINE_GLOB)] == [tl.path.name]
+    groups, swaps = read_timeline(tmp_path)
+    assert swaps == [swap("actor-3", 5.0, 0.25, 2)]
+    assert groups == [group("actor-3", 1.0, 1.5, 2.0, 2.5)]
+
+
+def test_a_timeline_that_cannot_be_written_never_raises(tmp_path: Path) -> None:
+    (tmp_path / "logs").write_text("a file where the directory should be")
+    tl = Timeline(tmp_path, "actor-0")
+    tl.record("swap", t_start=1.0, pause_s=0.1, version=1)  # logged once, then a no-op
+    tl.record("swap", t_start=2.0, pause_s=0.1, version=2)
+    tl.close()
+
+
+def test_read_timeline_tags_actors_filters_the_window_and_skips_a_torn_line(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    a0 = [
+        group("", 3.0, 3.1, 3.5, 3.6),
+        swap("", 2.0, 0.1, 1),
+        group("", 0.5, 0.6, 0.9, 1.0),
+        swap("", 0.2, 0.1, 0),
+    ]
+    a1 = [swap("", 1.5, 0.2, 1), group("", 1.2, 1.3, 1.4, 1.5)]
+    for name, recs in (("actor-0", a0), ("actor-1", a1)):
+        lines = [json.dumps({k: v for k, v in r.items() if k != "actor"}) for r in recs]
+        (logs / f"{name}{TIMELINE_SUFFIX}").write_text("\n".join(lines) + '\n{"kind": "gro')
+    (logs / "actor-0.log").write_text("not a timeline\n")
+    groups, swaps = read_timeline(tmp_path, since=1.0)
+    assert [(g["actor"], g["t_admit"]) for g in groups] == [("actor-1", 1.2), ("actor-0", 3.0)]
+    assert [(s["actor"], s["t_start"]) for s in swaps] == [("actor-1", 1.5), ("actor-0", 2.0)]
+    assert len(read_timeline(tmp_path)[0]) == 3
+
+
+def test_publish_ends_are_step_times_of_published_steps_without_a_checkpoint() -> None:
+    steps = [{"version": 1, "step_time": 10.0, "published": True, "checkpointed": False},
+             {"version": 1, "step_time": 11.0, "published": False, "checkpointed": False},
+             {"version": 2, "step_time": 12.0, "published": True, "checkpointed": True},
+             {"version": 3, "step_time": 13.5, "published": True, "checkpointed": False}]  # fmt: skip
+    assert publish_ends(steps) == {1: 10.0, 3: 13.5}
+
+
+def test_swap_pauses_split_by_whether_the_engine_was_generating() -> None:
+    groups = [group("a", 0.0, 1.0, 2.0, 2.1), group("b", 0.0, 5.0, 6.0, 6.1)]
+    swaps = [swap("a", 1.5, 0.03, 1), swap("a", 3.0, 0.01, 2), swap("b", 1.5, 0.02, 1), swap("b", 5.5, 0.05, 2),
+             swap("a", 2.0, 0.07, 3)]  # 2.0 = t_gen1: the group had finished  # fmt: skip
+    idle, busy = swap_pauses(swaps, groups)
+    assert idle == [0.01, 0.02, 0.07] and busy == [0.03, 0.05]
+
+
+def test_swap_latency_is_measured_from_the_publish_of_the_swapped_version() -> None:
+    publish = {1: 10.0, 2: 20.0}
+    swaps = [swap("a", 10.004, 0.03, 1), swap("b", 20.010, 0.03, 2), swap("a", 19.999, 0.03, 2),
+             swap("a", 30.0, 0.03, 3)]  # v3 checkpointed: no publish end, left out  # fmt: skip
+    assert swap_latencies(swaps, publish) == pytest.approx([0.004, 0.010, -0.001], abs=1e-12)
+
+
+def test_group_overhead_is_the_time_outside_the_decode_loop() -> None:
+    groups = [group("a", 1.0, 1.001, 1.5, 1.506), group("a", 2.0, 2.0, 2.4, 2.403)]
+    assert group_overheads(groups) == pytest.approx([0.007, 0.003], abs=1e-12)
+
+
+def test_admission_wait_runs_from_the_last_event_that_could_admit() -> None:
+    publish = {1: 10.0, 2: 20.0}
+    swaps = [swap("a", 10.005, 0.020, 1), swap("b", 10.004, 0.030, 1), swap("a", 20.004, 0.020, 2)]
+    groups = [
+        group("a", 10.027, 10.03, 10.1, 10.11, t_try=9.9, blocked=True),  # publish 10.0, own swap end 10.025: 2 ms
+        group("b", 10.035, 10.04, 10.1, 10.11, t_try=9.9, blocked=True),  # its own swap ended at 10.034: 1 ms
+        group("a", 10.05, 10.05, 10.1, 10.11, t_try=9.9),  # never refused: no wait to measure
+        group("a", 20.001, 20.0, 20.1, 20.11, t_try=19.5, blocked=True),  # admitted by the publish: 1 ms
+        group("a", 20.5, 20.5, 20.6, 20.7, t_try=20.3, blocked=True),  # no event since its first try: left out
+    ]  # fmt: skip
+    assert admission_waits(groups, swaps, publish) == pytest.approx([0.002, 0.001, 0.001], abs=1e-9)
+
+
+def test_handoff_pools_runs_and_derives_the_simulator_inputs() -> None:
+    a = {"swap_idle": [0.02, 0.04], "swap_busy": [0.05], "swap_latency": [0.004, -0.002],
+         "group_overhead": [0.003], "admission_wake": [0.002]}  # fmt: skip
+    b = {"swap_idle": [], "swap_busy": [0.07], "swap_latency": [0.010], "group_overhead": [0.005, 0.007],
+         "admission_wake": []}  # fmt: skip
+    h = handoff([a, b])
+    assert h.swap_s == pytest.approx(0.03) and h.swap_running_extra_s == pytest.approx(0.03)
+    assert h.swap_latency_s == pytest.approx(0.004) and h.group_overhead_s == pytest.approx(0.005)
+    assert h.admission_wake_s == pytest.approx(0.002)
+    assert (h.swaps, h.groups, h.woken) == (4, 3, 1)
+    # Only busy swaps: swap_s is their mean, the extra unmeasured; a negative mean latency clips to 0.
+    h = handoff([{"swap_busy": [0.05, 0.07], "swap_latency": [-0.003, 0.001]}])
+    assert h.swap_s == pytest.approx(0.06) and h.swap_running_extra_s is None and h.swap_latency_s == 0.0
+    assert h.group_overhead_s is None and h.admission_wake_s is None
+    # A busy mean below the idle one is noise, not a negative cost.
+    assert handoff([{"swap_idle": [0.05], "swap_busy": [0.04]}]).swap_running_extra_s == 0.0
+
+
+def _run_dir(rdir: Path, eta: int) -> None:
+    """A 20-step run: 4 groups of 8 x 5 tokens per step, one step every 0.2 s, train 0.1 s, wait
+    0.08 s; one actor swapping 5 ms after each publish, for 30 ms while idle (odd versions) or 50 ms
+    while a group generates (even ones); a group starts 1 ms after its admission and is written 4 ms
+    after its last token."""
+    rdir.mkdir(parents=True)
+    (rdir / "config.yaml").write_text(
+        "actors: {num_actors: 1, groups_in_flight: 4, group_size: 8, admission_poll_s: 0.05, admission_events: true,"
+        " refuse_stale_weights: true, max_tokens: 5}\n"
+        f"buffer: {{groups_per_step: 4, max_staleness: {eta}}}\nlearner: {{publish_every: 1, checkpoint_every: 10}}\n"
+    )  # fmt: skip
+    t0 = 1000.0
+    steps, tl = [], []
+    for i in range(1, 21):
+        end = t0 + 0.2 * i
+        steps.append({"step": i, "version": i, "time": end - t0, "step_time": end, "step_s": 0.2, "wait_s": 0.08,
+                      "train_s": 0.1, "publish_s": 0.01, "published": True, "checkpointed": i % 10 == 0,
+                      "tokens": 160, "sequences": 32, "staleness_hist": {"0": 160}})  # fmt: skip
+        busy = i % 2 == 0  # every other swap lands while a group generates
+        tl.append(swap("", end + 0.005, 0.05 if busy else 0.03, i))
+        start = end + 0.001 if busy else end + 0.05  # generating over the swap, or after it
+        tl.append(
+            group("", start, start + 0.001, start + 0.05, start + 0.054, t_try=end - 0.01, blocked=True)
+        )
+    (rdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (rdir / "logs").mkdir()
+    (rdir / "logs" / f"actor-0{TIMELINE_SUFFIX}").write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if k != "actor"}) + "\n" for r in tl)
+    )
+
+
+def test_calibration_takes_the_handoffs_from_the_timelines(tmp_path: Path) -> None:
+    _run_dir(tmp_path / "s0", 0)
+    m = measure(tmp_path / "s0")
+    assert m.warmup == 3 and m.window_start == 1000.6
+    samples = handoff_samples(m.run_dir, [json.loads(x) for x in (tmp_path / "s0" / "metrics.jsonl").open()],
+                              m.window_start)  # fmt: skip
+    # Window: steps 4..20 -> swaps after publishes 3..19 (t_start >= 1000.6: from v3's, 1000.605).
+    assert len(samples["swap_idle"]) + len(samples["swap_busy"]) == 18
+    p, sources = calibrate([tmp_path / "s0"])
+    assert p.swap_s == pytest.approx(0.03)  # idle swaps: v3, 5, ..., 19
+    assert p.swap_running_extra_s == pytest.approx(0.02)  # busy ones (v4, 6, ..., 20) paused 0.05
+    assert p.swap_latency_s == pytest.approx(0.005)  # v10 and v20 checkpointed: not counted, same value
+    assert p.group_overhead_s == pytest.approx(
+        0.005
+    )  # 1 ms before the submission + 4 ms after the last token
+    # Idle swaps: admitted 15 ms after the swap ended (end + 0.05 vs end + 0.035); busy ones admitted
+    # before their swap: woken by the publish, 1 ms after it, except after the checkpointed steps 10
+    # and 20 (their publish end is unknown and no other event falls between try and admission).
+    assert p.admission_wake_s == pytest.approx((9 * 0.015 + 7 * 0.001) / 16)
+    for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "group_overhead_s", "admission_wake_s"):
+        assert sources[key] == "measured (18 swaps, 18 groups, 16 woken admissions)", (key, sources[key])
+
+
+def test_calibration_without_timelines_keeps_the_assumed_handoffs(tmp_path: Path) -> None:
+    _run_dir(tmp_path / "s0", 0)
+    for f in (tmp_path / "s0" / "logs").iterdir():
+        f.unlink()
+    p, sources = calibrate([tmp_path / "s0"])
+    d = PlanInputs()
+    assert (p.swap_s, p.swap_latency_s, p.group_overhead_s) == (
+        d.swap_s,
+        d.swap_latency_s,
+        d.group_overhead_s,
+    )
+    assert sources["swap_s"] == sources["admission_wake_s"] == "assumed"
+
+
+def _fixed(mean: float) -> Lengths:
+    return Lengths(kind="fixed", mean=mean, sigma=0.0, min_tokens=1.0, max_tokens=mean)
+
+
+def test_the_extra_swap_pause_is_paid_only_with_sequences_running() -> None:
+    """Synchronous: the engine is idle at every swap, the extra costs nothing (identical run). One group
+    in flight at eta=4 with an instant learner: every swap lands while the next group decodes, so the
+    extra pause costs exactly what the same seconds of plain swap cost."""
+    sync = PlanInputs(num_actors=1, groups_in_flight=2, group_size=4, lengths=_fixed(5.0), gen_token_s=1e-3,
+                      admission_events=True, swap_latency_s=0.003, swap_s=0.02, groups_per_step=2, max_staleness=0,
+                      learner_step_s=0.03, publish_s=0.005, steps=40, warmup_steps=5)  # fmt: skip
+    assert simulate(replace(sync, swap_running_extra_s=0.5)).tokens_per_s == simulate(sync).tokens_per_s
+    busy = PlanInputs(num_actors=1, groups_in_flight=1, group_size=1, lengths=_fixed(10.0), gen_token_s=1e-2,
+                      admission_events=True, admission_wake_s=0.0, swap_latency_s=0.0, swap_s=0.0,
+                      groups_per_step=1, max_staleness=4, learner_step_s=0.0, learner_token_s=0.0, publish_s=0.0,
+                      steps=60, warmup_steps=5)  # fmt: skip
+    with_extra = simulate(replace(busy, swap_running_extra_s=0.03))
+    assert with_extra.tokens_per_s == pytest.approx(
+        simulate(replace(busy, swap_s=0.03)).tokens_per_s, rel=1e-9
+    )
+    assert with_extra.tokens_per_s == pytest.approx(10.0 / (10 * 1e-2 + 0.03), rel=1e-9)
