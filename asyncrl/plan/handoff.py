@@ -12,8 +12,9 @@ every hand-off the simulator models, in its own terms:
   the simulator bumps V at the end of the step) to the start of an actor's pause for v;
 * ``group_overhead_s``: per group, the seconds outside the decode loop (admission to submission,
   last token to the buffer write returning: rewards, serialization, the Redis write);
-* ``admission_wake_s``: per group that was refused at least once, from the last event that could
-  admit it (a publish, or its engine's swap ending: weights too stale are refused) to the admission.
+* ``admission_wake_s``: per group that was refused at least once and woken by a publish's hint, from
+  the publish to the admission (a worker refused for stale weights is admitted by its poll after
+  its engine's swap, not by a hint: the simulator models that poll from the config).
 
 Every function takes plain records, so each is tested on hand-made ones with exact values.
 Invariant: imports neither torch, vllm nor ray (``asyncrl plan`` runs on a laptop).
@@ -116,9 +117,10 @@ def group_overheads(groups: list[dict]) -> list[float]:
 
 
 def admission_waits(groups: list[dict], swaps: list[dict], publish: dict[int, float]) -> list[float]:
-    """Seconds from the last event that could admit a refused worker (any publish end, or the end of
-    its own engine's swap) to its admission, for the groups refused at least once that have such an
-    event between their first try and their admission."""
+    """Seconds from a publish's hint to the admission it woke: for each group refused at least once
+    whose last event between its first try and its admission is a publish end. When its own engine's
+    swap ended later, the swap (which sends no hint) did not wake it: its poll did, which the
+    simulator models from ``actors.admission_poll_s``; those are left out."""
     pubs = sorted(publish.values())
     ends: dict[str, list[float]] = {}
     for s in swaps:
@@ -129,13 +131,12 @@ def admission_waits(groups: list[dict], swaps: list[dict], publish: dict[int, fl
     for g in groups:
         if not g.get("blocked"):
             continue
-        cands = []
+        last = []
         for times in (pubs, ends.get(g["actor"], [])):
             i = bisect.bisect_right(times, g["t_admit"]) - 1
-            if i >= 0 and times[i] >= g["t_try"]:
-                cands.append(times[i])
-        if cands:
-            waits.append(g["t_admit"] - max(cands))
+            last.append(times[i] if i >= 0 and times[i] >= g["t_try"] else float("-inf"))
+        if last[0] > last[1]:
+            waits.append(g["t_admit"] - last[0])
     return waits
 
 

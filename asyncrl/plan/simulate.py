@@ -6,10 +6,12 @@ The model follows the real roles step by step (DESIGN.md):
   an admission slot with the rule of :mod:`asyncrl.buffer.admission` (``admitted < (V + eta + 1) *
   groups_per_step * publish_every + credits``: groups per version, and with ``refuse_stale_weights`` the engine's weights must be at most
   eta behind V), then its ``group_size`` completions decode in the engine; the group reaches the
-  buffer ``group_overhead_s`` after its last token. A refused worker retries when something that
-  could admit it changed (a publish, a credit, its engine's swap), ``admission_wake_s`` later when
-  the actors are woken by events (``actors.admission_events``, the default), else ``admission_poll_s
-  / 2`` later: the expected delay of the real actor's fixed-period poll.
+  buffer ``group_overhead_s`` after its last token. With ``actors.admission_events`` (the default) a
+  refused worker retries ``admission_wake_s`` after a hint (a publish, a credit) and, like the real
+  worker, ``admission_poll_s`` after its refused attempt: its engine's swap sends no hint, so a worker
+  refused for stale weights is admitted by that poll. Without events it retries ``admission_poll_s /
+  2`` after anything that could admit it (a publish, a credit, its engine's swap): the expected delay
+  of the real actor's fixed-period poll.
 * **Engines are fluid continuous batchers.** With ``n`` running sequences a decode step takes
   ``gen_step_s + n * gen_token_s`` and gives each one token, so every running sequence advances at
   the same rate. Each engine keeps a work counter ``W`` (tokens per running sequence so far): a
@@ -120,6 +122,7 @@ class _Engine:
         self.in_flight = 0  # groups admitted and not yet written
         self.epoch = 0  # invalidates a scheduled finish event when the rate changes
         self.retry_pending = False
+        self.poll_epoch = 0  # invalidates a scheduled poll retry when a newer refusal re-arms it
         self.blocked_s = 0.0  # integral of (groups_in_flight - in_flight) dt
         self.busy_s = 0.0
         self.slow = 1.0  # gen_slowdown while a co-located learner works
@@ -236,6 +239,11 @@ class _Sim:
             g = _Group(e, self.p.group_size)
             for _ in range(self.p.group_size):
                 e.waiting.append((self.lengths.draw(), g))
+        if e.in_flight < self.p.groups_in_flight and self.p.admission_events and self.p.admission_poll_s > 0:
+            # Refused: besides the hints, the real worker retries admission_poll_s after this attempt.
+            # That poll is what admits it after its own engine's swap (a swap publishes no hint).
+            e.poll_epoch += 1
+            self.at(self.t + self.p.admission_poll_s, "poll", (e, e.poll_epoch))
         if started:
             self.fill(e)
             self.schedule_finish(e)
@@ -256,6 +264,11 @@ class _Sim:
 
     def on_retry(self, e: _Engine) -> None:
         self.try_admit(e)
+
+    def on_poll(self, arg: tuple[_Engine, int]) -> None:
+        e, epoch = arg
+        if epoch == e.poll_epoch and not e.retry_pending:
+            self.try_admit(e)
 
     def on_finish(self, arg: tuple[_Engine, int]) -> None:
         e, epoch = arg
@@ -303,7 +316,8 @@ class _Sim:
         e.swap_w.append(e.W)
         e.swap_v.append(version)
         self.schedule_finish(e)  # (also re-times the learner: the engine's state changed)
-        self.wake([e])
+        if not self.p.admission_events:
+            self.wake([e])  # its next poll, half a period later on average; with events: its poll timer
         if e.version < self.V:  # published again meanwhile: the watcher swaps straight on
             self.on_notice(e)
 

@@ -233,12 +233,14 @@ def test_plan_cli_projects_the_shipped_fleet_file_without_heavy_imports() -> Non
     assert speedups[0] == pytest.approx(1.0) and speedups[1] > 1.2
 
 
-@pytest.mark.parametrize("poll,swap", [(0.04, 0.0), (0.2, 0.0), (0.2, 0.03)])
+@pytest.mark.parametrize("poll,swap", [(0.04, 0.0), (0.2, 0.0), (0.2, 0.03), (0.04, 0.03)])
 def test_synchronous_step_pays_the_admission_retry_delay(poll: float, swap: float) -> None:
-    """At eta=0 every step waits for its engine's swap, then for the refused worker's retry: woken by
-    the event (admission_wake_s after the publish, and again after the swap) or on its poll (poll / 2
-    after the publish on average, which overlaps the swap). Deterministic inputs, so the step periods
-    differ by exactly the difference of the two admission times."""
+    """At eta=0 every step waits for its engine's swap, then for the refused worker's retry. With
+    events the publish's hint wakes it admission_wake_s later; if its engine is still swapping it is
+    refused (stale weights) and, the swap sending no hint, its poll admits it one poll period after
+    that refusal (as the real worker, whose 50 ms poll made the eta=0 step ~25 ms longer than a wake
+    at the swap's end would). Without events: poll / 2 after the publish on average, overlapping the
+    swap. Deterministic inputs, so the step periods differ by exactly the two admission times'."""
 
     def period(events: bool) -> float:
         p = PlanInputs(
@@ -251,5 +253,8 @@ def test_synchronous_step_pays_the_admission_retry_delay(poll: float, swap: floa
         assert r.staleness_max == 0
         return 1.0 / r.steps_per_s
 
-    polled, woken = max(poll / 2, swap), swap + 0.002  # admission after the publish, in both
+    # Admission after the publish, in both. Polled: poll / 2 after the publish, or after the swap when
+    # that retry came before the swap's end (refused, the swap's end re-arms the expected poll).
+    polled = poll / 2 if poll / 2 >= swap else swap + poll / 2
+    woken = 0.002 if swap == 0 else 0.002 + poll  # refused at the hint, admitted by the poll after it
     assert period(False) - period(True) == pytest.approx(polled - woken, rel=1e-6)

@@ -107,17 +107,18 @@ def test_group_overhead_is_the_time_outside_the_decode_loop() -> None:
     assert group_overheads(groups) == pytest.approx([0.007, 0.003], abs=1e-12)
 
 
-def test_admission_wait_runs_from_the_last_event_that_could_admit() -> None:
+def test_admission_wait_runs_from_the_publish_that_woke_the_worker() -> None:
     publish = {1: 10.0, 2: 20.0}
     swaps = [swap("a", 10.005, 0.020, 1), swap("b", 10.004, 0.030, 1), swap("a", 20.004, 0.020, 2)]
     groups = [
-        group("a", 10.027, 10.03, 10.1, 10.11, t_try=9.9, blocked=True),  # publish 10.0, own swap end 10.025: 2 ms
-        group("b", 10.035, 10.04, 10.1, 10.11, t_try=9.9, blocked=True),  # its own swap ended at 10.034: 1 ms
+        group("a", 10.027, 10.03, 10.1, 10.11, t_try=9.9, blocked=True),  # own swap ended after the publish: polled
+        group("b", 10.045, 10.05, 10.1, 10.11, t_try=9.9, blocked=True),  # same (its swap ended at 10.034)
         group("a", 10.05, 10.05, 10.1, 10.11, t_try=9.9),  # never refused: no wait to measure
-        group("a", 20.001, 20.0, 20.1, 20.11, t_try=19.5, blocked=True),  # admitted by the publish: 1 ms
+        group("a", 20.001, 20.0, 20.1, 20.11, t_try=19.5, blocked=True),  # woken by the publish: 1 ms
+        group("b", 20.003, 20.0, 20.1, 20.11, t_try=19.5, blocked=True),  # a's swap is not b's event: 3 ms
         group("a", 20.5, 20.5, 20.6, 20.7, t_try=20.3, blocked=True),  # no event since its first try: left out
     ]  # fmt: skip
-    assert admission_waits(groups, swaps, publish) == pytest.approx([0.002, 0.001, 0.001], abs=1e-9)
+    assert admission_waits(groups, swaps, publish) == pytest.approx([0.001, 0.003], abs=1e-9)
 
 
 def test_handoff_pools_runs_and_derives_the_simulator_inputs() -> None:
@@ -184,12 +185,12 @@ def test_calibration_takes_the_handoffs_from_the_timelines(tmp_path: Path) -> No
     assert p.group_overhead_s == pytest.approx(
         0.005
     )  # 1 ms before the submission + 4 ms after the last token
-    # Idle swaps: admitted 15 ms after the swap ended (end + 0.05 vs end + 0.035); busy ones admitted
-    # before their swap: woken by the publish, 1 ms after it, except after the checkpointed steps 10
-    # and 20 (their publish end is unknown and no other event falls between try and admission).
-    assert p.admission_wake_s == pytest.approx((9 * 0.015 + 7 * 0.001) / 16)
+    # Idle swaps: admitted after the swap ended (by the poll: left out); busy ones admitted before
+    # their swap, woken by the publish 1 ms earlier, except after the checkpointed steps 10 and 20
+    # (their publish end is unknown).
+    assert p.admission_wake_s == pytest.approx(0.001)
     for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "group_overhead_s", "admission_wake_s"):
-        assert sources[key] == "measured (18 swaps, 18 groups, 16 woken admissions)", (key, sources[key])
+        assert sources[key] == "measured (18 swaps, 18 groups, 7 woken admissions)", (key, sources[key])
 
 
 def test_calibration_without_timelines_keeps_the_assumed_handoffs(tmp_path: Path) -> None:
