@@ -207,7 +207,8 @@ def calibrate(
     # The hand-offs, from the actors' timelines of every run given (each cost is the same mechanism at
     # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
     h = measure_handoffs(runs)
-    for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "group_overhead_s", "admission_wake_s"):
+    for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latency_running_extra_s",
+                "group_overhead_s", "admission_wake_s"):  # fmt: skip
         value = getattr(h, key)
         if value is not None:
             p = replace(p, **{key: value})

@@ -8,8 +8,10 @@ every hand-off the simulator models, in its own terms:
 * ``swap_s`` / ``swap_running_extra_s``: the engine's pause per swap when no sequence was running
   (the synchronous case: only the reload) and the extra seconds when sequences were running (their
   KV cache is recomputed after the reload);
-* ``swap_latency_s``: from the end of the learner step that published version v (its ``step_time``:
-  the simulator bumps V at the end of the step) to the start of an actor's pause for v;
+* ``swap_latency_s`` / ``swap_latency_running_extra_s``: from the end of the learner step that
+  published version v (its ``step_time``: the simulator bumps V at the end of the step) to the start
+  of an actor's pause for v, when its engine was idle at the publish, and the extra when it was
+  decoding (the actor stages the new weights on the engine's cores);
 * ``group_overhead_s``: per group, the seconds outside the decode loop (admission to submission,
   last token to the buffer write returning: rewards, serialization, the Redis write);
 * ``admission_wake_s``: per group that was refused at least once and woken by a publish's hint, from
@@ -54,6 +56,7 @@ class Handoff:
     swap_s: float | None = None
     swap_running_extra_s: float | None = None
     swap_latency_s: float | None = None
+    swap_latency_running_extra_s: float | None = None
     group_overhead_s: float | None = None
     admission_wake_s: float | None = None
     swaps: int = 0
@@ -105,9 +108,18 @@ def swap_pauses(swaps: list[dict], groups: list[dict]) -> tuple[list[float], lis
     return idle, busy
 
 
-def swap_latencies(swaps: list[dict], publish: dict[int, float]) -> list[float]:
-    """Seconds from the end of version v's publish to the start of an actor's pause for v."""
-    return [s["t_start"] - publish[int(s["version"])] for s in swaps if int(s["version"]) in publish]
+def swap_latencies(
+    swaps: list[dict], publish: dict[int, float], groups: list[dict]
+) -> tuple[list[float], list[float]]:
+    """Seconds from the end of version v's publish to the start of an actor's pause for v: for the
+    swaps whose actor had no group generating at the publish, and for those whose actor had."""
+    idle: list[float] = []
+    busy: list[float] = []
+    for s in swaps:
+        t = publish.get(int(s["version"]))
+        if t is not None:
+            (busy if _running(groups, s["actor"], t) else idle).append(s["t_start"] - t)
+    return idle, busy
 
 
 def group_overheads(groups: list[dict]) -> list[float]:
@@ -149,25 +161,39 @@ def handoff_samples(
         return {}
     publish = publish_ends(steps)
     idle, busy = swap_pauses(swaps, groups)
-    return {"swap_idle": idle, "swap_busy": busy, "swap_latency": swap_latencies(swaps, publish),
+    lat_idle, lat_busy = swap_latencies(swaps, publish, groups)
+    return {"swap_idle": idle, "swap_busy": busy, "latency_idle": lat_idle, "latency_busy": lat_busy,
             "group_overhead": group_overheads(groups), "admission_wake": admission_waits(groups, swaps, publish)}  # fmt: skip
 
 
+def _base_and_extra(
+    pool: dict[str, list[float]], idle_key: str, busy_key: str
+) -> tuple[float | None, float | None]:
+    """(mean of the idle samples, how much larger the busy samples' mean is), both clipped at 0 (a
+    step's record is written a moment after its publish returns: a latency can read slightly
+    negative; a busy mean below the idle one is noise, not a negative cost). With one kind only:
+    that kind's mean and None (the extra is not measured)."""
+    idle, busy = _mean(pool.get(idle_key, [])), _mean(pool.get(busy_key, []))
+    if idle is None or busy is None:
+        base = idle if idle is not None else busy
+        return (None if base is None else max(base, 0.0)), None
+    return max(idle, 0.0), max(busy - max(idle, 0.0), 0.0)
+
+
 def handoff(samples: list[dict[str, list[float]]]) -> Handoff:
-    """The simulator's hand-off inputs from the samples of one or more runs, pooled: means; the swap
-    latency clipped at 0 (a step's record is written a moment after its publish returns); the extra
-    pause with sequences running is the difference of the two means (>= 0), measured only when both
-    kinds of swap occurred (else ``swap_s`` is the one kind's mean)."""
+    """The simulator's hand-off inputs from the samples of one or more runs, pooled (means; the
+    idle/busy splits as in :func:`_base_and_extra`)."""
     pool: dict[str, list[float]] = {}
     for s in samples:
         for k, v in s.items():
             pool.setdefault(k, []).extend(v)
-    idle, busy = _mean(pool.get("swap_idle", [])), _mean(pool.get("swap_busy", []))
-    lat = _mean(pool.get("swap_latency", []))
+    swap_s, swap_extra = _base_and_extra(pool, "swap_idle", "swap_busy")
+    lat, lat_extra = _base_and_extra(pool, "latency_idle", "latency_busy")
     return Handoff(
-        swap_s=idle if idle is not None else busy,
-        swap_running_extra_s=max(busy - idle, 0.0) if idle is not None and busy is not None else None,
-        swap_latency_s=None if lat is None else max(lat, 0.0),
+        swap_s=swap_s,
+        swap_running_extra_s=swap_extra,
+        swap_latency_s=lat,
+        swap_latency_running_extra_s=lat_extra,
         group_overhead_s=_mean(pool.get("group_overhead", [])),
         admission_wake_s=_mean(pool.get("admission_wake", [])),
         swaps=len(pool.get("swap_idle", [])) + len(pool.get("swap_busy", [])),

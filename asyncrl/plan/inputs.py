@@ -79,6 +79,12 @@ class PlanInputs:
     swap_latency_s: float = F(
         0.01, "Seconds from a publish until an actor starts its swap (notify + poll).", ge=0
     )
+    swap_latency_running_extra_s: float = F(
+        0.0,
+        "Extra swap latency when the engine is decoding at the publish (the actor stages the new weights "
+        "on the engine's cores, so it is slower while they decode).",
+        ge=0,
+    )
     swap_s: float = F(0.045, "Seconds an engine is paused per weight swap (reload + KV recompute).", ge=0)
     swap_running_extra_s: float = F(
         0.0, "Extra pause seconds of a swap while sequences are running (their KV cache is recomputed).", ge=0

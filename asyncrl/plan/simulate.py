@@ -18,9 +18,10 @@ The model follows the real roles step by step (DESIGN.md):
   sequence that started at ``W0`` with length ``L`` ends when ``W = W0 + L``, and the version of each
   of its tokens follows from the engine's swap history in ``W`` coordinates (exact per-token versions,
   like vLLM's weight-version spans). A long sequence left alone speeds up: heavy tails matter.
-* **Swaps.** ``swap_latency_s`` after a publish each engine pauses for ``swap_s`` (reload; plus
-  ``swap_running_extra_s`` when sequences are running: their KV is recomputed, in-flight requests
-  survive) and then samples with the newest version.
+* **Swaps.** ``swap_latency_s`` after a publish (plus ``swap_latency_running_extra_s`` if the
+  engine is decoding then: the actor stages the weights on the engine's cores) each engine pauses
+  for ``swap_s`` (reload; plus ``swap_running_extra_s`` when sequences are running: their KV is
+  recomputed, in-flight requests survive) and then samples with the newest version.
 * **Learner.** Reads groups in arrival order, drops those staler than eta at the version the step
   starts with (returning their credit), trains ``groups_per_step`` groups for ``learner_step_s +
   learner_token_s * tokens``, publishes (``publish_s``; V is bumped when it ends) every
@@ -399,7 +400,8 @@ class _Sim:
         if kind == "publish":
             self.V += 1
             for e in self.engines:
-                self.at(self.t + self.p.swap_latency_s, "notice", e)
+                extra = self.p.swap_latency_running_extra_s if e.running or e.waiting else 0.0
+                self.at(self.t + self.p.swap_latency_s + extra, "notice", e)
             self.wake(self.engines)
         if self.phases:
             self.l_t = self.t

@@ -95,11 +95,13 @@ def test_swap_pauses_split_by_whether_the_engine_was_generating() -> None:
     assert idle == [0.01, 0.02, 0.07] and busy == [0.03, 0.05]
 
 
-def test_swap_latency_is_measured_from_the_publish_of_the_swapped_version() -> None:
+def test_swap_latency_is_measured_from_the_publish_and_split_by_engine_state_at_the_publish() -> None:
     publish = {1: 10.0, 2: 20.0}
+    groups = [group("b", 19.9, 19.95, 20.05, 20.06)]  # b decodes across the publish of v2
     swaps = [swap("a", 10.004, 0.03, 1), swap("b", 20.010, 0.03, 2), swap("a", 19.999, 0.03, 2),
              swap("a", 30.0, 0.03, 3)]  # v3 checkpointed: no publish end, left out  # fmt: skip
-    assert swap_latencies(swaps, publish) == pytest.approx([0.004, 0.010, -0.001], abs=1e-12)
+    idle, busy = swap_latencies(swaps, publish, groups)
+    assert idle == pytest.approx([0.004, -0.001], abs=1e-12) and busy == pytest.approx([0.010], abs=1e-12)
 
 
 def test_group_overhead_is_the_time_outside_the_decode_loop() -> None:
@@ -122,52 +124,61 @@ def test_admission_wait_runs_from_the_publish_that_woke_the_worker() -> None:
 
 
 def test_handoff_pools_runs_and_derives_the_simulator_inputs() -> None:
-    a = {"swap_idle": [0.02, 0.04], "swap_busy": [0.05], "swap_latency": [0.004, -0.002],
+    a = {"swap_idle": [0.02, 0.04], "swap_busy": [0.05], "latency_idle": [0.004, -0.002], "latency_busy": [],
          "group_overhead": [0.003], "admission_wake": [0.002]}  # fmt: skip
-    b = {"swap_idle": [], "swap_busy": [0.07], "swap_latency": [0.010], "group_overhead": [0.005, 0.007],
-         "admission_wake": []}  # fmt: skip
+    b = {"swap_idle": [], "swap_busy": [0.07], "latency_idle": [0.010], "latency_busy": [0.02, 0.03],
+         "group_overhead": [0.005, 0.007], "admission_wake": []}  # fmt: skip
     h = handoff([a, b])
     assert h.swap_s == pytest.approx(0.03) and h.swap_running_extra_s == pytest.approx(0.03)
-    assert h.swap_latency_s == pytest.approx(0.004) and h.group_overhead_s == pytest.approx(0.005)
-    assert h.admission_wake_s == pytest.approx(0.002)
+    assert h.swap_latency_s == pytest.approx(0.004) and h.swap_latency_running_extra_s == pytest.approx(0.021)
+    assert h.group_overhead_s == pytest.approx(0.005) and h.admission_wake_s == pytest.approx(0.002)
     assert (h.swaps, h.groups, h.woken) == (4, 3, 1)
     # Only busy swaps: swap_s is their mean, the extra unmeasured; a negative mean latency clips to 0.
-    h = handoff([{"swap_busy": [0.05, 0.07], "swap_latency": [-0.003, 0.001]}])
+    h = handoff([{"swap_busy": [0.05, 0.07], "latency_busy": [-0.003, 0.001]}])
     assert h.swap_s == pytest.approx(0.06) and h.swap_running_extra_s is None and h.swap_latency_s == 0.0
+    assert h.swap_latency_running_extra_s is None
     assert h.group_overhead_s is None and h.admission_wake_s is None
     # A busy mean below the idle one is noise, not a negative cost.
     assert handoff([{"swap_idle": [0.05], "swap_busy": [0.04]}]).swap_running_extra_s == 0.0
 
 
 def _run_dir(rdir: Path, eta: int) -> None:
-    """A 20-step run: 4 groups of 8 x 5 tokens per step, one step every 0.2 s, train 0.1 s, wait
-    0.08 s; one actor swapping 5 ms after each publish, for 30 ms while idle (odd versions) or 50 ms
-    while a group generates (even ones); a group starts 1 ms after its admission and is written 4 ms
-    after its last token."""
+    """A 20-step run, one step every 0.2 s. actor-0 swaps after every publish: odd versions with its
+    engine idle (5 ms after the publish, 30 ms pause; its group admitted 15 ms after the swap ended,
+    by its poll), even ones while a group generates from 2 ms before the publish (12 ms after it, 50
+    ms pause; that group was admitted without a refusal). actor-1 never swaps; its refused workers
+    are woken 2 ms after each publish. Every group starts 1 ms after its admission and is written
+    4 ms after its last token."""
     rdir.mkdir(parents=True)
     (rdir / "config.yaml").write_text(
-        "actors: {num_actors: 1, groups_in_flight: 4, group_size: 8, admission_poll_s: 0.05, admission_events: true,"
+        "actors: {num_actors: 2, groups_in_flight: 4, group_size: 8, admission_poll_s: 0.05, admission_events: true,"
         " refuse_stale_weights: true, max_tokens: 5}\n"
         f"buffer: {{groups_per_step: 4, max_staleness: {eta}}}\nlearner: {{publish_every: 1, checkpoint_every: 10}}\n"
     )  # fmt: skip
     t0 = 1000.0
-    steps, tl = [], []
+    steps, tl0, tl1 = [], [], []
     for i in range(1, 21):
         end = t0 + 0.2 * i
         steps.append({"step": i, "version": i, "time": end - t0, "step_time": end, "step_s": 0.2, "wait_s": 0.08,
                       "train_s": 0.1, "publish_s": 0.01, "published": True, "checkpointed": i % 10 == 0,
                       "tokens": 160, "sequences": 32, "staleness_hist": {"0": 160}})  # fmt: skip
-        busy = i % 2 == 0  # every other swap lands while a group generates
-        tl.append(swap("", end + 0.005, 0.05 if busy else 0.03, i))
-        start = end + 0.001 if busy else end + 0.05  # generating over the swap, or after it
-        tl.append(
-            group("", start, start + 0.001, start + 0.05, start + 0.054, t_try=end - 0.01, blocked=True)
+        if i % 2 == 0:
+            tl0.append(group("", end - 0.003, end - 0.002, end + 0.047, end + 0.051, t_try=end - 0.01))
+            tl0.append(swap("", end + 0.012, 0.05, i))
+        else:
+            tl0.append(swap("", end + 0.005, 0.03, i))
+            tl0.append(
+                group("", end + 0.05, end + 0.051, end + 0.1, end + 0.104, t_try=end - 0.01, blocked=True)
+            )
+        tl1.append(
+            group("", end + 0.002, end + 0.003, end + 0.05, end + 0.054, t_try=end - 0.01, blocked=True)
         )
     (rdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     (rdir / "logs").mkdir()
-    (rdir / "logs" / f"actor-0{TIMELINE_SUFFIX}").write_text(
-        "".join(json.dumps({k: v for k, v in r.items() if k != "actor"}) + "\n" for r in tl)
-    )
+    for name, tl in (("actor-0", tl0), ("actor-1", tl1)):
+        (rdir / "logs" / f"{name}{TIMELINE_SUFFIX}").write_text(
+            "".join(json.dumps({k: v for k, v in r.items() if k != "actor"}) + "\n" for r in tl)
+        )
 
 
 def test_calibration_takes_the_handoffs_from_the_timelines(tmp_path: Path) -> None:
@@ -176,21 +187,22 @@ def test_calibration_takes_the_handoffs_from_the_timelines(tmp_path: Path) -> No
     assert m.warmup == 3 and m.window_start == 1000.6
     samples = handoff_samples(m.run_dir, [json.loads(x) for x in (tmp_path / "s0" / "metrics.jsonl").open()],
                               m.window_start)  # fmt: skip
-    # Window: steps 4..20 -> swaps after publishes 3..19 (t_start >= 1000.6: from v3's, 1000.605).
-    assert len(samples["swap_idle"]) + len(samples["swap_busy"]) == 18
+    # Window: steps 4..20 -> the swaps to v3..v20 and the groups admitted from 1000.6 on.
+    assert len(samples["swap_idle"]) == len(samples["swap_busy"]) == 9
     p, sources = calibrate([tmp_path / "s0"])
     assert p.swap_s == pytest.approx(0.03)  # idle swaps: v3, 5, ..., 19
     assert p.swap_running_extra_s == pytest.approx(0.02)  # busy ones (v4, 6, ..., 20) paused 0.05
-    assert p.swap_latency_s == pytest.approx(0.005)  # v10 and v20 checkpointed: not counted, same value
+    # Latency: 5 ms idle (9 swaps), 12 ms busy (v4..v18 but v10: v10 and v20 checkpointed, left out).
+    assert samples["latency_idle"] == pytest.approx([0.005] * 9) and len(samples["latency_busy"]) == 7
+    assert p.swap_latency_s == pytest.approx(0.005) and p.swap_latency_running_extra_s == pytest.approx(0.007)
     assert p.group_overhead_s == pytest.approx(
         0.005
     )  # 1 ms before the submission + 4 ms after the last token
-    # Idle swaps: admitted after the swap ended (by the poll: left out); busy ones admitted before
-    # their swap, woken by the publish 1 ms earlier, except after the checkpointed steps 10 and 20
-    # (their publish end is unknown).
-    assert p.admission_wake_s == pytest.approx(0.001)
-    for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "group_overhead_s", "admission_wake_s"):
-        assert sources[key] == "measured (18 swaps, 18 groups, 7 woken admissions)", (key, sources[key])
+    # Only actor-1's admissions were woken by a publish (16 non-checkpointed ones), 2 ms after it.
+    assert p.admission_wake_s == pytest.approx(0.002)
+    for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latency_running_extra_s",
+                "group_overhead_s", "admission_wake_s"):  # fmt: skip
+        assert sources[key] == "measured (18 swaps, 36 groups, 16 woken admissions)", (key, sources[key])
 
 
 def test_calibration_without_timelines_keeps_the_assumed_handoffs(tmp_path: Path) -> None:
@@ -211,10 +223,10 @@ def _fixed(mean: float) -> Lengths:
     return Lengths(kind="fixed", mean=mean, sigma=0.0, min_tokens=1.0, max_tokens=mean)
 
 
-def test_the_extra_swap_pause_is_paid_only_with_sequences_running() -> None:
-    """Synchronous: the engine is idle at every swap, the extra costs nothing (identical run). One group
-    in flight at eta=4 with an instant learner: every swap lands while the next group decodes, so the
-    extra pause costs exactly what the same seconds of plain swap cost."""
+def test_the_extra_swap_costs_are_paid_only_with_sequences_running() -> None:
+    """Synchronous: the engine is idle at every publish and swap, the extras cost nothing (identical
+    run). One group in flight at eta=4 with an instant learner: every publish and swap lands while the
+    next group decodes, so an extra costs exactly what the same seconds of its plain cost do."""
     sync = PlanInputs(num_actors=1, groups_in_flight=2, group_size=4, lengths=_fixed(5.0), gen_token_s=1e-3,
                       admission_events=True, swap_latency_s=0.003, swap_s=0.02, groups_per_step=2, max_staleness=0,
                       learner_step_s=0.03, publish_s=0.005, steps=40, warmup_steps=5)  # fmt: skip
@@ -223,6 +235,16 @@ def test_the_extra_swap_pause_is_paid_only_with_sequences_running() -> None:
                       admission_events=True, admission_wake_s=0.0, swap_latency_s=0.0, swap_s=0.0,
                       groups_per_step=1, max_staleness=4, learner_step_s=0.0, learner_token_s=0.0, publish_s=0.0,
                       steps=60, warmup_steps=5)  # fmt: skip
+    # Latency: the engine decodes the next group at every publish, so the extra latency applies; the
+    # swap is instant, so it costs no throughput, but the first 3 of the group's 10 tokens (30 ms at
+    # 10 ms each) are sampled before the swap: one version stale when trained.
+    late = simulate(replace(busy, swap_latency_running_extra_s=0.03))
+    assert late.tokens_per_s == pytest.approx(simulate(busy).tokens_per_s, rel=1e-9)
+    assert late.staleness_mean == pytest.approx(0.3, rel=1e-9)
+    assert late.staleness_mean == pytest.approx(simulate(replace(busy, swap_latency_s=0.03)).staleness_mean)
+    assert (
+        simulate(replace(sync, swap_latency_running_extra_s=0.5)).tokens_per_s == simulate(sync).tokens_per_s
+    )
     with_extra = simulate(replace(busy, swap_running_extra_s=0.03))
     assert with_extra.tokens_per_s == pytest.approx(
         simulate(replace(busy, swap_s=0.03)).tokens_per_s, rel=1e-9
