@@ -208,7 +208,7 @@ def calibrate(
     # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
     h = measure_handoffs(runs)
     for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latency_running_extra_s",
-                "group_overhead_s", "admission_wake_s"):  # fmt: skip
+                "group_overhead_s", "group_start_s", "admission_wake_s"):  # fmt: skip
         value = getattr(h, key)
         if value is not None:
             p = replace(p, **{key: value})

@@ -12,8 +12,10 @@ every hand-off the simulator models, in its own terms:
   published version v (its ``step_time``: the simulator bumps V at the end of the step) to the start
   of an actor's pause for v, when its engine was idle at the publish, and the extra when it was
   decoding (the actor stages the new weights on the engine's cores);
-* ``group_overhead_s``: per group, the seconds outside the decode loop (admission to submission,
-  last token to the buffer write returning: rewards, serialization, the Redis write);
+* ``group_overhead_s``: per group, from its last token to the buffer write returning (rewards,
+  serialization, the Redis write);
+* ``group_start_s``: per group admitted at its first attempt, from the attempt to the submission to
+  the engine (the admission script's round trip, the prompt);
 * ``admission_wake_s``: per group that was refused at least once and woken by a publish's hint, from
   the publish to the admission (a worker refused for stale weights is admitted by its poll after
   its engine's swap, not by a hint: the simulator models that poll from the config).
@@ -39,6 +41,7 @@ __all__ = [
     "swap_pauses",
     "swap_latencies",
     "group_overheads",
+    "group_starts",
     "admission_waits",
     "handoff_samples",
     "handoff",
@@ -58,6 +61,7 @@ class Handoff:
     swap_latency_s: float | None = None
     swap_latency_running_extra_s: float | None = None
     group_overhead_s: float | None = None
+    group_start_s: float | None = None
     admission_wake_s: float | None = None
     swaps: int = 0
     groups: int = 0
@@ -123,9 +127,15 @@ def swap_latencies(
 
 
 def group_overheads(groups: list[dict]) -> list[float]:
-    """Seconds per group outside the decode loop: admission to submission plus last token to the end
-    of the buffer write."""
-    return [(g["t_gen0"] - g["t_admit"]) + (g["t_written"] - g["t_gen1"]) for g in groups]
+    """Seconds per group from its last token to the end of its buffer write (rewards, the write)."""
+    return [g["t_written"] - g["t_gen1"] for g in groups]
+
+
+def group_starts(groups: list[dict]) -> list[float]:
+    """Seconds from a worker's admission attempt to its group's submission to the engine, for the
+    groups admitted at the first attempt (the admission round trip, then the prompt); a refused
+    worker's wait is modelled from the events and the poll, not measured here."""
+    return [g["t_gen0"] - g["t_try"] for g in groups if not g.get("blocked")]
 
 
 def admission_waits(groups: list[dict], swaps: list[dict], publish: dict[int, float]) -> list[float]:
@@ -163,7 +173,8 @@ def handoff_samples(
     idle, busy = swap_pauses(swaps, groups)
     lat_idle, lat_busy = swap_latencies(swaps, publish, groups)
     return {"swap_idle": idle, "swap_busy": busy, "latency_idle": lat_idle, "latency_busy": lat_busy,
-            "group_overhead": group_overheads(groups), "admission_wake": admission_waits(groups, swaps, publish)}  # fmt: skip
+            "group_overhead": group_overheads(groups), "group_start": group_starts(groups),
+            "admission_wake": admission_waits(groups, swaps, publish)}  # fmt: skip
 
 
 def _base_and_extra(
@@ -195,6 +206,7 @@ def handoff(samples: list[dict[str, list[float]]]) -> Handoff:
         swap_latency_s=lat,
         swap_latency_running_extra_s=lat_extra,
         group_overhead_s=_mean(pool.get("group_overhead", [])),
+        group_start_s=_mean(pool.get("group_start", [])),
         admission_wake_s=_mean(pool.get("admission_wake", [])),
         swaps=len(pool.get("swap_idle", [])) + len(pool.get("swap_busy", [])),
         groups=len(pool.get("group_overhead", [])),

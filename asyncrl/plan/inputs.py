@@ -65,7 +65,12 @@ class PlanInputs:
         ge=0,
     )
     group_overhead_s: float = F(
-        0.0, "Seconds per group outside the decode loop (admission, prefill, reward, write).", ge=0
+        0.0, "Seconds from a group's last token to its write into the buffer (rewards, the write).", ge=0
+    )
+    group_start_s: float = F(
+        0.0,
+        "Seconds from a worker's admission attempt to its group decoding (the admission round trip).",
+        ge=0,
     )
     admission_poll_s: float = F(0.05, "Retry period of a refused admission (actors.admission_poll_s).", ge=0)
     admission_events: bool = F(

@@ -6,7 +6,8 @@ The model follows the real roles step by step (DESIGN.md):
   an admission slot with the rule of :mod:`asyncrl.buffer.admission` (``admitted < (V + eta + 1) *
   groups_per_step * publish_every + credits``: groups per version, and with ``refuse_stale_weights`` the engine's weights must be at most
   eta behind V), then its ``group_size`` completions decode in the engine; the group reaches the
-  buffer ``group_overhead_s`` after its last token. With ``actors.admission_events`` (the default) a
+  buffer ``group_overhead_s`` after its last token (it starts decoding ``group_start_s`` after the
+  admission: the round trip). With ``actors.admission_events`` (the default) a
   refused worker retries ``admission_wake_s`` after a hint (a publish, a credit) and, like the real
   worker, ``admission_poll_s`` after its refused attempt: its engine's swap sends no hint, so a worker
   refused for stale weights is admitted by that poll. Without events it retries ``admission_poll_s /
@@ -238,6 +239,9 @@ class _Sim:
             self.admitted += 1
             e.in_flight += 1
             g = _Group(e, self.p.group_size)
+            if self.p.group_start_s > 0:  # the admission round trip: it decodes a moment later
+                self.at(self.t + self.p.group_start_s, "start", g)
+                continue
             for _ in range(self.p.group_size):
                 e.waiting.append((self.lengths.draw(), g))
         if e.in_flight < self.p.groups_in_flight and self.p.admission_events and self.p.admission_poll_s > 0:
@@ -262,6 +266,14 @@ class _Sim:
             if e.in_flight < self.p.groups_in_flight and not e.retry_pending:
                 e.retry_pending = True
                 self.at(self.t + self.retry_delay, "retry", e)
+
+    def on_start(self, g: _Group) -> None:
+        e = g.actor
+        e.advance(self.t)
+        for _ in range(self.p.group_size):
+            e.waiting.append((self.lengths.draw(), g))
+        self.fill(e)
+        self.schedule_finish(e)
 
     def on_retry(self, e: _Engine) -> None:
         self.try_admit(e)

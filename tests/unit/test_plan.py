@@ -30,7 +30,7 @@ def sync_inputs(rng: random.Random) -> PlanInputs:
     return PlanInputs(
         num_actors=1, groups_in_flight=gps + rng.randint(0, 3), group_size=rng.randint(1, 8),
         lengths=fixed(rng.uniform(1, 50)), gen_step_s=rng.uniform(1e-3, 2e-2), gen_token_s=0.0,
-        group_overhead_s=rng.uniform(0, 0.1), admission_poll_s=0.0, admission_events=False, swap_latency_s=rng.uniform(0, 0.2),
+        group_overhead_s=rng.uniform(0, 0.1), group_start_s=rng.uniform(0, 0.05), admission_poll_s=0.0, admission_events=False, swap_latency_s=rng.uniform(0, 0.2),
         swap_s=rng.uniform(0, 0.2), groups_per_step=gps, max_staleness=0,
         learner_step_s=rng.uniform(0, 0.3), learner_token_s=rng.uniform(0, 1e-3),
         publish_s=rng.uniform(0, 0.2), checkpoint_s=0.0, steps=30, warmup_steps=5,
@@ -39,12 +39,12 @@ def sync_inputs(rng: random.Random) -> PlanInputs:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_sync_bound_is_the_serial_sum_of_every_stage(seed: int) -> None:
-    """eta = 0 with refuse_stale_weights: nothing overlaps, one step = notify + swap + decode +
+    """eta = 0 with refuse_stale_weights: nothing overlaps, one step = notify + swap + start + decode +
     overhead + train + publish, and every trained token has staleness 0."""
     p = sync_inputs(random.Random(seed))
     L, G, k = p.lengths.mean, p.group_size, p.groups_per_step
     tokens = k * G * L
-    gen = L * p.gen_step_s + p.group_overhead_s  # all groups decode together: step time is n-free
+    gen = p.group_start_s + L * p.gen_step_s + p.group_overhead_s  # all decode together: step time n-free
     train = p.learner_step_s + p.learner_token_s * tokens
     cycle = p.swap_latency_s + p.swap_s + gen + train + p.publish_s
     r = simulate(p)

@@ -16,6 +16,7 @@ from asyncrl.plan.handoff import (
     TIMELINE_GLOB,
     admission_waits,
     group_overheads,
+    group_starts,
     handoff,
     handoff_samples,
     publish_ends,
@@ -104,9 +105,12 @@ def test_swap_latency_is_measured_from_the_publish_and_split_by_engine_state_at_
     assert idle == pytest.approx([0.004, -0.001], abs=1e-12) and busy == pytest.approx([0.010], abs=1e-12)
 
 
-def test_group_overhead_is_the_time_outside_the_decode_loop() -> None:
-    groups = [group("a", 1.0, 1.001, 1.5, 1.506), group("a", 2.0, 2.0, 2.4, 2.403)]
-    assert group_overheads(groups) == pytest.approx([0.007, 0.003], abs=1e-12)
+def test_group_overhead_and_start_are_the_times_around_the_decode_loop() -> None:
+    groups = [group("a", 1.0, 1.001, 1.5, 1.506, t_try=0.998), group("a", 2.0, 2.0, 2.4, 2.403),
+              group("a", 3.0, 3.004, 3.4, 3.41, t_try=2.5, blocked=True)]  # fmt: skip
+    assert group_overheads(groups) == pytest.approx([0.006, 0.003, 0.01], abs=1e-12)
+    # From the attempt to the submission, for groups admitted at once (a refused one's wait is modelled).
+    assert group_starts(groups) == pytest.approx([0.003, 0.0], abs=1e-12)
 
 
 def test_admission_wait_runs_from_the_publish_that_woke_the_worker() -> None:
@@ -125,19 +129,20 @@ def test_admission_wait_runs_from_the_publish_that_woke_the_worker() -> None:
 
 def test_handoff_pools_runs_and_derives_the_simulator_inputs() -> None:
     a = {"swap_idle": [0.02, 0.04], "swap_busy": [0.05], "latency_idle": [0.004, -0.002], "latency_busy": [],
-         "group_overhead": [0.003], "admission_wake": [0.002]}  # fmt: skip
+         "group_overhead": [0.003], "group_start": [0.001, 0.002], "admission_wake": [0.002]}  # fmt: skip
     b = {"swap_idle": [], "swap_busy": [0.07], "latency_idle": [0.010], "latency_busy": [0.02, 0.03],
          "group_overhead": [0.005, 0.007], "admission_wake": []}  # fmt: skip
     h = handoff([a, b])
     assert h.swap_s == pytest.approx(0.03) and h.swap_running_extra_s == pytest.approx(0.03)
     assert h.swap_latency_s == pytest.approx(0.004) and h.swap_latency_running_extra_s == pytest.approx(0.021)
     assert h.group_overhead_s == pytest.approx(0.005) and h.admission_wake_s == pytest.approx(0.002)
+    assert h.group_start_s == pytest.approx(0.0015)
     assert (h.swaps, h.groups, h.woken) == (4, 3, 1)
     # Only busy swaps: swap_s is their mean, the extra unmeasured; a negative mean latency clips to 0.
     h = handoff([{"swap_busy": [0.05, 0.07], "latency_busy": [-0.003, 0.001]}])
     assert h.swap_s == pytest.approx(0.06) and h.swap_running_extra_s is None and h.swap_latency_s == 0.0
     assert h.swap_latency_running_extra_s is None
-    assert h.group_overhead_s is None and h.admission_wake_s is None
+    assert h.group_overhead_s is None and h.group_start_s is None and h.admission_wake_s is None
     # A busy mean below the idle one is noise, not a negative cost.
     assert handoff([{"swap_idle": [0.05], "swap_busy": [0.04]}]).swap_running_extra_s == 0.0
 
@@ -195,13 +200,13 @@ def test_calibration_takes_the_handoffs_from_the_timelines(tmp_path: Path) -> No
     # Latency: 5 ms idle (9 swaps), 12 ms busy (v4..v18 but v10: v10 and v20 checkpointed, left out).
     assert samples["latency_idle"] == pytest.approx([0.005] * 9) and len(samples["latency_busy"]) == 7
     assert p.swap_latency_s == pytest.approx(0.005) and p.swap_latency_running_extra_s == pytest.approx(0.007)
-    assert p.group_overhead_s == pytest.approx(
-        0.005
-    )  # 1 ms before the submission + 4 ms after the last token
+    assert p.group_overhead_s == pytest.approx(0.004)  # last token to the write
+    # From the attempt to the submission, for actor-0's even groups (admitted at once): 8 ms.
+    assert p.group_start_s == pytest.approx(0.008)
     # Only actor-1's admissions were woken by a publish (16 non-checkpointed ones), 2 ms after it.
     assert p.admission_wake_s == pytest.approx(0.002)
     for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latency_running_extra_s",
-                "group_overhead_s", "admission_wake_s"):  # fmt: skip
+                "group_overhead_s", "group_start_s", "admission_wake_s"):  # fmt: skip
         assert sources[key] == "measured (18 swaps, 36 groups, 16 woken admissions)", (key, sources[key])
 
 
