@@ -5,12 +5,16 @@ every step's outputs with its current *weight version label*, which only changes
 is paused; the output processor turns the stamps into ``CompletionOutput.weight_versions`` spans
 ``[start, end) -> label`` on a request's final output. A swap therefore runs, in the engine's
 input order, with no model step in between (vLLM's weight-transfer API, engine ``asyncrl_file``
-from :mod:`asyncrl.actors.worker_ext`):
+from :mod:`asyncrl.actors.worker_ext`). Before the pause, while generation goes on: the file's
+header checks, and with ``actors.swap_staging`` the *stage* (:mod:`asyncrl.actors.staging`: the
+worker loads the file into a second set of tensors and builds their oneDNN handles in a thread,
+polled by RPC). Then:
 
     engine_core.pause_scheduler_async("keep")   # freeze running requests; the engine goes idle
-    start_weight_update()                       # layerwise reload begins
-    update_weights({"path": ..., "version": v}) # new weights, in place
-    finish_weight_update(weight_version=str(v)) # re-process (e.g. oneDNN repack); label for later steps
+    staged:   collective_rpc("asyncrl_stage_commit", v)      # switch layers to the stage (pointers)
+    in place: start_weight_update(); update_weights({"path": ..., "version": v}); finish_weight_update()
+              # vLLM's layerwise reload: copy into the model and re-process (e.g. oneDNN repack)
+    update_weight_version(str(v))               # the label of every later step
     reset_prefix_cache(reset_running_requests=True)   # (recompute_kv) drop KV of the old weights
     resume_generation()
 
@@ -18,10 +22,12 @@ Why not ``AsyncLLM.pause_generation``: it ends with a fixed ``asyncio.sleep(0.02
 outputs of in-flight requests are delivered first; vLLM documents it as not needed for
 correctness), which was 20 ms of every swap. The scheduler pause it wraps is awaited directly.
 
-Staging: everything that can happen while generating does: the actor verifies the manifest
-(sha256 or sizes) in a thread, and :meth:`Engine.swap_weights` checks the file's header (tensor
-names, version tag) before pausing, so only the copy into the model and its re-processing fall
-inside the pause.
+Off the pause: the actor verifies the manifest (sha256 or sizes) in a thread, and
+:meth:`Engine.swap_weights` checks the file's header (tensor names, version tag) and builds the
+stage before pausing. Staged, the pause holds only pointer moves, the label and the KV reset (flat
+in model size; the stage costs a second copy of the weights while it is held); in place, the copy
+into the model and its re-processing fall inside it too. A model the worker cannot stage exactly
+is reloaded in place (logged once, ``Engine.staging_refused``); NCCL swaps are always in place.
 
 Token ``t`` carries the label of the step that sampled it, whenever its delta reaches us (deltas
 merged across the pause are still split correctly). Labels are ``str(policy version)``.
@@ -42,6 +48,7 @@ temperature.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -60,6 +67,9 @@ QUIET_EXECUTOR = "asyncrl.actors.quiet_executor.QuietMultiprocExecutor"  # == qu
 QUIET_CONFIG_KEY = "asyncrl_busy_loop_s"  # == quiet_executor.CONFIG_KEY
 VLLM_BUSY_LOOP_MS = 1000.0  # vLLM 0.32's hard-coded SpinCondition busy_loop_s, in ms
 _TIED_OK = {"lm_head.weight"}
+STAGE_POLL_MIN_S, STAGE_POLL_MAX_S = 0.001, 0.02  # poll interval bounds while a stage builds
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
@@ -83,7 +93,9 @@ class SwapResult:
     mode: str
     pause_s: float  # new tokens could not be sampled for this long (in_flight) / no new groups (between)
     drain_s: float  # between_groups: waiting for in-flight groups to finish (included in pause_s)
-    reload_s: float  # the in-place reload itself
+    reload_s: float  # the reload itself (in place) or the switch to the stage (staged), with the label
+    staged: bool = False  # the weights were staged while generating and switched in the pause
+    prepare_s: float = 0.0  # before the pause, generation going on: header checks (+ building the stage)
 
 
 class Engine:
@@ -109,6 +121,7 @@ class Engine:
         pipeline_parallel_size: int = 1,
         busy_loop_ms: float = VLLM_BUSY_LOOP_MS,
         weight_backend: str = FILE_BACKEND,
+        staging: bool = False,
     ) -> None:
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -153,6 +166,11 @@ class Engine:
         self._active = 0
         self._swap_lock = asyncio.Lock()
         self._expected_names: set[str] | None = None
+        # Staged swaps (asyncrl.actors.staging), file/shm transports only; turned off for good if the
+        # worker refuses the model (staging_refused says why).
+        self.staging = bool(staging) and weight_backend == FILE_BACKEND
+        self.staging_refused: str | None = None
+        self.staged_swaps = 0
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str | os.PathLike) -> Engine:
@@ -171,6 +189,7 @@ class Engine:
             pipeline_parallel_size=a.pipeline_parallel_size,
             busy_loop_ms=a.engine_busy_loop_ms,
             weight_backend="nccl" if cfg.learner.weight_transport == "nccl" else FILE_BACKEND,
+            staging=a.swap_staging,
         )
 
     # ------------------------------------------------------------------ generation
@@ -266,13 +285,57 @@ class Engine:
 
         request = WeightTransferUpdateRequest(update_info={"path": str(path), "version": int(version)})
 
-        async def check() -> None:  # off the pause: the header checks (names, version tag) of the new file
-            await asyncio.to_thread(self._check_file, Path(path), int(version))
-
         async def load() -> None:
             await self.llm.update_weights(request)
 
-        return await self.swap_with(version, mode, load, check)
+        async def prepare() -> tuple[Callable[[], Awaitable[None]], bool]:
+            # Off the pause: the header checks (names, version tag) of the new file, then the stage.
+            await asyncio.to_thread(self._check_file, Path(path), int(version))
+            if self.staging and await self._stage(str(path), int(version)):
+                return self._commit_stage(int(version)), True
+            return self._in_place(load), False
+
+        return await self._swap(int(version), mode, prepare)
+
+    async def _stage(self, path: str, version: int) -> bool:
+        """Build the stage of ``version`` in the worker(s) while generation goes on; False = this model
+        cannot be staged (logged once; in-place reloads from now on). Raises on a bad file (no pause)."""
+        begun = await self.llm.collective_rpc("asyncrl_stage_begin", args=(path, version))
+        reasons = [r["unsupported"] for r in begun if "unsupported" in r]
+        if reasons:
+            self.staging = False
+            self.staging_refused = reasons[0]
+            log.warning("staged weight swaps refused (%s): reloading in place", reasons[0])
+            return False
+        t0 = time.perf_counter()
+        while True:
+            # Each poll is one RPC between two model steps (~0.1 ms): the interval grows with the stage
+            # so that polling costs little while a large stage builds and adds <= 25% latency.
+            await asyncio.sleep(
+                min(max(0.25 * (time.perf_counter() - t0), STAGE_POLL_MIN_S), STAGE_POLL_MAX_S)
+            )
+            states = await self.llm.collective_rpc("asyncrl_stage_poll")
+            errors = [s["error"] for s in states if s["error"]]
+            if errors:
+                await self.llm.collective_rpc("asyncrl_stage_discard")
+                raise ValueError(f"staging v{version} from {path} failed: {errors[0]}")
+            if all(s["done"] for s in states):
+                return True
+
+    def _commit_stage(self, version: int) -> Callable[[], Awaitable[None]]:
+        async def commit() -> None:
+            await self.llm.collective_rpc("asyncrl_stage_commit", args=(version,))
+            self.staged_swaps += 1
+
+        return commit
+
+    def _in_place(self, load: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        async def in_place() -> None:
+            await self.llm.start_weight_update()
+            await load()
+            await self.llm.finish_weight_update()
+
+        return in_place
 
     async def swap_with(
         self,
@@ -286,9 +349,27 @@ class Engine:
 
         ``check`` runs before the pause (a failure costs no pause and leaves the old weights serving).
         """
+
+        async def prepare() -> tuple[Callable[[], Awaitable[None]], bool]:
+            if check is not None:
+                await check()
+            return self._in_place(load), False
+
+        return await self._swap(int(version), mode, prepare)
+
+    async def _swap(
+        self,
+        version: int,
+        mode: str,
+        prepare: Callable[[], Awaitable[tuple[Callable[[], Awaitable[None]], bool]]],
+    ) -> SwapResult:
+        """``prepare`` runs before the pause (checks, staging; generation goes on) and returns what runs
+        inside it (a staged commit or an in-place reload); then the label, the KV reset, the resume."""
         if mode not in SWAP_MODES:
             raise ValueError(f"swap mode {mode!r}; expected one of {SWAP_MODES}")
         async with self._swap_lock:
+            tp = time.perf_counter()
+            inner, staged = await prepare()
             t0 = time.perf_counter()
             drain_s = 0.0
             if mode == "between_groups":
@@ -296,15 +377,14 @@ class Engine:
                 await self._idle.wait()
                 drain_s = time.perf_counter() - t0
             try:
-                if check is not None:
-                    await check()
                 # The scheduler pause without AsyncLLM.pause_generation's fixed 20 ms sleep.
                 await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
                 try:
                     t1 = time.perf_counter()
-                    await self.llm.start_weight_update()
-                    await load()
-                    await self.llm.finish_weight_update(weight_version=str(version))
+                    await inner()
+                    # The label of every later step (finish_weight_update(weight_version=...) does
+                    # exactly this after its RPC; a staged commit has no update session to finish).
+                    await self.llm.update_weight_version(str(version))
                     reload_s = time.perf_counter() - t1
                     if self.recompute_kv:
                         # Preempt running requests: they re-prefill under the new weights.
@@ -317,7 +397,9 @@ class Engine:
                     await self.llm.resume_generation()
             finally:
                 self._admit.set()
-            return SwapResult(int(version), mode, time.perf_counter() - t0, drain_s, reload_s)
+            return SwapResult(
+                int(version), mode, time.perf_counter() - t0, drain_s, reload_s, staged, t0 - tp
+            )
 
     def _check_file(self, path: Path, version: int) -> None:
         """Raise ValueError unless ``path`` holds exactly the served tensors, tagged ``version``.

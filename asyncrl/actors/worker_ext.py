@@ -8,7 +8,9 @@ shared-memory transport) into the running model. Its lifecycle is the one vLLM's
 (layerwise reload started in ``start_weight_update``, finalized in ``finish_weight_update``), so
 models whose weights are re-processed after loading (on CPU every linear layer is repacked into a
 oneDNN handle) are re-processed exactly as vLLM does after a first load. CUDA actors use vLLM's
-``nccl`` engine through the same calls (see ``asyncrl.actors.engine``).
+``nccl`` engine through the same calls (see ``asyncrl.actors.engine``). The worker extension's
+``asyncrl_stage_*`` RPCs run the staged alternative (:mod:`asyncrl.actors.staging`): the same file,
+checks and processing, built while generating and switched in the pause.
 
 This module is imported by vLLM in the worker process (``worker_extension_cls``), which is where
 the engine registry must know ``asyncrl_file`` before the worker creates its engine; the import
@@ -111,15 +113,10 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
-        from safetensors import safe_open
-
         t0 = time.perf_counter()
-        p = Path(update_info.path)
-        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
         with ExitStack() as stack:
             try:
-                handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
-                owner = self._check(p, files, handles, update_info.version)
+                owner = self.open_checked(update_info.path, update_info.version, stack)
             except BaseException:
                 # Nothing was loaded: finalizing puts every layer's current tensors back, so the
                 # model keeps serving the old weights (vLLM ends the update session on a raise).
@@ -132,6 +129,15 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
 
             self.model.load_weights(tensors())
         self.last = {"seconds": time.perf_counter() - t0, "tensors": len(owner)}
+
+    def open_checked(self, path: str, version: int, stack: ExitStack) -> dict[str, Any]:
+        """name -> open safetensors handle (closed with ``stack``), after the checks of the module doc."""
+        from safetensors import safe_open
+
+        p = Path(path)
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        return self._check(p, files, handles, version)
 
     def _check(self, p: Path, files: list[Path], handles: list[Any], version: int) -> dict[str, Any]:
         """name -> open file, after checking the version tags and the tensor names."""
@@ -179,3 +185,35 @@ class WeightReloadExtension:
         """Timing of the last file update in this worker: ``{"seconds", "tensors"}``."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "last", {}) or {})
+
+    # Staged swaps (asyncrl.actors.staging): begin and poll run while the engine generates, commit
+    # inside the pause; the front end sets the weight version label itself.
+
+    def _asyncrl_stager(self):
+        stager = getattr(self, "_asyncrl_stager_obj", None)
+        if stager is None:
+            from asyncrl.actors.staging import Stager
+
+            engine = self.weight_transfer_engine
+            if not isinstance(engine, FileWeightTransferEngine):
+                raise RuntimeError(f"staged swaps need the {FILE_BACKEND} weight-transfer engine")
+            stager = Stager(engine.model, engine.model_config, self.vllm_config, engine.open_checked)
+            self._asyncrl_stager_obj = stager
+        return stager
+
+    def asyncrl_stage_begin(self, path: str, version: int) -> dict:
+        """Start building ``path`` (tagged ``version``) into a stage in a background thread; returns at
+        once: ``{"started": True}``, or ``{"unsupported": reason}`` for a model that cannot be staged."""
+        return self._asyncrl_stager().begin(path, int(version))
+
+    def asyncrl_stage_poll(self) -> dict:
+        """``{"done", "busy", "error", "seconds"}`` of the stage being built."""
+        return self._asyncrl_stager().poll()
+
+    def asyncrl_stage_commit(self, version: int) -> dict:
+        """Switch the model to the stage of ``version`` (pointer moves only; call with the scheduler paused)."""
+        return self._asyncrl_stager().commit(int(version))
+
+    def asyncrl_stage_discard(self) -> None:
+        """Drop a stage (built or failed) without switching."""
+        self._asyncrl_stager().discard()

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staleness", default=",".join(map(str, STALENESS)), help="max_staleness values to run")
     ap.add_argument("--pipeline-steps", type=int, default=150, help="learner steps per pipeline run")
     ap.add_argument("--out", default="bench.json", help="where the JSON result goes")
+    ap.add_argument("--weights-only", action="store_true",
+                    help="only the weight-path rows (both swap paths at --sizes); no generation, learner, "
+                    "pipeline or buffer rows")  # fmt: skip
     args = ap.parse_args(argv)
     sizes = (args.sizes or ("tiny" if args.quick else ",".join(SIZES))).split(",")
     bad = [s for s in sizes if s not in SIZES]
@@ -74,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--staleness: comma-separated integers expected, got {args.staleness!r}")
     pipeline = (not args.quick) if args.pipeline is None else args.pipeline
+    if args.weights_only and args.pipeline:
+        ap.error("--weights-only leaves the pipeline runs out; drop --pipeline")
+    pipeline = pipeline and not args.weights_only
     config = args.config or _default_config()
     iters = args.iters or (2 if args.quick else 5)
 
@@ -89,14 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         "commit": _commit(),
         "copy_bandwidth_GBps": bw / 1e9,
     }
+    only = args.weights_only
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as d:
-        result["weights"] = weight_path(sizes, Path(d), iters, bw, gen, demo)
-        result["generation"] = gen if "ratio" in gen else None
-        result["demo_generation"] = (
-            {k: v for k, v in demo.items() if k != "cfg"} if "gen_step_s" in demo else None
-        )
-        steps = args.learner_steps or (10 if args.quick else 30)
-        result["learner"] = lrn = _learner(config, steps)
+        g, dm = (None, None) if only else (gen, demo)
+        result["weights"] = weight_path(sizes, Path(d), iters, bw, g, dm, cfg.actors.swap_staging)
+        if not only:
+            result["generation"] = gen if "ratio" in gen else None
+            result["demo_generation"] = (
+                {k: v for k, v in demo.items() if k != "cfg"} if "gen_step_s" in demo else None
+            )
+            steps = args.learner_steps or (10 if args.quick else 30)
+            result["learner"] = lrn = _learner(config, steps)
         if pipeline:
             from .pipeline import back_to_back, pipeline_rows
 
@@ -104,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             result["pipeline"] = pipeline_rows(
                 config, staleness, args.pipeline_steps, Path(d), b2b, lrn["alone_s"]
             )
-    result["buffer"] = buffer_rows(args.quick)
+    if not only:
+        result["buffer"] = buffer_rows(args.quick)
     lines = table(result)
     print("\n".join(lines))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -63,7 +63,19 @@ def table(result: dict) -> list[str]:
     for w in result["weights"]:
         tag = f"{w['size']} ({w['params'] / 1e6:.1f}M params, {w['bytes'] / 2**20:.1f} MiB) {w['transport']}"
         row(f"weights {tag}: publish-to-serving / copy floor", w["ratio_to_floor"], P2S_TARGET)
-        row(f"weights {tag}: pause per swap (ms)", w["pause_s"] * 1e3, PAUSE_TARGET_MS, "{:.1f}")
+        path = "staged" if w.get("staging") else "in place"
+        row(f"weights {tag}: pause per swap, {path} (ms)", w["pause_s"] * 1e3, PAUSE_TARGET_MS, "{:.1f}")
+        for other, label in (("in_place", "in place"), ("staged", "staged")):
+            if other in w and label != path:  # the other path, measured side by side (context)
+                o = w[other]
+                row(f"weights {tag}: {label}: pause per swap (ms)", o["pause_s"] * 1e3, fmt="{:.1f}")
+                row(f"weights {tag}: {label}: publish-to-serving / copy floor", o["ratio_to_floor"])
+        if w.get("staging"):
+            row(
+                f"weights {tag}: staged: stage built while generating (ms)",
+                w["prepare_s"] * 1e3,
+                fmt="{:.1f}",
+            )
     g = result.get("generation")
     if g:
         row("generation: raw AsyncLLM tok/s / asyncrl Engine tok/s", g["ratio"], GEN_TARGET)
@@ -110,6 +122,6 @@ def table(result: dict) -> list[str]:
                 row(f"start-up (eta={ref['max_staleness']} demo): {label} at (s)", s[key], fmt="{:.1f}")
         row(f"start-up (eta={ref['max_staleness']} demo): first learner step at (s)", s["first_step"],
             FIRST_STEP_TARGET_S, fmt="{:.1f}")  # fmt: skip
-    for b in result["buffer"]:
+    for b in result.get("buffer") or []:
         row(f"buffer: {b['what']} / {b['baseline'][:24]}", b["ratio"], b["target"])
     return lines

@@ -10,7 +10,9 @@
   concurrency): the ``gen`` term of the pipeline's back-to-back limit (asyncrl.bench.pipeline).
 
 Swaps are timed with generation idle, so a pause is the swap itself (a swap during generation also
-waits for the engine step in progress, which is not a pause of sampling).
+waits for the engine step in progress, which is not a pause of sampling). Both swap paths are
+measured, interleaved swap by swap: vLLM's in-place reload inside the pause, and the staged swap
+(``actors.swap_staging``: load + processing before the pause, ``prepare_s``; a pointer switch in it).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def copy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
 
 
 async def _weight_path(
-    size: str, root: Path, iters: int, bw: float, gen: dict | None, demo: dict | None
+    size: str, root: Path, iters: int, bw: float, gen: dict | None, demo: dict | None, staging_default: bool
 ) -> list[dict]:
     from safetensors.torch import load_file
 
@@ -74,41 +76,57 @@ async def _weight_path(
                 if kind == "file"
                 else ShmTransport(shm_root(root, f"bench-{size}"))
             )
-            pub, ver, pause, total = [], [], [], []
-            for i in range(iters + 1):  # the first swap of each transport is a warm-up
-                state = {k: v + 1e-3 * (version + 1) for k, v in base.items()}
-                t0 = time.perf_counter()
-                m = tr.publish(version, state, "float32")
-                t1 = time.perf_counter()
-                verify(m)  # what the actor does before it swaps
-                t2 = time.perf_counter()
-                res = await engine.swap_weights(m.path, version, "in_flight")
-                t3 = time.perf_counter()
-                tr.delete(version - 1)
-                version += 1
-                if i:
-                    pub.append(t1 - t0)
-                    ver.append(t2 - t1)
-                    pause.append(res.pause_s)
-                    total.append(t3 - t0)
+            # Both swap paths, interleaved swap by swap so that drift of the shared box hits both alike:
+            # vLLM's in-place reload inside the pause, and the staged swap (asyncrl.actors.staging).
+            times: dict[bool, dict[str, list[float]]] = {
+                st: {k: [] for k in ("publish_s", "verify_s", "prepare_s", "pause_s", "publish_to_serving_s")}
+                for st in (False, True)
+            }
+            staged_ok = True
+            for i in range(iters + 1):  # the first swap of each transport and path is a warm-up
+                for staging in (False, True):
+                    engine.staging = staging
+                    state = {k: v + 1e-3 * (version + 1) for k, v in base.items()}
+                    t0 = time.perf_counter()
+                    m = tr.publish(version, state, "float32")
+                    t1 = time.perf_counter()
+                    verify(m)  # what the actor does before it swaps
+                    t2 = time.perf_counter()
+                    res = await engine.swap_weights(m.path, version, "in_flight")
+                    t3 = time.perf_counter()
+                    staged_ok &= res.staged == staging
+                    tr.delete(version - 1)
+                    version += 1
+                    if i:
+                        got = times[staging]
+                        got["publish_s"].append(t1 - t0)
+                        got["verify_s"].append(t2 - t1)
+                        got["prepare_s"].append(res.prepare_s)
+                        got["pause_s"].append(res.pause_s)
+                        got["publish_to_serving_s"].append(t3 - t0)
             tr.delete(version - 1)
             if isinstance(tr, ShmTransport):
                 tr.cleanup()
             nbytes = m.size
             floor = nbytes / bw
-            med = statistics.median
+            paths = {}
+            for staging, got in times.items():
+                med = {k: statistics.median(v) for k, v in got.items()}
+                med["ratio_to_floor"] = med["publish_to_serving_s"] / floor
+                paths["staged" if staging else "in_place"] = med
+            # The top-level numbers are those of the configured path (actors.swap_staging).
+            default = paths["staged" if staging_default and staged_ok else "in_place"]
             rows.append(
                 {
                     "size": size,
                     "params": nparams,
                     "bytes": nbytes,
                     "transport": kind,
-                    "publish_s": med(pub),
-                    "verify_s": med(ver),
-                    "pause_s": med(pause),
-                    "publish_to_serving_s": med(total),
+                    **default,
                     "copy_floor_s": floor,
-                    "ratio_to_floor": med(total) / floor,
+                    "staging": staging_default and staged_ok,
+                    "staging_refused": engine.staging_refused,
+                    **paths,
                 }
             )
         if gen is not None:
@@ -192,10 +210,21 @@ async def _demo_step_generation(engine: Any, cfg: Any, steps: int) -> dict:
     return {"gen_step_s": statistics.median(times), "tokens_per_step": statistics.mean(toks), "steps": steps}
 
 
-def weight_path(sizes: list[str], root: Path, iters: int, bw: float, gen: dict, demo: dict | None):
-    """Rows of every size; ``gen`` runs on the first size's engine, ``demo`` on the tiny one (kwargs, filled in place)."""
+def weight_path(
+    sizes: list[str],
+    root: Path,
+    iters: int,
+    bw: float,
+    gen: dict | None,
+    demo: dict | None,
+    staging_default: bool = True,
+):
+    """Rows of every size; ``gen`` runs on the first size's engine, ``demo`` on the tiny one (kwargs, filled
+    in place; None = not measured). Each row holds both swap paths (``in_place``, ``staged``) and, at the
+    top level, the numbers of the configured one (``staging_default`` = actors.swap_staging)."""
     rows = []
     for size in sizes:
         g = gen if size == sizes[0] else None
-        rows += asyncio.run(_weight_path(size, root, iters, bw, g, demo if size == "tiny" else None))
+        d = demo if size == "tiny" else None
+        rows += asyncio.run(_weight_path(size, root, iters, bw, g, d, staging_default))
     return rows

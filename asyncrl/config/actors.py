@@ -39,6 +39,14 @@ class ActorsConfig:
         "weights, so every token is sampled by exactly one published version (False = keep the old-weight "
         "KV: faster, but post-swap tokens come from a mixture the learner cannot recompute).",
     )
+    swap_staging: bool = F(
+        True,
+        "File/shm transports: build the new weights (load + vLLM's post-load processing, e.g. the oneDNN "
+        "packing on CPU) in a worker thread while the engine keeps generating, and only switch them in "
+        "during the pause (asyncrl.actors.staging). Costs a second copy of the weights while a swap is "
+        "staged. Models it cannot stage exactly (quantized/MoE layers, tied weights, CUDA graphs) reload "
+        "in place, with a warning. False = always vLLM's in-place layerwise reload inside the pause.",
+    )
     enforce_eager: bool = F(True, "Disable CUDA graphs / compilation (faster start, fine for tiny models).")
     num_cpus_per_actor: float = F(1.0, "Ray CPUs reserved per actor.", gt=0)
     num_gpus_per_actor: float = F(

@@ -145,6 +145,89 @@ def test_bad_files_are_refused_and_the_old_weights_keep_serving(rig, tmp_path: P
     assert all(set(x.versions) == {2} for x in s2) and _max_err(rig["hf"](w2), s2) < TOL
 
 
+def _seeded(rig, rid: str, max_tokens: int = 12):
+    eng = rig["engine"]
+    return rig["loop"].run_until_complete(
+        eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, max_tokens, rid, seed=4242)
+    )
+
+
+def test_staged_swap_serves_the_new_weights_exactly_like_an_in_place_reload(rig) -> None:
+    """The staged path (asyncrl.actors.staging: load + oneDNN packing in a worker thread, pointer switch
+    in the pause) serves what the in-place reload serves, to the bit, and what the HF fp32 recompute of
+    the same weights gives; the per-token labels are the staged version's."""
+    eng, tr, run = rig["engine"], rig["transport"], rig["loop"].run_until_complete
+    w = rig["weights"](3)
+    m_in, m_st = tr.publish(10, w, "float32"), tr.publish(11, w, "float32")
+    eng.staging = False
+    res_in = run(eng.swap_weights(m_in.path, 10, "in_flight"))
+    s_in = _seeded(rig, "in-place")
+    eng.staging = True
+    try:
+        res_st = run(eng.swap_weights(m_st.path, 11, "in_flight"))
+        assert eng.staging_refused is None and not res_in.staged and res_st.staged
+        s_st = _seeded(rig, "staged")
+        assert all(set(s.versions) == {10} for s in s_in) and all(set(s.versions) == {11} for s in s_st)
+        for a, b in zip(s_in, s_st, strict=True):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # bitwise
+        hf3 = rig["hf"](w)
+        assert _max_err(hf3, s_st) < TOL
+        # A stage built from other weights really is different (the comparison can fail).
+        w4 = rig["weights"](4)
+        run(eng.swap_weights(tr.publish(12, w4, "float32").path, 12, "in_flight"))
+        s4 = _seeded(rig, "staged-4")
+        assert all(set(s.versions) == {12} for s in s4)
+        assert _max_err(rig["hf"](w4), s4) < TOL and _max_err(hf3, s4) > 100 * TOL
+        # A file the worker refuses while staging costs no pause and leaves v12 serving.
+        bad = tr.publish(13, rig["weights"](5), "float32")
+        with pytest.raises(ValueError, match="expected 14"):
+            run(eng._stage(bad.path, 14))
+        assert eng.version == 12
+        s4b = _seeded(rig, "staged-4b")
+        assert [s.logprobs for s in s4b] == [s.logprobs for s in s4]
+    finally:
+        eng.staging = False
+
+
+def test_staged_swap_under_running_requests_labels_every_token(rig) -> None:
+    """A staged swap while a group is generating: the stage builds while tokens keep coming, every
+    token is labelled with the version that sampled it and matches HF under that version's weights."""
+    eng, tr, loop = rig["engine"], rig["transport"], rig["loop"]
+    w_old, w_new = rig["weights"](6), rig["weights"](7)
+    loop.run_until_complete(eng.swap_weights(tr.publish(20, w_old, "float32").path, 20, "in_flight"))
+    m = tr.publish(21, w_new, "float32")
+    eng.staging = True
+
+    async def scenario():
+        task = asyncio.ensure_future(eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 100, "span", seed=7))
+        while eng.progress.get("span", 0) < 10:
+            await asyncio.sleep(0.001)
+        res = await eng.swap_weights(m.path, 21, "in_flight")
+        return res, await task
+
+    try:
+        res, seqs = loop.run_until_complete(scenario())
+    finally:
+        eng.staging = False
+    assert res.staged and res.pause_s < 5.0
+    hf = {20: rig["hf"](w_old), 21: rig["hf"](w_new)}
+    spanning = 0
+    for s in seqs:
+        assert s.versions == sorted(s.versions) and set(s.versions) <= {20, 21}
+        spanning += set(s.versions) == {20, 21}
+        ids = torch.tensor([PROMPT + s.token_ids])
+        for v, model in hf.items():
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(PROMPT) - 1 : -1].float()
+            lp = torch.log_softmax(logits / TEMPERATURE, -1).gather(1, torch.tensor(s.token_ids)[:, None])[
+                :, 0
+            ]
+            mask = torch.tensor(s.versions) == v
+            if mask.any():
+                assert float((lp[mask] - torch.tensor(s.logprobs)[mask]).abs().max()) < TOL
+    assert spanning >= 1, [s.versions for s in seqs]
+
+
 def test_idle_engine_stops_busy_waiting_after_its_window(rig) -> None:
     """vLLM's worker busy-waits on its shared-memory queue for 1 s after every message (vLLM 0.32);
     with actors.engine_busy_loop_ms = 100 the engine's processes (engine core, worker) sleep once
