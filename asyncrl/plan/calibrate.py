@@ -66,6 +66,11 @@ class Measured:
 #: A learner-bound run's throughput may sit this far below the unslowed-engine prediction (noise)
 #: before the engines are taken as slowed down too.
 GEN_FIT_SLACK = 0.08
+#: Completions at most this long (mean, tokens) are simulated with discrete decode steps: a
+#: completion then spans few engine steps, and whether a group joins a step or waits for the next, or a
+#: swap waits for a step's end, moves whole steps' worth of tokens between versions. Longer ones are
+#: simulated fluid (its limit, and far fewer events).
+DISCRETE_STEPS_MAX_TOKENS = 64.0
 #: Simulated steps (and warm-up) behind every fitted number: long enough that the simulator's own
 #: sampling noise (lengths, learner jitter) is small next to a real run's.
 FIT_STEPS, FIT_WARMUP = 300, 20
@@ -190,6 +195,7 @@ def calibrate(
         law = replace(law, kind="fixed")  # every completion at the cap: no spread to model
     p = replace(
         p,
+        engine_steps=ref.mean_length <= DISCRETE_STEPS_MAX_TOKENS,
         lengths=replace(law, mean=min(max(ref.mean_length, law.min_tokens), law.max_tokens)),
         learner_token_s=ref.train_s_per_token,
         learner_step_s=ref.step_overhead_s,
@@ -199,6 +205,8 @@ def calibrate(
         steps=FIT_STEPS,
         warmup_steps=FIT_WARMUP,
     )
+    sources["engine_steps"] = (f"measured mean length {ref.mean_length:.1f} tokens "
+                               f"{'<=' if p.engine_steps else '>'} {DISCRETE_STEPS_MAX_TOKENS:g}")  # fmt: skip
     sources.update({"lengths.mean": f"measured ({ref.run_dir})", "learner_token_s": "measured",
                     "learner_step_s": "measured (per-step overhead)", "publish_s": "measured",
                     "checkpoint_s": "measured", "gen_token_s": f"fitted to {ref.tokens_per_s:.1f} tok/s",

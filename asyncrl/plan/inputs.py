@@ -67,6 +67,13 @@ class PlanInputs:
     group_overhead_s: float = F(
         0.0, "Seconds from a group's last token to its write into the buffer (rewards, the write).", ge=0
     )
+    engine_steps: bool = F(
+        False,
+        "Discrete decode steps, as vLLM iterates: a step takes gen_step_s + n * gen_token_s for the n "
+        "sequences running at its start, sequences join and swaps pause only between steps, lengths "
+        "are whole tokens. For engines whose steps are long next to the hand-offs (a CPU engine); the "
+        "fluid engine (false) is its limit for short steps and much faster to simulate.",
+    )
     group_start_s: float = F(
         0.0,
         "Seconds from a worker's admission attempt to its group decoding (the admission round trip).",

@@ -13,7 +13,14 @@ The model follows the real roles step by step (DESIGN.md):
   refused for stale weights is admitted by that poll. Without events it retries ``admission_poll_s /
   2`` after anything that could admit it (a publish, a credit, its engine's swap): the expected delay
   of the real actor's fixed-period poll.
-* **Engines are fluid continuous batchers.** With ``n`` running sequences a decode step takes
+* **Engines are continuous batchers,** discrete or fluid. With ``engine_steps`` a decode step takes
+  ``gen_step_s + n * gen_token_s`` for the ``n`` sequences running at its start and gives each one
+  token; an idle engine starts a step with the first request that arrives, sequences that arrive
+  during a step (a step's groups are written and re-admitted a few ms apart) join the next one, and
+  a swap pauses the engine only
+  between steps (vLLM's scheduler), so a group one step late or a swap that waits for the step's
+  end moves a whole step of tokens. Without it the engine is fluid, the limit of short steps (and
+  far fewer events for long completions): with ``n`` running sequences a decode step takes
   ``gen_step_s + n * gen_token_s`` and gives each one token, so every running sequence advances at
   the same rate. Each engine keeps a work counter ``W`` (tokens per running sequence so far): a
   sequence that started at ``W0`` with length ``L`` ends when ``W = W0 + L``, and the version of each
@@ -128,8 +135,12 @@ class _Engine:
         self.blocked_s = 0.0  # integral of (groups_in_flight - in_flight) dt
         self.busy_s = 0.0
         self.slow = 1.0  # gen_slowdown while a co-located learner works
+        self.stepping = False  # engine_steps: a decode step is in progress
+        self.pause_pending = False  # engine_steps: a swap waits for the step to end
 
     def rate(self) -> float:
+        if self.p.engine_steps:  # W moves at step ends only; > 0 says "decoding"
+            return 1.0 if self.stepping else 0.0
         n = len(self.running)
         if self.paused or n == 0:
             return 0.0
@@ -139,7 +150,8 @@ class _Engine:
         dt = t - self.t
         if dt > 0:
             r = self.rate()
-            self.W += dt * r
+            if not self.p.engine_steps:
+                self.W += dt * r
             if r > 0:
                 self.busy_s += dt
             self.blocked_s += dt * (self.p.groups_in_flight - self.in_flight)
@@ -215,6 +227,18 @@ class _Sim:
     # ------------------------------------------------------------------ actors
 
     def schedule_finish(self, e: _Engine) -> None:
+        if self.p.engine_steps:
+            # An idle engine starts a step with the first request that arrives (as vLLM's loop does);
+            # requests arriving after it, even at the same simulated instant (real ones never are:
+            # the writes and admissions of a step's groups are spread over a few ms), join the next.
+            if not e.stepping and not e.paused and (e.running or e.waiting):
+                self.fill(e)
+                e.stepping = True
+                self.at(
+                    self.t + (self.p.gen_step_s + len(e.running) * self.p.gen_token_s) * e.slow, "estep", e
+                )
+            self.engines_changed()
+            return
         e.epoch += 1
         r = e.rate()
         if r > 0:
@@ -243,7 +267,7 @@ class _Sim:
                 self.at(self.t + self.p.group_start_s, "start", g)
                 continue
             for _ in range(self.p.group_size):
-                e.waiting.append((self.lengths.draw(), g))
+                e.waiting.append((self.draw(), g))
         if e.in_flight < self.p.groups_in_flight and self.p.admission_events and self.p.admission_poll_s > 0:
             # Refused: besides the hints, the real worker retries admission_poll_s after this attempt.
             # That poll is what admits it after its own engine's swap (a swap publishes no hint).
@@ -253,8 +277,15 @@ class _Sim:
             self.fill(e)
             self.schedule_finish(e)
 
+    def draw(self) -> float:
+        """A completion length; whole tokens when the engine steps discretely."""
+        x = self.lengths.draw()
+        return float(max(1, math.ceil(x - 1e-9))) if self.p.engine_steps else x
+
     def fill(self, e: _Engine) -> None:
         """Start waiting sequences while the engine has room (called with ``e`` advanced to now)."""
+        if self.p.engine_steps and e.stepping:
+            return  # they join at the next step
         cap = self.p.max_running_seqs or float("inf")
         while e.waiting and len(e.running) < cap:
             length, g = e.waiting.popleft()
@@ -271,7 +302,7 @@ class _Sim:
         e = g.actor
         e.advance(self.t)
         for _ in range(self.p.group_size):
-            e.waiting.append((self.lengths.draw(), g))
+            e.waiting.append((self.draw(), g))
         self.fill(e)
         self.schedule_finish(e)
 
@@ -292,6 +323,23 @@ class _Sim:
         # the epoch), so the head is due now: snap W to it rather than trust float round-off.
         if e.running and e.running[0][0] > e.W:
             e.W = e.running[0][0]
+        self.complete(e)
+        self.fill(e)
+        self.schedule_finish(e)
+
+    def on_estep(self, e: _Engine) -> None:
+        """engine_steps: a decode step ended; every running sequence has one more token."""
+        e.advance(self.t)
+        e.stepping = False
+        e.W += 1.0
+        self.complete(e)
+        if e.pause_pending:  # a swap waited for this step
+            e.pause_pending = False
+            self.on_notice(e)
+        self.schedule_finish(e)
+
+    def complete(self, e: _Engine) -> None:
+        """Retire the sequences that reached their length; a group's last one schedules its write."""
         while e.running and e.running[0][0] <= e.W + _EPS:
             w_end, _, w_start, g = heapq.heappop(e.running)
             for v, n in e.tokens_by_version(w_start, w_end).items():
@@ -299,8 +347,6 @@ class _Sim:
             g.left -= 1
             if g.left == 0:
                 self.at(self.t + self.p.group_overhead_s, "written", g)
-        self.fill(e)
-        self.schedule_finish(e)
 
     def on_written(self, g: _Group) -> None:
         e = g.actor
@@ -313,6 +359,9 @@ class _Sim:
 
     def on_notice(self, e: _Engine) -> None:
         if e.swapping or e.version >= self.V:
+            return
+        if self.p.engine_steps and e.stepping:
+            e.pause_pending = True  # the scheduler pauses between steps
             return
         e.advance(self.t)
         e.paused = e.swapping = True

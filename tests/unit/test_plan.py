@@ -200,17 +200,23 @@ def _write_run(rdir: Path, p: PlanInputs) -> None:
             prev = s.time
 
 
-def test_calibration_recovers_the_inputs_that_produced_a_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("steps", "length"), [(True, 5.0), (False, 80.0)])
+def test_calibration_recovers_the_inputs_that_produced_a_run(
+    tmp_path: Path, steps: bool, length: float
+) -> None:
+    """Short completions are calibrated with discrete engine steps, long ones fluid (DISCRETE_STEPS_MAX_TOKENS)."""
     truth = PlanInputs(
-        num_actors=1, groups_in_flight=4, group_size=8, lengths=fixed(4.5, 5.0), gen_token_s=3e-4,
-        admission_poll_s=0.05, swap_latency_s=0.01, swap_s=0.045, groups_per_step=4, max_staleness=0,
-        learner_step_s=0.0, learner_token_s=2e-4, publish_s=0.01, checkpoint_s=0.0, steps=120, warmup_steps=12,
+        num_actors=1, groups_in_flight=4, group_size=8, lengths=fixed(length, length + 1), engine_steps=steps,
+        gen_token_s=3e-4 * 5 / length, admission_poll_s=0.05, swap_latency_s=0.01, swap_s=0.045, groups_per_step=4,
+        max_staleness=0, learner_step_s=0.0, learner_token_s=2e-4, publish_s=0.01, checkpoint_s=0.0, steps=120,
+        warmup_steps=12,
     )  # fmt: skip
     _write_run(tmp_path / "s0", truth)
     m = measure(tmp_path / "s0")
-    assert m.train_s_per_token == pytest.approx(2e-4, rel=1e-6) and m.mean_length == pytest.approx(4.5)
-    p, sources = calibrate([tmp_path / "s0"], replace(PlanInputs(), lengths=fixed(4.0, 5.0)))
-    assert p.gen_token_s == pytest.approx(3e-4, rel=0.01), sources["gen_token_s"]
+    assert m.train_s_per_token == pytest.approx(2e-4, rel=1e-6) and m.mean_length == pytest.approx(length)
+    p, sources = calibrate([tmp_path / "s0"], replace(PlanInputs(), lengths=fixed(4.0, length + 1)))
+    assert p.engine_steps is steps, sources["engine_steps"]
+    assert p.gen_token_s == pytest.approx(truth.gen_token_s, rel=0.01), sources["gen_token_s"]
     assert p.learner_token_s == pytest.approx(2e-4, rel=1e-6) and sources["learner_token_s"] == "measured"
     # ... and predicts an overlapping run it never saw.
     for eta in (1, 4):
@@ -258,3 +264,41 @@ def test_synchronous_step_pays_the_admission_retry_delay(poll: float, swap: floa
     polled = poll / 2 if poll / 2 >= swap else swap + poll / 2
     woken = 0.002 if swap == 0 else 0.002 + poll  # refused at the hint, admitted by the poll after it
     assert period(False) - period(True) == pytest.approx(polled - woken, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sync_bound_with_discrete_steps_is_whole_steps_of_the_whole_batch(seed: int) -> None:
+    """engine_steps at eta = 0: the k groups of a step arrive together after group_start_s; the first
+    starts a step alone (an idle engine starts with the first request), the others join the next, so
+    decoding takes ceil(L) + 1 steps and ceil(L) * k * G sequence-steps (one group alone: ceil(L)); the
+    rest as in the fluid closed form."""
+    rng = random.Random(50 + seed)
+    p = replace(sync_inputs(rng), engine_steps=True, gen_token_s=rng.uniform(1e-5, 1e-3))
+    if seed == 0:
+        p = replace(p, group_start_s=0.0)  # admitted and submitted in one go: all in the first step
+    L, G, k = math.ceil(p.lengths.mean - 1e-9), p.group_size, p.groups_per_step
+    tokens = k * G * L
+    n_steps = L + 1 if k > 1 and p.group_start_s > 0 else L
+    gen = p.group_start_s + n_steps * p.gen_step_s + L * k * G * p.gen_token_s + p.group_overhead_s
+    cycle = p.swap_latency_s + p.swap_s + gen + p.learner_step_s + p.learner_token_s * tokens + p.publish_s
+    r = simulate(p)
+    assert r.tokens_per_s == pytest.approx(tokens / cycle, rel=1e-9)
+    assert r.staleness_dist == {0: pytest.approx(1.0)}
+
+
+def test_a_swap_waits_for_the_decode_step_in_progress() -> None:
+    """One 3-token completion in flight, 0.1 s steps, an instant learner: the publish comes with the
+    next completion's first step, the swap is due 0.05 s later (mid-step) and starts when that step
+    ends, so exactly 1 of its 3 tokens is sampled with the old weights (fluid: half a token) and the
+    step period is 3 steps + the 0.02 s pause."""
+    p = PlanInputs(
+        num_actors=1, groups_in_flight=1, group_size=1, lengths=fixed(3.0, 3.0), gen_step_s=0.1, gen_token_s=0.0,
+        engine_steps=True, admission_events=True, admission_wake_s=0.0, swap_latency_s=0.05, swap_s=0.02,
+        groups_per_step=1, max_staleness=4, learner_step_s=0.0, learner_token_s=0.0, publish_s=0.0, steps=40,
+        warmup_steps=5,
+    )  # fmt: skip
+    r = simulate(p)
+    assert r.tokens_per_s == pytest.approx(3 / 0.32, rel=1e-9)
+    assert r.staleness_dist == {0: pytest.approx(2 / 3), 1: pytest.approx(1 / 3)}
+    fluid = simulate(replace(p, engine_steps=False))
+    assert fluid.staleness_dist == {0: pytest.approx(5 / 6), 1: pytest.approx(1 / 6)}
