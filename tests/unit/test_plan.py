@@ -116,7 +116,7 @@ def test_random_pipelines_respect_the_staleness_bound_and_never_deadlock(seed: i
         learner_step_s=rng.uniform(0, 0.5), learner_token_s=rng.uniform(0, 1e-4),
         publish_every=1, publish_s=rng.uniform(0, 0.3), checkpoint_every=rng.randint(1, 10),
         checkpoint_s=rng.uniform(0, 0.5), learner_cv=rng.uniform(0, 1), learner_slowdown=rng.uniform(1, 3),
-        gen_slowdown=rng.uniform(1, 3), steps=60, warmup_steps=5, seed=seed,
+        gen_slowdown=rng.uniform(1, 3), engine_steps=seed % 2 == 1, steps=60, warmup_steps=5, seed=seed,
     )  # fmt: skip
     r = simulate(p)
     assert 0 <= r.staleness_max <= eta
