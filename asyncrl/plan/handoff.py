@@ -100,15 +100,35 @@ def publish_ends(steps: list[dict]) -> dict[int, float]:
     }
 
 
-def _running(groups: list[dict], actor: str, t: float) -> bool:
-    """Whether ``actor`` had a group generating at time ``t``."""
-    return any(g["actor"] == actor and g["t_gen0"] < t < g["t_gen1"] for g in groups)
+class _Generating:
+    """Whether an actor had a group generating at a time: per actor, the groups' start times sorted
+    and the running maximum of their end times (O(log n) per question)."""
+
+    def __init__(self, groups: list[dict]) -> None:
+        by: dict[str, list[tuple[float, float]]] = {}
+        for g in groups:
+            by.setdefault(g["actor"], []).append((g["t_gen0"], g["t_gen1"]))
+        self.starts: dict[str, list[float]] = {}
+        self.ends: dict[str, list[float]] = {}
+        for actor, spans in by.items():
+            spans.sort()
+            self.starts[actor] = [a for a, _ in spans]
+            run, ends = float("-inf"), []
+            for _, b in spans:
+                run = max(run, b)
+                ends.append(run)
+            self.ends[actor] = ends
+
+    def __call__(self, actor: str, t: float) -> bool:
+        i = bisect.bisect_left(self.starts.get(actor, []), t) - 1  # groups started strictly before t
+        return i >= 0 and self.ends[actor][i] > t
 
 
 def swap_pauses(swaps: list[dict], groups: list[dict]) -> tuple[list[float], list[float]]:
     """The pauses of swaps while the actor's engine had no group generating, and while it had."""
-    idle = [s["pause_s"] for s in swaps if not _running(groups, s["actor"], s["t_start"])]
-    busy = [s["pause_s"] for s in swaps if _running(groups, s["actor"], s["t_start"])]
+    running = _Generating(groups)
+    idle = [s["pause_s"] for s in swaps if not running(s["actor"], s["t_start"])]
+    busy = [s["pause_s"] for s in swaps if running(s["actor"], s["t_start"])]
     return idle, busy
 
 
@@ -117,12 +137,13 @@ def swap_latencies(
 ) -> tuple[list[float], list[float]]:
     """Seconds from the end of version v's publish to the start of an actor's pause for v: for the
     swaps whose actor had no group generating at the publish, and for those whose actor had."""
+    running = _Generating(groups)
     idle: list[float] = []
     busy: list[float] = []
     for s in swaps:
         t = publish.get(int(s["version"]))
         if t is not None:
-            (busy if _running(groups, s["actor"], t) else idle).append(s["t_start"] - t)
+            (busy if running(s["actor"], t) else idle).append(s["t_start"] - t)
     return idle, busy
 
 

@@ -255,3 +255,22 @@ def test_the_extra_swap_costs_are_paid_only_with_sequences_running() -> None:
         simulate(replace(busy, swap_s=0.03)).tokens_per_s, rel=1e-9
     )
     assert with_extra.tokens_per_s == pytest.approx(10.0 / (10 * 1e-2 + 0.03), rel=1e-9)
+
+
+def test_generating_index_matches_a_scan_on_random_intervals() -> None:
+    """The O(log n) 'was a group generating' index against the obvious scan, overlaps and edges included."""
+    import random
+
+    from asyncrl.plan.handoff import _Generating
+
+    rng = random.Random(7)
+    for _ in range(50):
+        groups = []
+        for _ in range(rng.randint(0, 30)):
+            a = round(rng.uniform(0, 10), 1)
+            groups.append(group(rng.choice("ab"), a, a, a + round(rng.uniform(0, 3), 1), a + 4))
+        index = _Generating(groups)
+        for _ in range(40):
+            actor, t = rng.choice("abc"), round(rng.uniform(-1, 14), 1)  # on interval edges too
+            scan = any(g["actor"] == actor and g["t_gen0"] < t < g["t_gen1"] for g in groups)
+            assert index(actor, t) is scan, (actor, t)
