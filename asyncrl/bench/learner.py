@@ -8,6 +8,8 @@ own plan), fp32 on the CPU, with the same optimizer settings:
 * ``alone``: :meth:`asyncrl.learner.step.Trainer.train` on a :func:`build_engine` engine, i.e. exactly
   the learner's step (advantages, plan, objective, metrics, guarded optimizer step) without Redis,
   publishing or checkpoints; this is what ``train_s`` in metrics.jsonl times inside a run;
+* ``alone_no_entropy``: the same Trainer step with ``learner.entropy_metric`` off (the demo keeps
+  the metric on; the bare variants compute no entropy), on the same engine;
 * ``bare DeepSpeed``: ``deepspeed.initialize`` with a plain ``torch.optim.AdamW`` and DeepSpeed's own
   gradient clipping; per micro-batch forward, fp32 log-softmax at the sampled tokens, a token-mean
   ratio * advantage loss, ``engine.backward``, ``engine.step``;
@@ -16,13 +18,14 @@ own plan), fp32 on the CPU, with the same optimizer settings:
 It runs in its own process (``python -m asyncrl.bench.learner``) placed as ``asyncrl run`` places its
 learner (the same cores and ``OMP_NUM_THREADS``), so the caller's torch threads and process group are
 untouched and "alone" differs from the in-pipeline learner only in having no engine beside it. Steps of the
-three variants run in blocks, A B C three times over, so drift of a shared machine hits all three;
+variants run in blocks, A B C D three times over, so drift of a shared machine hits all of them;
 each number is the median step time, leaving out the first steps of every block (warm-up).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -110,6 +113,8 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
         mc = le.module.config
         pad = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
         trainer = Trainer(cfg, le, None, int(pad))
+        no_ent = dataclasses.replace(cfg, learner=dataclasses.replace(lc, entropy_metric=False))
+        trainer_no_ent = Trainer(no_ent, le, None, int(pad))
         groups = demo_groups(cfg, tok, int(mc.vocab_size), cfg.run.seed)
         samples, _ = trainer.samples(groups)
         lengths = [s.length for s in samples]
@@ -129,6 +134,9 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
         def alone() -> None:
             trainer.train(groups, 0)
 
+        def alone_no_entropy() -> None:
+            trainer_no_ent.train(groups, 0)
+
         def bare_ds() -> None:
             for _ in range(lc.epochs):
                 for mbs in minis:
@@ -147,7 +155,8 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
                     pt_opt.step()
                     pt_opt.zero_grad(set_to_none=True)
 
-        fns = {"alone": alone, "bare_deepspeed": bare_ds, "bare_torch": bare_torch}
+        fns = {"alone": alone, "alone_no_entropy": alone_no_entropy, "bare_deepspeed": bare_ds,
+               "bare_torch": bare_torch}  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in fns}
         block = max(1, -(-steps // ROUNDS))
         for _ in range(ROUNDS):
@@ -197,6 +206,7 @@ def learner_rows(config: str | None, steps: int, timeout_s: float = 600.0) -> di
         res = json.loads(out.read_text())
     res["cpus"] = list(cpus) if cpus else None
     res["ratio_alone_vs_deepspeed"] = res["alone_s"] / res["bare_deepspeed_s"]
+    res["ratio_alone_no_entropy_vs_deepspeed"] = res["alone_no_entropy_s"] / res["bare_deepspeed_s"]
     res["ratio_deepspeed_vs_torch"] = res["bare_deepspeed_s"] / res["bare_torch_s"]
     return res
 
@@ -207,7 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=2, help="steps left out at the start of every block")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--placed", action="store_true", help="only the learner rows of `asyncrl bench`: run the "
+                    "measurement in a child placed as `asyncrl run` places its learner, print the ratios")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.placed:
+        res = learner_rows(args.config, args.steps)
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        print(f"alone {res['alone_s'] * 1e3:.2f} ms (no entropy metric {res['alone_no_entropy_s'] * 1e3:.2f}), "
+              f"bare DeepSpeed {res['bare_deepspeed_s'] * 1e3:.2f}, bare torch {res['bare_torch_s'] * 1e3:.2f}; "
+              f"alone / DeepSpeed {res['ratio_alone_vs_deepspeed']:.3f} "
+              f"(no entropy {res['ratio_alone_no_entropy_vs_deepspeed']:.3f}), cpus {res['cpus']}")  # fmt: skip
+        return 0
     Path(args.out).write_text(json.dumps(_measure(args.config, args.steps, args.warmup)) + "\n")
     return 0
 

@@ -173,26 +173,28 @@ def collate(samples: Sequence[Sample], indices: Sequence[int], pad_id: int) -> d
         raise ValueError("collate needs at least one sample (padding micro-batches use padding_like)")
     rows = [samples[i] for i in indices]
     b, length = len(rows), max(s.length for s in rows)
-    input_ids = torch.full((b, length), pad_id, dtype=torch.int64)
-    attention = torch.zeros((b, length), dtype=torch.int64)
-    loss_mask = torch.zeros((b, length), dtype=torch.bool)
-    logp_behav = torch.zeros((b, length), dtype=torch.float32)
-    versions = torch.zeros((b, length), dtype=torch.int64)
+    # Filled in numpy and wrapped once per field (torch.from_numpy shares the buffer): a numpy slice
+    # assignment costs ~1 us where a torch one costs ~10 (5 per row), and this runs every step.
+    input_ids = np.full((b, length), pad_id, dtype=np.int64)
+    attention = np.zeros((b, length), dtype=np.int64)
+    loss_mask = np.zeros((b, length), dtype=bool)
+    logp_behav = np.zeros((b, length), dtype=np.float32)
+    versions = np.zeros((b, length), dtype=np.int64)
     for r, s in enumerate(rows):
         n, p = s.length, s.prompt_len
-        input_ids[r, :n] = torch.from_numpy(s.input_ids)
+        input_ids[r, :n] = s.input_ids
         attention[r, :n] = 1
-        loss_mask[r, p:n] = torch.from_numpy(s.loss_mask)
-        logp_behav[r, p:n] = torch.from_numpy(s.logp_behav)
-        versions[r, p:n] = torch.from_numpy(s.versions)
+        loss_mask[r, p:n] = s.loss_mask
+        logp_behav[r, p:n] = s.logp_behav
+        versions[r, p:n] = s.versions
     if loss_mask[:, 0].any():
         raise ValueError("a completion token at position 0 has no logits to predict it (empty prompt?)")
     return {
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        LOSS_MASK: loss_mask,
-        "logp_behav": logp_behav,
-        "token_versions": versions,
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention),
+        LOSS_MASK: torch.from_numpy(loss_mask),
+        "logp_behav": torch.from_numpy(logp_behav),
+        "token_versions": torch.from_numpy(versions),
         "advantages": torch.tensor([s.advantage for s in rows], dtype=torch.float32),
         "temperature": torch.tensor([s.temperature for s in rows], dtype=torch.float32),
     }

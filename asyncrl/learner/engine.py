@@ -88,25 +88,24 @@ class GuardedAdamW(torch.optim.AdamW):
             return None
         if self.check_grads:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            norm = (
-                float(
-                    torch.linalg.vector_norm(
-                        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-                    )
-                )
-                if grads
-                else 0.0
-            )
+            # One foreach call for the per-tensor norms (the same per-tensor kernel as a loop of
+            # vector_norm, so the same values; on CPU the loop runs in C++ instead of Python).
+            norm = float(torch.linalg.vector_norm(torch.stack(grad_norms(grads)))) if grads else 0.0
             self.last_grad_norm = norm
             if not math.isfinite(norm):
                 return None
             if self.clip > 0 and norm > self.clip:
                 coef = self.clip / (norm + 1e-6)  # same rule as torch.nn.utils.clip_grad_norm_
-                for g in grads:
-                    g.mul_(coef)
+                torch._foreach_mul_(grads, coef)
         out = super().step(closure)
         self.stepped = True
         return out
+
+
+def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor L2 norms in fp32 (``vector_norm(g.float())`` of each), one foreach call per dtype."""
+    fp32 = all(g.dtype == torch.float32 for g in grads)
+    return list(torch._foreach_norm(grads if fp32 else [g.float() for g in grads]))
 
 
 @dataclass
@@ -166,10 +165,13 @@ class LearnerEngine:
     def optimizer_step(self, local_nonfinite: bool) -> StepOutcome:
         """End of an accumulation: agree on the veto across ranks, then ``engine.step()``."""
         # On the engine's device: NCCL only reduces device tensors (gloo: CPU).
-        flag = torch.tensor([1.0 if local_nonfinite else 0.0], device=getattr(self.engine, "device", "cpu"))
+        vetoed = local_nonfinite
         if self.world_size > 1:
+            flag = torch.tensor(
+                [1.0 if local_nonfinite else 0.0], device=getattr(self.engine, "device", "cpu")
+            )
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        vetoed = bool(flag.item() > 0)
+            vetoed = bool(flag.item() > 0)
         self.optimizer.veto = vetoed
         self.optimizer.stepped = False
         self.optimizer.last_grad_norm = None

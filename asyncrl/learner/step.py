@@ -33,6 +33,7 @@ otherwise the step's ``entropy`` metric is NaN (not measured; never 0, which wou
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,12 +69,23 @@ from asyncrl.learner.objectives import (
     token_mean,
 )
 
-__all__ = ["Trainer", "StepResult", "objective_config", "MicroBatchResult"]
+__all__ = ["Trainer", "StepResult", "objective_config", "MicroBatchResult", "advantage_lists"]
 
 
 def objective_config(cfg: Any) -> ObjectiveConfig:
     """The objectives' config from ``learner.loss`` (+ the staleness bound from ``buffer``)."""
     return ObjectiveConfig.from_loss_config(cfg.learner.loss, cfg.buffer.max_staleness)
+
+
+def advantage_lists(rewards: list[list[float]], normalize_std: bool) -> list[list[float]]:
+    """GRPO advantages of each group's rewards (fp32, :func:`group_advantages` per group).
+
+    Equal group sizes (the usual case) take one ``[n_groups, G]`` call, row for row the same math
+    as one call per group; ragged groups fall back to one call each.
+    """
+    if rewards and len({len(r) for r in rewards}) == 1:
+        return group_advantages(torch.tensor(rewards, dtype=torch.float32), normalize_std).tolist()
+    return [group_advantages(torch.tensor(r, dtype=torch.float32), normalize_std).tolist() for r in rewards]
 
 
 @dataclass
@@ -121,6 +133,22 @@ class MicroBatchResult:
     metrics: dict[str, Tensor]  # policy_loss metrics
     sums: dict[str, Tensor]  # entropy_sum, ref_kl_sum, drift_kl_sum/<s>, drift_n/<s>, log_ppl_gap_sum
 
+    def to_host(self) -> tuple[float, dict[str, float], dict[str, float], dict[str, float]]:
+        """``(loss, metrics, terms, sums)`` as Python floats, in ONE device-to-host transfer.
+
+        Every value is a 0-d tensor; stacking them (dtype promotion is exact: fp32 -> fp64) and one
+        ``tolist`` replaces ~40 ``.item()`` syncs (and the accumulator's per-key tensor arithmetic)
+        per micro-batch; the floats are exactly what ``float(v)`` of each tensor gives.
+        """
+        parts = (self.metrics, self.terms, self.sums)
+        vals = torch.stack([self.loss.reshape(()), *(v.reshape(()) for d in parts for v in d.values())])
+        flat = vals.tolist()
+        out, i = [], 1
+        for d in parts:
+            out.append(dict(zip(d, flat[i : i + len(d)], strict=True)))
+            i += len(d)
+        return flat[0], out[0], out[1], out[2]
+
 
 @dataclass
 class StepResult:
@@ -162,10 +190,8 @@ class Trainer:
 
     def samples(self, groups: Sequence) -> tuple[list[Sample], int]:
         """Advantages (per group, GRPO / Dr.GRPO) and the flattened samples."""
-        advs = []
-        for g in groups:
-            r = torch.tensor([float(c.reward) for c in g.completions], dtype=torch.float32)
-            advs.append(group_advantages(r, self.cfg.learner.loss.normalize_adv_std).tolist())
+        rewards = [[float(c.reward) for c in g.completions] for g in groups]
+        advs = advantage_lists(rewards, self.cfg.learner.loss.normalize_adv_std)
         return build_samples(groups, advs, self.cfg.learner.overlong_mask, self.cfg.actors.temperature)
 
     def _loss_mask_np(self, s: Sample, version: int) -> np.ndarray:
@@ -248,12 +274,10 @@ class Trainer:
         lengths = [s.length for s in samples]
         masks = [self._loss_mask_np(s, version) for s in samples]
         res.tokens = int(sum(int(m.sum()) for m in masks))
-        hist: dict[int, int] = {}
-        for s, m in zip(samples, masks, strict=True):
-            vals, counts = np.unique(version - s.versions[m], return_counts=True)
-            for v, c in zip(vals.tolist(), counts.tolist(), strict=True):
-                hist[v] = hist.get(v, 0) + c
-        res.staleness_hist = {str(k): hist[k] for k in sorted(hist)}
+        if samples:  # one np.unique over every loss token of the step (sorted values)
+            stale = np.concatenate([version - s.versions[m] for s, m in zip(samples, masks, strict=True)])
+            vals, counts = np.unique(stale, return_counts=True)
+            res.staleness_hist = {str(v): c for v, c in zip(vals.tolist(), counts.tolist(), strict=True)}
 
         # Plans, denominators and step-start logprobs for every mini-batch, before any update.
         minis = []
@@ -291,13 +315,13 @@ class Trainer:
                 nonfinite = False
                 for k, mb in enumerate(mbs):
                     le.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
-                    out = self.micro_batch(mb, version, dens, plan)
-                    nonfinite |= not bool(torch.isfinite(out.loss))
-                    acc.update(out.metrics)
-                    for key, v in out.terms.items():
-                        terms[key] = terms.get(key, 0.0) + float(v)
-                    for key, v in out.sums.items():
-                        sums[key] = sums.get(key, 0.0) + float(v)
+                    loss, metrics, mb_terms, mb_sums = self.micro_batch(mb, version, dens, plan).to_host()
+                    nonfinite |= not math.isfinite(loss)
+                    acc.update(metrics)
+                    for key, v in mb_terms.items():
+                        terms[key] = terms.get(key, 0.0) + v
+                    for key, v in mb_sums.items():
+                        sums[key] = sums.get(key, 0.0) + v
                 res.micro_batches += len(mbs)
                 le.set_lr(self.lr_now())
                 outcome = le.optimizer_step(nonfinite)
