@@ -352,7 +352,7 @@ def test_shipped_sweep_configs_validate(name, monkeypatch):
     elif name == "sweep_staleness_ladder.yaml":  # shares the runs of sweep_staleness.yaml
         main = load_spec(REPO / "configs" / "sweep_staleness.yaml")
         assert spec.dir == main.dir and spec.out_dir != main.out_dir and spec.overrides == main.overrides
-        assert spec.max_staleness == [16] and list(spec.objectives) == ["naive", "dppo", "dppo-k2", "full"]
+        assert spec.max_staleness == [4, 16] and list(spec.objectives) == ["naive", "dppo", "dppo-k2", "full"]
         assert spec.seeds == main.seeds and spec.objectives["naive"] == main.objectives["naive"]
     else:
         assert len(spec.cells()) == 2 and len(spec.seeds) == 2
