@@ -142,7 +142,7 @@ def reduce_loss(
     Zero denominators (a step without loss tokens) give 0, not NaN.
     """
     mask = mask.bool()
-    loss = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
+    loss = torch.where(mask, per_token_loss, 0.0)
     if mode == "token_mean":
         return loss.sum() / _denominator(global_tokens)
     if mode == "sequence_mean":

@@ -21,7 +21,7 @@ def safe(x: Tensor, mask: Tensor | None, fill: float = 0.0) -> Tensor:
     """``x`` with masked-out positions replaced by ``fill`` (gradient there is exactly 0)."""
     if mask is None:
         return x
-    return torch.where(mask.bool(), x, torch.full_like(x, fill))
+    return torch.where(mask.bool(), x, fill)
 
 
 def per_token(x: Tensor, like: Tensor) -> Tensor:
@@ -49,17 +49,17 @@ def masked_mean(x: Tensor, mask: Tensor, n: Tensor | None = None) -> Tensor:
     """Mean of x over mask; 0 when the mask is empty (``n`` = mask.sum() if already known)."""
     if n is None:
         n = mask.sum().to(x.dtype)
-    return torch.where(mask, x, torch.zeros_like(x)).sum() / n.clamp(min=1)
+    return torch.where(mask, x, 0.0).sum() / n.clamp(min=1)
 
 
 def masked_max(x: Tensor, mask: Tensor) -> Tensor:
     """Max of x over mask; 0 when the mask is empty."""
     if x.numel() == 0:
         return x.new_zeros(())
-    m = torch.where(mask, x, torch.full_like(x, float("-inf"))).max()
-    return torch.where(mask.any(), m, torch.zeros_like(m))
+    m = torch.where(mask, x, float("-inf")).max()
+    return torch.where(mask.any(), m, 0.0)
 
 
 def sequence_sum(x: Tensor, mask: Tensor) -> Tensor:
     """Per-sequence masked sum ``[B, 1]`` (positions outside ``mask`` add exactly 0)."""
-    return torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1, keepdim=True)
+    return torch.where(mask, x, 0.0).sum(dim=-1, keepdim=True)

@@ -77,7 +77,7 @@ def policy_metrics(
         "is_weight_max": masked_max(w, loss_mask),
         # Normalised ESS (sum w)^2 / (n sum w^2) == mean(w)^2 / mean(w^2); 1 = uniform weights.
         "ess": torch.where(w_sq_mean > 0, w_mean * w_mean / w_sq_mean.clamp(min=1e-30), zero),
-        "is_chi2_seq": torch.where(seqs, rho_seq * rho_seq - 1.0, torch.zeros_like(rho_seq)).sum()
+        "is_chi2_seq": torch.where(seqs, rho_seq * rho_seq - 1.0, 0.0).sum()
         / n_seq.clamp(min=1),
         "staleness_mean": masked_mean(stale, in_mask, n_in),
         "staleness_max": masked_max(stale, in_mask),

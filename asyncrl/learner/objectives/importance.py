@@ -76,7 +76,7 @@ def loglinear_prox_logp(
     lb = safe(logp_behav, mask)
     num = (version - token_versions).to(lp.dtype) + prox_offset
     den = num + progress
-    alpha = torch.where(den > 0, num / den.clamp(min=1e-30), torch.ones_like(den))
+    alpha = torch.where(den > 0, num / den.clamp(min=1e-30), 1.0)
     return lb + alpha * (lp - lb)
 
 
@@ -142,12 +142,12 @@ def importance_weights(
         if mode == "tis":
             w = rho.clamp(max=cap)
         else:
-            w = torch.where((rho >= low) & (rho <= cap), rho, torch.zeros_like(rho))
+            w = torch.where((rho >= low) & (rho <= cap), rho, 0.0)
     if veto > 0:
         tok = torch.exp(log_ratio(safe(logp_prox, mask), safe(logp_behav, mask)))
         vetoed = ((tok < veto) & mask).any(dim=-1, keepdim=True).expand_as(w)
-        w = torch.where(vetoed, torch.zeros_like(w), w)
-    return torch.where(mask, w, torch.ones_like(w))
+        w = torch.where(vetoed, 0.0, w)
+    return torch.where(mask, w, 1.0)
 
 
 @torch.no_grad()

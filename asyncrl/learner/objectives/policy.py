@@ -83,7 +83,6 @@ def policy_loss(
     anchor = behav if cfg.anchor == "behaviour" else prox
     is_args = (cfg.is_mode, cfg.is_cap, cfg.is_low, cfg.is_level, cfg.is_veto)
     sides: dict[str, Tensor] = {}
-    zero = torch.zeros_like(logp)
 
     if cfg.policy_loss in MASK_LOSSES:
         w_num = prox
@@ -98,7 +97,7 @@ def policy_loss(
         else:
             keep = m2po_keep_mask(logp, anchor, loss_mask, cfg.m2po_tau)
             sides = {"m2po_masked_frac": ~keep}
-        pg = torch.where(keep, -w * ratio * adv, zero)
+        pg = torch.where(keep, -w * ratio * adv, 0.0)
     else:
         # Ratio-clip losses: the clipped ratio is taken to the anchor; IS corrects mu -> anchor.
         w_num = anchor
@@ -134,7 +133,7 @@ def policy_loss(
         capped = (adv < 0) & (pg.detach() > cap)
         sides["dual_clip_frac"] = capped
         pg = torch.where(capped, cap, pg)
-    pg = torch.where(loss_mask, pg, zero)
+    pg = torch.where(loss_mask, pg, 0.0)
 
     w_raw = torch.exp(raw_log_rho(w_num, behav, loss_mask, cfg.is_level))  # for is_trunc_frac
     metrics = policy_metrics(
@@ -162,7 +161,7 @@ def rollout_kl_loss(logp: Tensor, logp_behav: Tensor, loss_mask: Tensor, cfg: Ob
     if not cfg.beta_rollout_kl:
         return torch.zeros_like(logp)
     kl = kl_penalty(logp, logp_behav, cfg.rollout_kl_kind, loss_mask)
-    return torch.where(loss_mask, cfg.beta_rollout_kl * kl, torch.zeros_like(kl))
+    return torch.where(loss_mask, cfg.beta_rollout_kl * kl, 0.0)
 
 
 def group_advantages(rewards: Tensor, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:

@@ -85,7 +85,7 @@ def m2po_keep_mask(logp: Tensor, logp_anchor: Tensor, mask: Tensor, tau: float) 
     already <= tau. The mask is taken over the tensors given (one micro-batch); False off ``mask``.
     """
     mask = mask.bool()
-    d2 = torch.where(mask, log_ratio(logp.detach(), logp_anchor), torch.zeros_like(logp)) ** 2
+    d2 = torch.where(mask, log_ratio(logp.detach(), logp_anchor), 0.0) ** 2
     flat = d2.reshape(-1)
     idx = mask.reshape(-1).nonzero().squeeze(-1)
     n = int(idx.numel())
