@@ -15,7 +15,8 @@ at the tiny size, ~1 GB/s at 300M). A staged swap moves that work out of the pau
 * ``poll`` (RPC) reports whether the thread finished (or why it failed).
 * ``commit`` (RPC, inside the pause) moves each loaded shadow layer's attribute dict into the live
   layer object (``_parameters``, ``_buffers``, the ``cpu_linear`` handle, ...): a few dict updates
-  per layer, no copy and no processing. The old tensors and handles are freed with the old dicts.
+  per layer, no copy and no processing. The old tensors and handles are freed by a thread after the
+  pause (freeing 1 GB of weights is ~30 ms of munmap).
 
 Cost: a second copy of the weights while a stage is held (2x model memory at the peak).
 
@@ -161,6 +162,15 @@ class _Shadow:
                     del t.weight_loader
 
 
+RETIRE_DELAY_S = 0.05  # the pause (label, KV reset, resume) ends within a few ms of the commit
+
+
+def _free_later(retired: list[dict]) -> None:
+    time.sleep(RETIRE_DELAY_S)
+    while retired:  # one layer at a time: the GIL is free between two layers' deallocations
+        retired.pop()
+
+
 class Stager:
     """One worker's staged swap (see the module doc). Methods are called from the worker's RPCs."""
 
@@ -209,13 +219,18 @@ class Stager:
                 f"no stage for version {version} (staged: {self._version}, error: {self._error})"
             )
         layers, self._layers = self._layers, None
+        retired = []
         for live, sh in layers:
             for t in list(sh._parameters.values()) + list(sh._buffers.values()):
                 if t is not None:
                     _rebind(t, sh, live)  # later reloads (in place) act on the live layer
             state = {k: v for k, v in sh.__dict__.items() if k != "_modules"}
+            retired.append({k: live.__dict__[k] for k in state if k in live.__dict__})
             live.__dict__.update(state)
         self._thread, self._version = None, None
+        # The old weights and handles are freed after the pause, in a thread: freeing is munmap-bound
+        # (measured ~30 ms per GB inside the pause when the old dicts were dropped here).
+        threading.Thread(target=_free_later, args=(retired,), name="asyncrl-retire", daemon=True).start()
         return {"layers": len(layers), "commit_s": time.perf_counter() - t0, "stage_s": self._seconds}
 
     # ------------------------------------------------------------------ the background thread
