@@ -28,10 +28,11 @@ pytestmark = pytest.mark.slow
 RUNS = {0: 40, 1: 60, 4: 80}
 #: The issue asks for 15%. Before the hand-offs were measured, attempts on the shared 2-core box gave
 #: prediction errors up to 19% (eta=1 tok/s) and 23% (eta=4 staleness). With the measured hand-offs
-#: and discrete engine steps, three complete attempts (G, H, I in README "Scaling out, and planning")
-#: gave tok/s +3/+6/+18% at eta=1 and staleness +3/+18/-12% (eta=1), +18/+8/+19% (eta=4): identical
-#: runs measured eta=1 staleness 0.57-0.83 and eta=4 1.28-1.58 (leftover groups in a generation-bound
-#: buffer come and go by chance), so 15% is below this box's run-to-run spread and the test asserts
+#: and discrete engine steps, five complete attempts (G-K in README "Scaling out, and planning") gave
+#: eta=1 tok/s +3/+6/+18/+19/+2% and staleness +3/+18/-12/+3/-13% (eta=1), +18/+8/+19/+15/-6%
+#: (eta=4): identical runs measured eta=1 1040-1310 tok/s, staleness 0.57-0.83 (eta=1) and 1.28-1.63
+#: (eta=4; leftover groups in a generation-bound buffer come and go by chance), so 15% is below this
+#: box's run-to-run spread (only K was within it everywhere) and the test asserts
 #: 25% (a wrong regime, or the model with assumed hand-offs: eta=4 staleness -41% to -52% on the same
 #: runs, is off by far more).
 TOLERANCE = 0.25
