@@ -183,7 +183,7 @@ class Stager:
         self.reason = unsupported_reason(model, model_config)
         self._thread: threading.Thread | None = None
         self._version: int | None = None
-        self._layers: list[tuple[torch.nn.Module, torch.nn.Module]] | None = None
+        self._layers: list[tuple[torch.nn.Module, dict]] | None = None  # (live layer, its new __dict__)
         self._error: str | None = None
         self._seconds = 0.0
 
@@ -220,11 +220,7 @@ class Stager:
             )
         layers, self._layers = self._layers, None
         retired = []
-        for live, sh in layers:
-            for t in list(sh._parameters.values()) + list(sh._buffers.values()):
-                if t is not None:
-                    _rebind(t, sh, live)  # later reloads (in place) act on the live layer
-            state = {k: v for k, v in sh.__dict__.items() if k != "_modules"}
+        for live, state in layers:
             retired.append({k: live.__dict__[k] for k in state if k in live.__dict__})
             live.__dict__.update(state)
         self._thread, self._version = None, None
@@ -250,7 +246,7 @@ class Stager:
         except BaseException as e:  # reported by poll(); the live model was never touched
             self._error = f"{type(e).__name__}: {e}"
 
-    def _build(self, owner: dict[str, Any]) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+    def _build(self, owner: dict[str, Any]) -> list[tuple[torch.nn.Module, dict]]:
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
@@ -277,5 +273,10 @@ class Stager:
                 qm.process_weights_after_loading(sh)
                 if hasattr(sh, "update_param_tp_status"):
                     sh.update_param_tp_status()
-            layers.append((live, sh))
+            # Prepared here, off the pause: the loaders of the new tensors act on the live layer from
+            # now on (later in-place reloads), and the attribute dict the commit moves in.
+            for t in list(sh._parameters.values()) + list(sh._buffers.values()):
+                if t is not None:
+                    _rebind(t, sh, live)
+            layers.append((live, {k: v for k, v in sh.__dict__.items() if k != "_modules"}))
         return layers
