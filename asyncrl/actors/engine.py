@@ -65,6 +65,8 @@ EXTENSION_CLS = "asyncrl.actors.worker_ext.WeightReloadExtension"
 FILE_BACKEND = "asyncrl_file"  # == worker_ext.FILE_BACKEND
 QUIET_EXECUTOR = "asyncrl.actors.quiet_executor.QuietMultiprocExecutor"  # == quiet_executor.QUALNAME
 QUIET_CONFIG_KEY = "asyncrl_busy_loop_s"  # == quiet_executor.CONFIG_KEY
+INPROC_EXECUTOR = "asyncrl.actors.inproc_executor.InProcessExecutor"  # == inproc_executor.QUALNAME
+EXECUTORS = ("auto", "multiproc")
 VLLM_BUSY_LOOP_MS = 1000.0  # vLLM 0.32's hard-coded SpinCondition busy_loop_s, in ms
 _TIED_OK = {"lm_head.weight"}
 STAGE_POLL_MIN_S, STAGE_POLL_MAX_S = 0.001, 0.02  # poll interval bounds while a stage builds
@@ -122,19 +124,29 @@ class Engine:
         busy_loop_ms: float = VLLM_BUSY_LOOP_MS,
         weight_backend: str = FILE_BACKEND,
         staging: bool = False,
+        executor: str = "auto",
     ) -> None:
+        import contextlib
+
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor {executor!r}; expected one of {EXECUTORS}")
         self.model_path = Path(model_path)
         self.recompute_kv = recompute_kv
         multiproc = tensor_parallel_size * pipeline_parallel_size > 1
-        # vLLM runs its multiprocess executor on CPU whatever the size, and on GPU beyond one device; only
-        # that executor has shared-memory queues whose readers busy-wait (asyncrl.actors.quiet_executor).
-        quiet = busy_loop_ms != VLLM_BUSY_LOOP_MS and (multiproc or current_platform.is_cpu())
-        backend = QUIET_EXECUTOR if quiet else ("mp" if multiproc else None)
+        # One CPU device: the worker runs inside the engine-core process (asyncrl.actors.inproc_executor):
+        # one spawned process fewer at start-up, and no shared-memory queue to busy-wait on.
+        inproc = executor == "auto" and not multiproc and current_platform.is_cpu()
+        # Otherwise vLLM runs its multiprocess executor on CPU whatever the size, and on GPU beyond one
+        # device; only that executor has shared-memory queues whose readers busy-wait
+        # (asyncrl.actors.quiet_executor).
+        quiet = not inproc and busy_loop_ms != VLLM_BUSY_LOOP_MS and (multiproc or current_platform.is_cpu())
+        backend = INPROC_EXECUTOR if inproc else QUIET_EXECUTOR if quiet else ("mp" if multiproc else None)
+        self.in_process = inproc
         args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=dtype,
@@ -155,7 +167,14 @@ class Engine:
             logprobs_mode=LOGPROBS_MODE,
             disable_log_stats=True,
         )
-        self.llm: Any = AsyncLLM.from_engine_args(args)
+        vllm_config = args.create_engine_config()
+        spawn_env: Any = contextlib.nullcontext()
+        if inproc:  # the model runs in the engine core: it gets the worker's OpenMP binding at its spawn
+            from asyncrl.actors.inproc_executor import omp_env
+
+            spawn_env = omp_env(vllm_config)
+        with spawn_env:
+            self.llm: Any = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
         self.version: int | None = None
         # request_id -> tokens received so far over all G sequences (progress, for tests/metrics).
         self.progress: dict[str, int] = {}
@@ -188,6 +207,7 @@ class Engine:
             tensor_parallel_size=a.tensor_parallel_size,
             pipeline_parallel_size=a.pipeline_parallel_size,
             busy_loop_ms=a.engine_busy_loop_ms,
+            executor=a.engine_executor,
             weight_backend="nccl" if cfg.learner.weight_transport == "nccl" else FILE_BACKEND,
             staging=a.swap_staging,
         )

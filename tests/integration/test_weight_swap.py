@@ -11,6 +11,7 @@ leaves the model serving its old weights.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,8 @@ def rig(tmp_path_factory):
     base = load_file(str(model_dir / "model.safetensors"))
     transport = ShmTransport(shm_root(root, "swaptest"), checkpoint_tensor_names(model_dir))
     loop = asyncio.new_event_loop()
-    # busy_loop_ms: the swaps below then also run through asyncrl's executor (asyncrl.actors.quiet_executor).
+    # The default executor on CPU: the worker inside the engine core (asyncrl.actors.inproc_executor);
+    # the multiprocess one (asyncrl.actors.quiet_executor, busy_loop_ms) has its own test below.
     engine = Engine(
         model_dir, dtype="float32", kv_cache_bytes=32 << 20, max_model_len=128, busy_loop_ms=BUSY_MS
     )
@@ -228,23 +230,66 @@ def test_staged_swap_under_running_requests_labels_every_token(rig) -> None:
     assert spanning >= 1, [s.versions for s in seqs]
 
 
-def test_idle_engine_stops_busy_waiting_after_its_window(rig) -> None:
-    """vLLM's worker busy-waits on its shared-memory queue for 1 s after every message (vLLM 0.32);
-    with actors.engine_busy_loop_ms = 100 the engine's processes (engine core, worker) sleep once
-    that window has passed: their CPU time over 0.4-1.2 s after the last output is near zero, where
-    vLLM's own 1 s spin burns most of a core (the same test at 1000 ms: 0.60 CPU-s in the 0.8 s)."""
+def _idle_cpu_s(procs) -> float:
+    """CPU-s ``procs`` use over 0.4-1.2 s from now (the engine has just finished a request)."""
+    time.sleep(0.4)
+    before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
+    time.sleep(0.8)
+    return sum(sum(p.cpu_times()[:2]) - before[p.pid] for p in procs)
+
+
+def test_in_process_engine_has_no_worker_process_and_sleeps_when_idle(rig) -> None:
+    """actors.engine_executor=auto on CPU (the rig's engine): the worker runs inside the engine-core
+    process (asyncrl.actors.inproc_executor), so there is no worker process and no shared-memory queue;
+    the idle engine uses no CPU (vLLM's multiprocess executor spins 1 s after every message: 0.60 CPU-s
+    in the same 0.8 s window). The engine core gets the OpenMP binding vLLM gives its worker."""
     import psutil
 
     eng = rig["engine"]
+    assert eng.in_process
     if eng.version is None:  # run alone: load weights first
         m = rig["transport"].publish(7, rig["weights"](0), "float32")
         rig["loop"].run_until_complete(eng.load_weights(m.path, 7))
     _sample(rig, "idle-0")
     procs = psutil.Process().children(recursive=True)
-    names = {p.name() for p in procs}
-    assert any("Worker" in n for n in names) and any("EngineCor" in n for n in names), names
-    time.sleep(0.4)
-    before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
-    time.sleep(0.8)
-    used = sum(sum(p.cpu_times()[:2]) - before[p.pid] for p in procs)
-    assert used < 0.15, f"engine processes used {used:.2f} CPU-s while idle (busy-wait not bounded)"
+    names = [p.name() for p in procs]
+    assert not any("Worker" in n for n in names) and sum("EngineCor" in n for n in names) == 1, names
+    core = next(p for p in procs if "EngineCor" in p.name())
+    # vLLM's OpenMP binding for its rank-0 worker (VLLM_CPU_OMP_THREADS_BIND=auto: one core kept back)
+    # reached the engine core: libgomp bound its main thread when it loaded (the test process is unbound).
+    mine = os.sched_getaffinity(0)
+    if len(mine) > 1:
+        assert 1 <= len(core.cpu_affinity()) < len(mine) and set(core.cpu_affinity()) <= mine
+    used = _idle_cpu_s(procs)
+    assert used < 0.15, f"engine processes used {used:.2f} CPU-s while idle"
+
+
+def test_multiproc_engine_swaps_exactly_and_bounds_its_busy_wait(rig, tmp_path: Path) -> None:
+    """actors.engine_executor=multiproc (also what TP/PP > 1 use): the worker in its own process behind
+    asyncrl's quiet executor. A swap through the cross-process collective_rpc serves exactly the new
+    weights, and with actors.engine_busy_loop_ms = 100 its processes (engine core, worker) sleep once
+    that window has passed: their CPU time over 0.4-1.2 s after the last output is near zero, where
+    vLLM's own 1 s spin burns most of a core (the same test at 1000 ms: 0.60 CPU-s in the 0.8 s)."""
+    import psutil
+
+    from asyncrl.actors.engine import Engine
+
+    model_dir = rig["engine"].model_path
+    others = {p.pid for p in psutil.Process().children(recursive=True)}  # the rig's engine
+    eng = Engine(model_dir, dtype="float32", kv_cache_bytes=32 << 20, max_model_len=128, busy_loop_ms=BUSY_MS,
+                 executor="multiproc")  # fmt: skip
+    loop = rig["loop"]
+    try:
+        assert not eng.in_process
+        m = rig["transport"].publish(11, rig["weights"](3), "float32")
+        loop.run_until_complete(eng.swap_weights(m.path, 11, "in_flight"))
+        seqs = loop.run_until_complete(eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 12, "mp-0"))
+        assert all(set(x.versions) == {11} for x in seqs)
+        assert _max_err(rig["hf"](rig["weights"](3)), seqs) < TOL
+        mine = [p for p in psutil.Process().children(recursive=True) if p.pid not in others]
+        names = [p.name() for p in mine]
+        assert any("Worker" in n for n in names) and any("EngineCor" in n for n in names), names
+        used = _idle_cpu_s(mine)
+        assert used < 0.15, f"engine processes used {used:.2f} CPU-s while idle (busy-wait not bounded)"
+    finally:
+        eng.shutdown()
