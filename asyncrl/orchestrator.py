@@ -184,6 +184,60 @@ def write_summary(rdir: Path, records: list[dict], start: float, end: float, ext
     return summary
 
 
+class EarlyRay:
+    """``ray.init`` in a background thread from the run's first second (asyncrl.actors.pool.init_ray).
+
+    Start-up is the actor's chain (Ray, actor process, vLLM engine) and it used to begin only after the
+    model build, Redis and the learner's launch (~4 s in on the 2-core box); Ray's start (~3 s, mostly
+    waiting on its own processes) now overlaps them. Ray may install a native SIGTERM handler while it
+    starts: :meth:`result` (main thread) puts the run's handlers back.
+
+    Invariant: the thread lives until :meth:`release`, i.e. until Ray is shut down. Ray starts its GCS
+    and raylet with ``PR_SET_PDEATHSIG``, which follows the *thread* that spawned them: a thread that
+    ended after ``ray.init`` took the GCS down with it."""
+
+    def __init__(self, cfg: Config) -> None:
+        self._handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._done, self._release = threading.Event(), threading.Event()
+        self._owned = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(cfg,), name="ray-init", daemon=True)
+        self._thread.start()
+
+    def _run(self, cfg: Config) -> None:
+        try:
+            from asyncrl.actors.pool import init_ray
+
+            self._owned = init_ray(cfg)
+        except BaseException as e:  # handed to result() in the main thread
+            self._error = e
+        finally:
+            self._done.set()
+        self._release.wait()
+
+    def result(self) -> bool:
+        """Wait for Ray; True when this run started it (re-raises ray.init's error)."""
+        self._done.wait()
+        for s, h in self._handlers.items():
+            if h is not None:
+                signal.signal(s, h)
+        if self._error is not None:
+            raise self._error
+        return self._owned
+
+    def shutdown(self) -> None:
+        """Stop the Ray this run started, when the run failed before an actor pool took it over."""
+        self._done.wait()
+        if self._owned:
+            import ray
+
+            ray.shutdown()
+
+    def release(self) -> None:
+        """Ray is down (or was never started here): let the thread end."""
+        self._release.set()
+
+
 class RunFailed(RuntimeError):
     """A supervised role failed more often than ``run.max_restarts`` allows."""
 
@@ -296,25 +350,28 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
     rdir.mkdir(parents=True, exist_ok=True)
     cfg_path = rdir / "config.yaml"
     cfg_path.write_text(to_yaml(redacted(cfg)))  # world-readable: no secrets in it
-    resolve_model_path(cfg, rdir)  # build once here, before two roles race to build it
     stop = threading.Event()
     prev_handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = make_console(cfg, rdir)  # before the pool: it points the actors' output at <rdir>/logs
+    progress = make_console(cfg, rdir)  # before Ray and the pool: it points the actors' output at <rdir>/logs
     sup = Supervisor(cfg, rdir, cfg_path, start, lambda msg: _note(progress, rdir, msg))
     pool = None
     buf = None
+    early_ray = None
     extra: dict = {}
     status, error = "interrupted", ""
     if resume:
         _say(progress, f"resuming run {cfg.run.name!r} in {rdir} from its last checkpoint")
     try:
+        early_ray = EarlyRay(cfg)  # Ray starts while the model is built, Redis and the learner start
+        resolve_model_path(cfg, rdir)  # build once here, before two roles race to build it
         url = sup.start_redis()
         cfg.redis.url = url
         sup.start_learner(resume)
         from asyncrl.actors.pool import ActorPool
         from asyncrl.actors.supervision import ActorSupervisionError, ActorSupervisor
 
-        pool = ActorPool(cfg, rdir, redis_url=url, cpu_plan=sup.cpu_plan)
+        owns_ray = early_ray.result()
+        pool = ActorPool(cfg, rdir, redis_url=url, cpu_plan=sup.cpu_plan, owns_ray=owns_ray)
         if sup.cpu_plan is not None:
             _say(progress, f"cpu binding: learner on cores {list(sup.cpu_plan.learner)}, "
                            f"engines on {[list(b) for b in sup.cpu_plan.engines]} (run.cpu_binding=off to disable)")  # fmt: skip
@@ -353,7 +410,11 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
         raise
     finally:
         progress.close()
+        if pool is None and early_ray is not None:
+            early_ray.shutdown()  # failed before the pool took Ray over
         rc = _teardown(pool, sup, buf)
+        if early_ray is not None:
+            early_ray.release()
         for s, h in prev_handlers.items():
             signal.signal(s, h)
         end = time.time()

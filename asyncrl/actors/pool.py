@@ -28,7 +28,7 @@ from typing import Any
 
 from .ray_actor import RayRolloutActor
 
-__all__ = ["ActorPool", "serve_actors", "actor_runtime_env"]
+__all__ = ["ActorPool", "serve_actors", "actor_runtime_env", "init_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,30 @@ def _keep_signal_handlers() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
+def init_ray(cfg: Any) -> bool:
+    """Start a local Ray for the actors (or attach to ``ray.address``); True when this call started it,
+    False when Ray was already up in this process. Callable from any thread (`asyncrl run` starts Ray
+    in the background while it builds the model): off the main thread the caller must re-install its
+    SIGINT/SIGTERM handlers afterwards, on the main thread they are kept here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    # ray.init installs a native SIGTERM handler that dumps a stack and aborts the driver;
+    # keep the caller's Python handlers (e.g. "set the stop event") in charge instead.
+    with _keep_signal_handlers():
+        ray.init(
+            address=cfg.ray.address or None,
+            num_cpus=(cfg.ray.num_cpus or None) if not cfg.ray.address else None,
+            include_dashboard=False,
+            runtime_env=actor_runtime_env(),
+            logging_level=logging.WARNING,
+            # asyncrl run: the actors write to <run_dir>/logs (asyncrl.console); -v forwards.
+            log_to_driver=not cfg.console.log_dir,
+        )
+    return True
+
+
 class ActorPool:
     """``cfg.actors.num_actors`` Ray rollout actors writing to the buffer at ``redis_url``."""
 
@@ -72,6 +96,7 @@ class ActorPool:
         redis_url: str | None = None,
         redis_password: str | None = None,
         cpu_plan: Any = None,
+        owns_ray: bool = False,
     ) -> None:
         self.cfg = cfg
         # asyncrl.cpu_binding.CpuPlan from `asyncrl run` on a CPU box: each slot's cores (None = unbound).
@@ -85,7 +110,7 @@ class ActorPool:
         self.run_refs: list[Any] = []
         self.generations: list[int] = []  # replacements of each slot (asyncrl run's supervision)
         self._model_path: Any = None
-        self._started_ray = False
+        self._started_ray = owns_ray  # the caller started Ray for this pool (init_ray): stop() shuts it down
         self._stopped = False
         self._pg: Any = None  # the actors' placement group: bundle i is actor slot i's reservation
 
@@ -93,25 +118,12 @@ class ActorPool:
 
     def start(self, max_groups_per_actor: int | None = None) -> ActorPool:
         """Start (or attach to) Ray and launch every actor's loop; returns without waiting for them."""
-        import ray
 
         from asyncrl.tinymodel import resolve_model_path
 
         # Build the tiny model once here: N actors building it concurrently would race on the dir.
         model_path = resolve_model_path(self.cfg, self.run_dir)
-        if not ray.is_initialized():
-            # ray.init installs a native SIGTERM handler that dumps a stack and aborts the driver;
-            # keep the caller's Python handlers (e.g. "set the stop event") in charge instead.
-            with _keep_signal_handlers():
-                ray.init(
-                    address=self.cfg.ray.address or None,
-                    num_cpus=(self.cfg.ray.num_cpus or None) if not self.cfg.ray.address else None,
-                    include_dashboard=False,
-                    runtime_env=actor_runtime_env(),
-                    logging_level=logging.WARNING,
-                    # asyncrl run: the actors write to <run_dir>/logs (asyncrl.console); -v forwards.
-                    log_to_driver=not self.cfg.console.log_dir,
-                )
+        if init_ray(self.cfg):
             self._started_ray = True
         self._pg = self._placement_group()
         self._model_path = model_path
