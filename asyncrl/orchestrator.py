@@ -362,6 +362,9 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
     if resume:
         _say(progress, f"resuming run {cfg.run.name!r} in {rdir} from its last checkpoint")
     try:
+        # Before Ray: its processes (and the agents its raylet starts) must carry the reaper's token, so a
+        # kill -9 of this command takes them down too (asyncrl.lifetime).
+        arm_reaper()
         early_ray = EarlyRay(cfg)  # Ray starts while the model is built, Redis and the learner start
         resolve_model_path(cfg, rdir)  # build once here, before two roles race to build it
         url = sup.start_redis()
