@@ -92,12 +92,12 @@ async def _reference(cfg: Config, rdir: Path, steps: int) -> list[dict[str, Any]
 
     from asyncrl.actors.engine import Engine
     from asyncrl.actors.seeding import prompt_seq
+    from asyncrl.launch import learner_threads
     from asyncrl.learner.engine import build_engine, init_distributed
     from asyncrl.learner.feed import batch_order_key
     from asyncrl.learner.logprobs import ReferenceModel
     from asyncrl.learner.publisher import FilesystemTransport, checkpoint_tensor_names
     from asyncrl.learner.step import Trainer
-    from asyncrl.orchestrator import learner_threads
     from asyncrl.tasks import make_task
     from asyncrl.tinymodel import resolve_model_path
 

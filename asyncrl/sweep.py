@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.orchestrator import stop_process
+from asyncrl.launch import stop_process
 from asyncrl.sweep_report import CellSpec, Marks, SeedRun, write_report
 
 SWEEP_KEYS = ("name", "dir", "base_config", "grid", "objectives", "overrides", "seeds", "baseline", "marks_s",

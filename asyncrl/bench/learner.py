@@ -174,10 +174,10 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
 def learner_rows(config: str | None, steps: int, timeout_s: float = 600.0) -> dict:
     """Run :func:`_measure` in a fresh process placed as ``asyncrl run`` places its learner: the cores
     of the run's CPU plan (asyncrl.cpu_binding) and the thread count of
-    :func:`asyncrl.orchestrator.learner_threads`."""
+    :func:`asyncrl.launch.learner_threads`."""
     from asyncrl.config import load_config
     from asyncrl.cpu_binding import resolve_plan
-    from asyncrl.orchestrator import learner_threads
+    from asyncrl.launch import learner_threads
 
     cfg = load_config(config)
     plan = resolve_plan(cfg)

@@ -41,134 +41,21 @@ the same window :func:`asyncrl.plan.calibrate.measure` uses on a real run's metr
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.buffer.admission import admission_bound_formula
 
+from .engine_model import SimEngine, SimGroup
 from .inputs import LengthSampler, PlanInputs
+from .results import EPS as _EPS
+from .results import PlanResult, StepTrace, summarize
 
-__all__ = ["PlanResult", "StepTrace", "simulate"]
-
-_EPS = 1e-9
-
-
-@dataclass
-class StepTrace:
-    """One simulated learner step (the fields a real metrics.jsonl record has)."""
-
-    step: int
-    time: float  # end of the step
-    wait_s: float
-    tokens: float
-    sequences: int
-    staleness_hist: dict[int, float]  # staleness -> trained tokens
-    dropped_stale: int
-    blocked_worker_s: float  # cumulative over all actors' workers at the end of the step
-    busy_engine_s: float  # cumulative engine time with at least one running sequence
-    train_s: float = 0.0  # wall seconds of the train phase (co-location slows it down)
-
-
-@dataclass
-class PlanResult:
-    """Steady-state outputs of a simulation (see the module docstring for the window)."""
-
-    samples_per_s: float
-    tokens_per_s: float
-    steps_per_s: float
-    learner_idle_frac: float  # share of the window the learner waited for data
-    actor_blocked_frac: float  # share of worker time spent refused by admission
-    engine_busy_frac: float  # share of engine time with sequences running (not paused, not empty)
-    staleness_mean: float  # over trained tokens
-    staleness_max: int
-    staleness_dist: dict[int, float]  # staleness -> share of trained tokens
-    dropped_stale: int
-    window_s: float
-    train_s_per_token: float = 0.0  # wall seconds of train phases per trained token
-    learner_busy_s_per_step: float = 0.0  # wall seconds per step not spent waiting for data
-    steps: list[StepTrace] = field(default_factory=list, repr=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "steps"}
-        d["staleness_dist"] = {str(k): v for k, v in self.staleness_dist.items()}
-        return d
-
-
-class _Group:
-    __slots__ = ("actor", "left", "versions")
-
-    def __init__(self, actor: _Engine, n: int) -> None:
-        self.actor = actor
-        self.left = n
-        self.versions: dict[int, float] = {}  # policy version -> tokens it sampled
-
-    @property
-    def oldest(self) -> int:
-        return min(self.versions) if self.versions else self.actor.version
-
-
-class _Engine:
-    """One actor's engine in fluid form (see the module docstring)."""
-
-    def __init__(self, index: int, p: PlanInputs) -> None:
-        self.index = index
-        self.p = p
-        self.W = 0.0
-        self.t = 0.0
-        self.running: list[tuple[float, int, float, _Group]] = []  # heap (W_end, id, W_start, group)
-        self.waiting: deque[tuple[float, _Group]] = deque()  # (length, group) beyond max_running_seqs
-        self.paused = False
-        self.swapping = False
-        self.version = 0
-        self.swap_w = [0.0]  # W at each version change; versions_at[i] holds from swap_w[i]
-        self.swap_v = [0]
-        self.in_flight = 0  # groups admitted and not yet written
-        self.epoch = 0  # invalidates a scheduled finish event when the rate changes
-        self.retry_pending = False
-        self.poll_epoch = 0  # invalidates a scheduled poll retry when a newer refusal re-arms it
-        self.blocked_s = 0.0  # integral of (groups_in_flight - in_flight) dt
-        self.busy_s = 0.0
-        self.slow = 1.0  # gen_slowdown while a co-located learner works
-        self.stepping = False  # engine_steps: a decode step is in progress
-        self.pause_pending = False  # engine_steps: a swap waits for the step to end
-
-    def rate(self) -> float:
-        if self.p.engine_steps:  # W moves at step ends only; > 0 says "decoding"
-            return 1.0 if self.stepping else 0.0
-        n = len(self.running)
-        if self.paused or n == 0:
-            return 0.0
-        return 1.0 / ((self.p.gen_step_s + n * self.p.gen_token_s) * self.slow)
-
-    def advance(self, t: float) -> None:
-        dt = t - self.t
-        if dt > 0:
-            r = self.rate()
-            if not self.p.engine_steps:
-                self.W += dt * r
-            if r > 0:
-                self.busy_s += dt
-            self.blocked_s += dt * (self.p.groups_in_flight - self.in_flight)
-            self.t = t
-
-    def tokens_by_version(self, w0: float, w1: float) -> dict[int, float]:
-        """Split the work interval [w0, w1] over the versions the engine served in it."""
-        out: dict[int, float] = {}
-        i = bisect.bisect_right(self.swap_w, w0) - 1
-        while w0 < w1 - _EPS:
-            end = self.swap_w[i + 1] if i + 1 < len(self.swap_w) else w1
-            seg = min(end, w1) - w0
-            if seg > 0:
-                out[self.swap_v[i]] = out.get(self.swap_v[i], 0.0) + seg
-            w0 = min(end, w1)
-            i += 1
-        return out
+__all__ = ["PlanResult", "StepTrace", "simulate", "summarize"]
 
 
 class _Sim:
@@ -179,17 +66,17 @@ class _Sim:
         self.seq = itertools.count()
         self.ids = itertools.count()
         self.lengths = LengthSampler(p.lengths, p.seed)
-        self.engines = [_Engine(i, p) for i in range(p.num_actors)]
+        self.engines = [SimEngine(i, p) for i in range(p.num_actors)]
         # A refused worker's retry after an event that could admit it: woken by the event (Redis
         # pub/sub hint) or, without events, on its fixed-period poll (half a period on average).
         self.retry_delay = p.admission_wake_s if p.admission_events else p.admission_poll_s / 2
         self.V = 0
         self.admitted = 0
         self.credits = 0
-        self.buffer: deque[_Group] = deque()
+        self.buffer: deque[SimGroup] = deque()
         self.learner_waiting = True
         self.wait_since = 0.0
-        self.batch: list[_Group] = []
+        self.batch: list[SimGroup] = []
         self.dropped = 0
         self.step = 0
         self.trace: list[StepTrace] = []
@@ -226,7 +113,7 @@ class _Sim:
 
     # ------------------------------------------------------------------ actors
 
-    def schedule_finish(self, e: _Engine) -> None:
+    def schedule_finish(self, e: SimEngine) -> None:
         if self.p.engine_steps:
             # An idle engine starts a step with the first request that arrives (as vLLM's loop does);
             # requests arriving after it, even at the same simulated instant (real ones never are:
@@ -245,7 +132,7 @@ class _Sim:
             self.at(self.t + max(e.running[0][0] - e.W, 0.0) / r, "finish", (e, e.epoch))
         self.engines_changed()
 
-    def bound_allows(self, e: _Engine) -> bool:
+    def bound_allows(self, e: SimEngine) -> bool:
         p = self.p
         if p.refuse_stale_weights and self.V - e.version > p.max_staleness:
             return False
@@ -253,7 +140,7 @@ class _Sim:
             self.V, p.max_staleness, p.groups_per_step * p.publish_every, self.credits
         )
 
-    def try_admit(self, e: _Engine) -> None:
+    def try_admit(self, e: SimEngine) -> None:
         e.retry_pending = False
         started = False
         while e.in_flight < self.p.groups_in_flight and self.bound_allows(e):
@@ -262,7 +149,7 @@ class _Sim:
                 started = True
             self.admitted += 1
             e.in_flight += 1
-            g = _Group(e, self.p.group_size)
+            g = SimGroup(e, self.p.group_size)
             if self.p.group_start_s > 0:  # the admission round trip: it decodes a moment later
                 self.at(self.t + self.p.group_start_s, "start", g)
                 continue
@@ -282,7 +169,7 @@ class _Sim:
         x = self.lengths.draw()
         return float(max(1, math.ceil(x - 1e-9))) if self.p.engine_steps else x
 
-    def fill(self, e: _Engine) -> None:
+    def fill(self, e: SimEngine) -> None:
         """Start waiting sequences while the engine has room (called with ``e`` advanced to now)."""
         if self.p.engine_steps and e.stepping:
             return  # they join at the next step
@@ -291,14 +178,14 @@ class _Sim:
             length, g = e.waiting.popleft()
             heapq.heappush(e.running, (e.W + length, next(self.ids), e.W, g))
 
-    def wake(self, engines: list[_Engine]) -> None:
+    def wake(self, engines: list[SimEngine]) -> None:
         """Blocked workers of ``engines`` retry after the expected poll delay."""
         for e in engines:
             if e.in_flight < self.p.groups_in_flight and not e.retry_pending:
                 e.retry_pending = True
                 self.at(self.t + self.retry_delay, "retry", e)
 
-    def on_start(self, g: _Group) -> None:
+    def on_start(self, g: SimGroup) -> None:
         e = g.actor
         e.advance(self.t)
         for _ in range(self.p.group_size):
@@ -306,15 +193,15 @@ class _Sim:
         self.fill(e)
         self.schedule_finish(e)
 
-    def on_retry(self, e: _Engine) -> None:
+    def on_retry(self, e: SimEngine) -> None:
         self.try_admit(e)
 
-    def on_poll(self, arg: tuple[_Engine, int]) -> None:
+    def on_poll(self, arg: tuple[SimEngine, int]) -> None:
         e, epoch = arg
         if epoch == e.poll_epoch and not e.retry_pending:
             self.try_admit(e)
 
-    def on_finish(self, arg: tuple[_Engine, int]) -> None:
+    def on_finish(self, arg: tuple[SimEngine, int]) -> None:
         e, epoch = arg
         if epoch != e.epoch:
             return
@@ -327,7 +214,7 @@ class _Sim:
         self.fill(e)
         self.schedule_finish(e)
 
-    def on_estep(self, e: _Engine) -> None:
+    def on_estep(self, e: SimEngine) -> None:
         """engine_steps: a decode step ended; every running sequence has one more token."""
         e.advance(self.t)
         e.stepping = False
@@ -338,7 +225,7 @@ class _Sim:
             self.on_notice(e)
         self.schedule_finish(e)
 
-    def complete(self, e: _Engine) -> None:
+    def complete(self, e: SimEngine) -> None:
         """Retire the sequences that reached their length; a group's last one schedules its write."""
         while e.running and e.running[0][0] <= e.W + _EPS:
             w_end, _, w_start, g = heapq.heappop(e.running)
@@ -348,7 +235,7 @@ class _Sim:
             if g.left == 0:
                 self.at(self.t + self.p.group_overhead_s, "written", g)
 
-    def on_written(self, g: _Group) -> None:
+    def on_written(self, g: SimGroup) -> None:
         e = g.actor
         e.advance(self.t)
         e.in_flight -= 1
@@ -357,7 +244,7 @@ class _Sim:
         if self.learner_waiting:
             self.gather()
 
-    def on_notice(self, e: _Engine) -> None:
+    def on_notice(self, e: SimEngine) -> None:
         if e.swapping or e.version >= self.V:
             return
         if self.p.engine_steps and e.stepping:
@@ -370,7 +257,7 @@ class _Sim:
         extra = self.p.swap_running_extra_s if e.running or e.waiting else 0.0
         self.at(self.t + self.p.swap_s + extra, "swapped", (e, self.V))
 
-    def on_swapped(self, arg: tuple[_Engine, int]) -> None:
+    def on_swapped(self, arg: tuple[SimEngine, int]) -> None:
         e, version = arg
         e.advance(self.t)
         e.paused = e.swapping = False
@@ -481,38 +368,6 @@ class _Sim:
         self.learner_waiting = True
         self.wait_since = self.t
         self.gather()
-
-
-def summarize(p: PlanInputs, trace: list[StepTrace]) -> PlanResult:
-    """Steady-state numbers over steps ``warmup_steps + 1 .. steps`` of a trace."""
-    first = trace[p.warmup_steps - 1] if p.warmup_steps > 0 else None
-    t0 = first.time if first else 0.0
-    window = trace[p.warmup_steps :]
-    dur = max(trace[-1].time - t0, _EPS)
-    hist: dict[int, float] = {}
-    for s in window:
-        for k, n in s.staleness_hist.items():
-            hist[k] = hist.get(k, 0.0) + n
-    tot = sum(hist.values()) or 1.0
-    workers = p.num_actors * p.groups_in_flight
-    b0 = first.blocked_worker_s if first else 0.0
-    u0 = first.busy_engine_s if first else 0.0
-    return PlanResult(
-        samples_per_s=sum(s.sequences for s in window) / dur,
-        tokens_per_s=sum(s.tokens for s in window) / dur,
-        steps_per_s=len(window) / dur,
-        learner_idle_frac=sum(s.wait_s for s in window) / dur,
-        actor_blocked_frac=(trace[-1].blocked_worker_s - b0) / (workers * dur),
-        engine_busy_frac=(trace[-1].busy_engine_s - u0) / (p.num_actors * dur),
-        staleness_mean=sum(k * n for k, n in hist.items()) / tot,
-        staleness_max=max((k for k, n in hist.items() if n > 0), default=0),
-        staleness_dist={k: hist[k] / tot for k in sorted(hist)},
-        dropped_stale=sum(s.dropped_stale for s in window),
-        window_s=dur,
-        train_s_per_token=sum(s.train_s for s in window) / max(sum(s.tokens for s in window), _EPS),
-        learner_busy_s_per_step=(dur - sum(s.wait_s for s in window)) / len(window),
-        steps=trace,
-    )
 
 
 def simulate(p: PlanInputs) -> PlanResult:

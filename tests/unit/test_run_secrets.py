@@ -7,7 +7,8 @@ import urllib.parse
 
 from asyncrl.buffer.embedded import EmbeddedRedis
 from asyncrl.config import Config, from_yaml, to_yaml
-from asyncrl.orchestrator import has_prior_run, redact_url, redacted, write_private
+from asyncrl.launch import redact_url, redacted, write_private
+from asyncrl.orchestrator import has_prior_run
 
 
 def test_redact_url_drops_only_the_password() -> None:

@@ -1,0 +1,250 @@
+"""Weight swaps of the vLLM engine wrapper (:class:`asyncrl.actors.engine.Engine` mixes this in).
+
+A swap runs, in the engine's input order, with no model step in between (vLLM's weight-transfer
+API, engine ``asyncrl_file`` from :mod:`asyncrl.actors.worker_ext`), so every step's weight-version
+label names exactly the weights that sampled its tokens. Before the pause, while generation goes on: the file's
+header checks, and with ``actors.swap_staging`` the *stage* (:mod:`asyncrl.actors.staging`: the
+worker loads the file into a second set of tensors and builds their oneDNN handles in a thread,
+polled by RPC). Then:
+
+    engine_core.pause_scheduler_async("keep")   # freeze running requests; the engine goes idle
+    staged:   collective_rpc("asyncrl_stage_commit", v)      # switch layers to the stage (pointers)
+    in place: start_weight_update(); update_weights({"path": ..., "version": v}); finish_weight_update()
+              # vLLM's layerwise reload: copy into the model and re-process (e.g. oneDNN repack)
+    update_weight_version(str(v))               # the label of every later step
+    reset_prefix_cache(reset_running_requests=True)   # (recompute_kv) drop KV of the old weights
+    resume_generation()
+
+Why not ``AsyncLLM.pause_generation``: it ends with a fixed ``asyncio.sleep(0.02)`` (so that final
+outputs of in-flight requests are delivered first; vLLM documents it as not needed for
+correctness), which was 20 ms of every swap. The scheduler pause it wraps is awaited directly.
+
+Off the pause: the actor verifies the manifest (sha256 or sizes) in a thread, and
+:meth:`Engine.swap_weights` checks the file's header (tensor names, version tag) and builds the
+stage before pausing. Staged, the pause holds only pointer moves, the label and the KV reset (flat
+in model size; the stage costs a second copy of the weights while it is held); in place, the copy
+into the model and its re-processing fall inside it too. A model the worker cannot stage exactly
+is reloaded in place (logged once, ``Engine.staging_refused``); NCCL swaps are always in place.
+
+Why the KV reset: a request frozen in flight holds keys/values computed by the old weights.
+Without a reset the tokens sampled after the swap would come from a mixture (new weights over an
+old-weight cache) that no learner can recompute. With ``recompute_kv`` the running requests are
+preempted and re-prefilled (prompt + tokens so far) with the new weights, so every token's
+behaviour logprob is log_softmax(logits / T) of exactly one published version; the cost is one
+prefill per in-flight sequence per swap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineError", "SwapResult", "SWAP_MODES", "WeightSwaps"]
+
+SWAP_MODES = ("in_flight", "between_groups")
+_TIED_OK = {"lm_head.weight"}
+STAGE_POLL_MIN_S, STAGE_POLL_MAX_S = 0.001, 0.02  # poll interval bounds while a stage builds
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine returned something the actor cannot turn into a valid record."""
+
+
+@dataclass
+class SwapResult:
+    version: int
+    mode: str
+    pause_s: float  # new tokens could not be sampled for this long (in_flight) / no new groups (between)
+    drain_s: float  # between_groups: waiting for in-flight groups to finish (included in pause_s)
+    reload_s: float  # the reload itself (in place) or the switch to the stage (staged), with the label
+    staged: bool = False  # the weights were staged while generating and switched in the pause
+    prepare_s: float = 0.0  # before the pause, generation going on: header checks (+ building the stage)
+
+
+class WeightSwaps:
+    """The swap half of :class:`asyncrl.actors.engine.Engine` (see the module docstring).
+
+    Needs from the engine: ``llm`` (vLLM ``AsyncLLM``), ``model_path``, ``recompute_kv``, ``version``,
+    the asyncio ``_swap_lock``, ``_admit`` and ``_idle`` events, ``_expected_names`` and the staging
+    state (``staging``, ``staging_refused``, ``staged_swaps``), all set by ``Engine.__init__``.
+    """
+
+    llm: Any
+    model_path: Path
+    recompute_kv: bool
+    version: int | None
+    staging: bool
+    staging_refused: str | None
+    staged_swaps: int
+    _swap_lock: asyncio.Lock
+    _admit: asyncio.Event
+    _idle: asyncio.Event
+    _expected_names: set[str] | None
+
+    async def load_weights(self, path: str | os.PathLike, version: int) -> float:
+        """Load ``path`` as ``version`` (first load, or a swap with nothing in flight); returns seconds."""
+        res = await self.swap_weights(path, version, "in_flight")
+        return res.reload_s
+
+    async def swap_weights(self, path: str | os.PathLike, version: int, mode: str) -> SwapResult:
+        """Serve the weights in the safetensors file ``path`` as ``version`` from now on.
+
+        ``in_flight``: freeze running requests, reload, resume them (see the module doc).
+        ``between_groups``: hold back new groups, wait until the running ones finish, then reload.
+        """
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        request = WeightTransferUpdateRequest(update_info={"path": str(path), "version": int(version)})
+
+        async def load() -> None:
+            await self.llm.update_weights(request)
+
+        async def prepare() -> tuple[Callable[[], Awaitable[None]], bool]:
+            # Off the pause: the header checks (names, version tag) of the new file, then the stage.
+            await asyncio.to_thread(self._check_file, Path(path), int(version))
+            if self.staging and await self._stage(str(path), int(version)):
+                return self._commit_stage(int(version)), True
+            return self._in_place(load), False
+
+        return await self._swap(int(version), mode, prepare)
+
+    async def _stage(self, path: str, version: int) -> bool:
+        """Build the stage of ``version`` in the worker(s) while generation goes on; False = this model
+        cannot be staged (logged once; in-place reloads from now on). Raises on a bad file (no pause)."""
+        begun = await self.llm.collective_rpc("asyncrl_stage_begin", args=(path, version))
+        reasons = [r["unsupported"] for r in begun if "unsupported" in r]
+        if reasons:
+            self.staging = False
+            self.staging_refused = reasons[0]
+            log.warning("staged weight swaps refused (%s): reloading in place", reasons[0])
+            return False
+        t0 = time.perf_counter()
+        while True:
+            # Each poll is one RPC between two model steps (~0.1 ms): the interval grows with the stage
+            # so that polling costs little while a large stage builds and adds <= 25% latency.
+            await asyncio.sleep(
+                min(max(0.25 * (time.perf_counter() - t0), STAGE_POLL_MIN_S), STAGE_POLL_MAX_S)
+            )
+            states = await self.llm.collective_rpc("asyncrl_stage_poll")
+            errors = [s["error"] for s in states if s["error"]]
+            if errors:
+                await self.llm.collective_rpc("asyncrl_stage_discard")
+                raise ValueError(f"staging v{version} from {path} failed: {errors[0]}")
+            if all(s["done"] for s in states):
+                return True
+
+    def _commit_stage(self, version: int) -> Callable[[], Awaitable[None]]:
+        async def commit() -> None:
+            await self.llm.collective_rpc("asyncrl_stage_commit", args=(version,))
+            self.staged_swaps += 1
+
+        return commit
+
+    def _in_place(self, load: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        async def in_place() -> None:
+            await self.llm.start_weight_update()
+            await load()
+            await self.llm.finish_weight_update()
+
+        return in_place
+
+    async def swap_with(
+        self,
+        version: int,
+        mode: str,
+        load: Callable[[], Awaitable[None]],
+        check: Callable[[], Awaitable[None]] | None = None,
+    ) -> SwapResult:
+        """The swap sequence of the module doc around ``load`` (the ``update_weights`` call(s) of any
+        weight-transfer engine; the NCCL receiver's waits for the learner's broadcast).
+
+        ``check`` runs before the pause (a failure costs no pause and leaves the old weights serving).
+        """
+
+        async def prepare() -> tuple[Callable[[], Awaitable[None]], bool]:
+            if check is not None:
+                await check()
+            return self._in_place(load), False
+
+        return await self._swap(int(version), mode, prepare)
+
+    async def _swap(
+        self,
+        version: int,
+        mode: str,
+        prepare: Callable[[], Awaitable[tuple[Callable[[], Awaitable[None]], bool]]],
+    ) -> SwapResult:
+        """``prepare`` runs before the pause (checks, staging; generation goes on) and returns what runs
+        inside it (a staged commit or an in-place reload); then the label, the KV reset, the resume."""
+        if mode not in SWAP_MODES:
+            raise ValueError(f"swap mode {mode!r}; expected one of {SWAP_MODES}")
+        async with self._swap_lock:
+            tp = time.perf_counter()
+            inner, staged = await prepare()
+            t0 = time.perf_counter()
+            drain_s = 0.0
+            if mode == "between_groups":
+                self._admit.clear()
+                await self._idle.wait()
+                drain_s = time.perf_counter() - t0
+            try:
+                # The scheduler pause without AsyncLLM.pause_generation's fixed 20 ms sleep.
+                await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+                try:
+                    t1 = time.perf_counter()
+                    await inner()
+                    # The label of every later step (finish_weight_update(weight_version=...) does
+                    # exactly this after its RPC; a staged commit has no update session to finish).
+                    await self.llm.update_weight_version(str(version))
+                    reload_s = time.perf_counter() - t1
+                    if self.recompute_kv:
+                        # Preempt running requests: they re-prefill under the new weights.
+                        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
+                            raise EngineError("reset_prefix_cache failed after a weight reload")
+                    self.version = int(version)
+                finally:
+                    # Resume even on failure: the old weights (or a failed reload's error) must not
+                    # leave requests frozen forever; the caller decides what to do with the error.
+                    await self.llm.resume_generation()
+            finally:
+                self._admit.set()
+            return SwapResult(
+                int(version), mode, time.perf_counter() - t0, drain_s, reload_s, staged, t0 - tp
+            )
+
+    def _check_file(self, path: Path, version: int) -> None:
+        """Raise ValueError unless ``path`` holds exactly the served tensors, tagged ``version``.
+
+        The worker checks again, but a failure there costs a pause; here it costs nothing.
+        """
+        from safetensors import safe_open
+
+        if self._expected_names is None:
+            names: set[str] = set()
+            for f in sorted(self.model_path.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as fh:
+                    names.update(fh.keys())
+            self._expected_names = names
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        got: set[str] = set()
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                tag = (fh.metadata() or {}).get("asyncrl_version")
+                if tag is not None and tag != str(version):
+                    raise ValueError(f"{f}: holds weights v{tag}, announced as v{version}")
+                got.update(fh.keys())
+        if self._expected_names:
+            missing, extra = self._expected_names - got, got - self._expected_names - _TIED_OK
+            if missing or extra:
+                raise ValueError(
+                    f"{path}: tensor names do not match the served model "
+                    f"(missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]})"
+                )

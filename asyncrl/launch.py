@@ -1,0 +1,179 @@
+"""How `asyncrl run` starts and stops its child processes, and keeps Redis secrets out of sight.
+
+* The learner runs as its own OS process (``asyncrl learn``) in its own process group, bound to its
+  cores (asyncrl.cpu_binding) and set to die with its parent (asyncrl.lifetime).
+* Ray starts in a background thread from the run's first second (:class:`EarlyRay`), overlapping the
+  model build, Redis and the learner's launch.
+* The Redis URL and password travel in the environment (``ASYNCRL_REDIS_URL`` /
+  ``ASYNCRL_REDIS_PASSWORD``), never on a command line or in a world-readable file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.parse
+from pathlib import Path
+
+from asyncrl.config import Config
+from asyncrl.lifetime import arm_reaper, die_with_parent
+
+__all__ = [
+    "ENV_REDIS_PASSWORD", "ENV_REDIS_URL", "EarlyRay", "learner_threads", "redact_url", "redacted",
+    "start_learner_process", "stop_process", "write_private",
+]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: Environment variables that carry Redis secrets to child roles (never argv, never config.yaml).
+ENV_REDIS_URL = "ASYNCRL_REDIS_URL"
+ENV_REDIS_PASSWORD = "ASYNCRL_REDIS_PASSWORD"
+
+
+def redact_url(url: str) -> str:
+    """``url`` without the password of its userinfo (``redis://user:pw@h`` -> ``redis://user@h``)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}@" if parts.username else ""
+    return urllib.parse.urlunsplit(parts._replace(netloc=user + host))
+
+
+def redacted(cfg: Config) -> Config:
+    """A copy of ``cfg`` fit for a world-readable file: no Redis password, in the field or the URL."""
+    redis_cfg = dataclasses.replace(cfg.redis, password="", url=redact_url(cfg.redis.url))
+    return dataclasses.replace(cfg, redis=redis_cfg)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0600 (atomically: never readable by others, not even briefly)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, resume: bool = False,
+                          log_path: Path | None = None, threads: int = 0,
+                          redis_password: str = "", cpus: tuple[int, ...] | None = None,
+                          ) -> subprocess.Popen:  # fmt: skip
+    """The learner as its own process group (so Ctrl-C reaches it only through us, in order).
+
+    The Redis URL (it may hold the password) and the password travel in the environment. ``cpus``: the
+    cores it is bound to (asyncrl.cpu_binding), set on the child as soon as it exists: it is then still
+    a single-threaded interpreter starting up, so every thread it creates later (torch's OpenMP pool,
+    gloo) inherits the affinity."""
+    # A kill -9 of `asyncrl run` runs no cleanup: the learner dies with it (die_with_parent), and so does
+    # every process started from here on, the learner's, Ray's and the vLLM engines' (asyncrl.lifetime).
+    arm_reaper()
+    env = dict(os.environ)
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), ASYNCRL_START_TIME=repr(start_time))  # fmt: skip
+    env[ENV_REDIS_URL] = redis_url
+    if redis_password:
+        env[ENV_REDIS_PASSWORD] = redis_password
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "asyncrl.cli", "learn", "--config", str(cfg_path)]
+    if resume:
+        cmd.insert(4, "--resume")
+    cmd = die_with_parent(cmd)  # see arm_reaper() above
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)  # fmt: skip
+    if cpus:
+        os.sched_setaffinity(proc.pid, cpus)
+    return proc
+
+
+def learner_threads(cfg: Config, cpus: tuple[int, ...] | None = None) -> int:
+    """Threads for a learner co-located with the actors: on a CPU-only machine the vLLM engines already
+    use the cores, and a multi-threaded learner fighting them ran 10x slower than a single thread.
+    Bound to its own ``cpus`` (asyncrl.cpu_binding), it uses one thread per core it owns."""
+    if cfg.learner.torch_threads:
+        return cfg.learner.torch_threads
+    if cpus:
+        return len(cpus)
+    if "OMP_NUM_THREADS" in os.environ or shutil.which("nvidia-smi"):
+        return 0  # the user's choice, or a GPU learner: leave torch's default
+    return 1
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 60.0) -> int:
+    """SIGTERM (the learner finishes its step and checkpoints), then SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode
+
+
+class EarlyRay:
+    """``ray.init`` in a background thread from the run's first second (asyncrl.actors.pool.init_ray).
+
+    Start-up is the actor's chain (Ray, actor process, vLLM engine) and it used to begin only after the
+    model build, Redis and the learner's launch (~4 s in on the 2-core box); Ray's start (~3 s, mostly
+    waiting on its own processes) now overlaps them. Ray may install a native SIGTERM handler while it
+    starts: :meth:`result` (main thread) puts the run's handlers back.
+
+    Invariant: the thread lives until :meth:`release`, i.e. until Ray is shut down. Ray starts its GCS
+    and raylet with ``PR_SET_PDEATHSIG``, which follows the *thread* that spawned them: a thread that
+    ended after ``ray.init`` took the GCS down with it."""
+
+    def __init__(self, cfg: Config) -> None:
+        self._handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._done, self._release = threading.Event(), threading.Event()
+        self._owned = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(cfg,), name="ray-init", daemon=True)
+        self._thread.start()
+
+    def _run(self, cfg: Config) -> None:
+        try:
+            from asyncrl.actors.pool import init_ray
+
+            self._owned = init_ray(cfg)
+        except BaseException as e:  # handed to result() in the main thread
+            self._error = e
+        finally:
+            self._done.set()
+        self._release.wait()
+
+    def result(self) -> bool:
+        """Wait for Ray; True when this run started it (re-raises ray.init's error)."""
+        self._done.wait()
+        for s, h in self._handlers.items():
+            if h is not None:
+                signal.signal(s, h)
+        if self._error is not None:
+            raise self._error
+        return self._owned
+
+    def shutdown(self) -> None:
+        """Stop the Ray this run started, when the run failed before an actor pool took it over."""
+        self._done.wait()
+        if self._owned:
+            import ray
+
+            ray.shutdown()
+
+    def release(self) -> None:
+        """Ray is down (or was never started here): let the thread end."""
+        self._release.set()

@@ -1,0 +1,89 @@
+"""What a simulation returns: one record per learner step and the steady-state summary over them.
+
+The window (steps ``warmup_steps + 1 .. steps``) is the one :func:`asyncrl.plan.calibrate.measure`
+uses on a real run's metrics.jsonl, so predicted and measured numbers compare like for like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .inputs import PlanInputs
+
+__all__ = ["EPS", "PlanResult", "StepTrace", "summarize"]
+
+EPS = 1e-9
+
+
+@dataclass
+class StepTrace:
+    """One simulated learner step (the fields a real metrics.jsonl record has)."""
+
+    step: int
+    time: float  # end of the step
+    wait_s: float
+    tokens: float
+    sequences: int
+    staleness_hist: dict[int, float]  # staleness -> trained tokens
+    dropped_stale: int
+    blocked_worker_s: float  # cumulative over all actors' workers at the end of the step
+    busy_engine_s: float  # cumulative engine time with at least one running sequence
+    train_s: float = 0.0  # wall seconds of the train phase (co-location slows it down)
+
+
+@dataclass
+class PlanResult:
+    """Steady-state outputs of a simulation (see the module docstring for the window)."""
+
+    samples_per_s: float
+    tokens_per_s: float
+    steps_per_s: float
+    learner_idle_frac: float  # share of the window the learner waited for data
+    actor_blocked_frac: float  # share of worker time spent refused by admission
+    engine_busy_frac: float  # share of engine time with sequences running (not paused, not empty)
+    staleness_mean: float  # over trained tokens
+    staleness_max: int
+    staleness_dist: dict[int, float]  # staleness -> share of trained tokens
+    dropped_stale: int
+    window_s: float
+    train_s_per_token: float = 0.0  # wall seconds of train phases per trained token
+    learner_busy_s_per_step: float = 0.0  # wall seconds per step not spent waiting for data
+    steps: list[StepTrace] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "steps"}
+        d["staleness_dist"] = {str(k): v for k, v in self.staleness_dist.items()}
+        return d
+
+
+def summarize(p: PlanInputs, trace: list[StepTrace]) -> PlanResult:
+    """Steady-state numbers over steps ``warmup_steps + 1 .. steps`` of a trace."""
+    first = trace[p.warmup_steps - 1] if p.warmup_steps > 0 else None
+    t0 = first.time if first else 0.0
+    window = trace[p.warmup_steps :]
+    dur = max(trace[-1].time - t0, EPS)
+    hist: dict[int, float] = {}
+    for s in window:
+        for k, n in s.staleness_hist.items():
+            hist[k] = hist.get(k, 0.0) + n
+    tot = sum(hist.values()) or 1.0
+    workers = p.num_actors * p.groups_in_flight
+    b0 = first.blocked_worker_s if first else 0.0
+    u0 = first.busy_engine_s if first else 0.0
+    return PlanResult(
+        samples_per_s=sum(s.sequences for s in window) / dur,
+        tokens_per_s=sum(s.tokens for s in window) / dur,
+        steps_per_s=len(window) / dur,
+        learner_idle_frac=sum(s.wait_s for s in window) / dur,
+        actor_blocked_frac=(trace[-1].blocked_worker_s - b0) / (workers * dur),
+        engine_busy_frac=(trace[-1].busy_engine_s - u0) / (p.num_actors * dur),
+        staleness_mean=sum(k * n for k, n in hist.items()) / tot,
+        staleness_max=max((k for k, n in hist.items() if n > 0), default=0),
+        staleness_dist={k: hist[k] / tot for k in sorted(hist)},
+        dropped_stale=sum(s.dropped_stale for s in window),
+        window_s=dur,
+        train_s_per_token=sum(s.train_s for s in window) / max(sum(s.tokens for s in window), EPS),
+        learner_busy_s_per_step=(dur - sum(s.wait_s for s in window)) / len(window),
+        steps=trace,
+    )
