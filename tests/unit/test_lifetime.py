@@ -79,10 +79,18 @@ def test_reaper_kills_the_owners_whole_tree_after_a_sigkill():
     owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
     orphan = psutil.Process(int(owner.stdout.readline()))
     try:
-        token = orphan.environ()[OWNER_ENV]
+        # The reaper was started before the middle process (arm_reaper runs first): its argv holds the
+        # token. (Reading it from the orphan's /proc environ right after its exec once came back without
+        # it on a loaded CI machine, hence the polling below; the real check is the orphan's death.)
         reaper = next(
-            p for p in psutil.Process(owner.pid).children() if f"{OWNER_ENV}={token}" in p.cmdline()
-        )
+            p for p in psutil.Process(owner.pid).children()
+            if any(a.startswith(f"{OWNER_ENV}=") for a in p.cmdline())
+        )  # fmt: skip
+        token = next(a for a in reaper.cmdline() if a.startswith(f"{OWNER_ENV}=")).split("=", 1)[1]
+        deadline = time.monotonic() + 5
+        while orphan.environ().get(OWNER_ENV) != token and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert orphan.environ().get(OWNER_ENV) == token, "the grandchild does not carry the owner's token"
         time.sleep(1.0)
         assert orphan.is_running() and reaper.is_running()  # the owner lives: nothing is reaped
         os.kill(owner.pid, signal.SIGKILL)
