@@ -41,8 +41,10 @@ TOLERANCE = 0.25
 #: made which vLLM step, 1-5 token completions) that the simulator, with no timing jitter, does not
 #: follow run by run: on the quiet CI machine eta=1 measured 0.19 where the (fluid) simulator predicted
 #: 0.51 with tok/s and learner idle within 1%. A wrong regime (learner-bound ~eta vs generation-bound
-#: < 1) is still far outside it.
-STALENESS_ABS = 0.35
+#: < 1) is still far outside it. 0.5: identical eta=4 runs spread over 0.35 versions (1.28-1.63), and a
+#: fresh-clone CI run at 0e60bd6 measured 1.315 where the simulator predicted 1.691 (0.38 versions, with
+#: tok/s and samples/s within 0.1% at eta=4 and 8% at eta=1): the spread, not a wrong regime.
+STALENESS_ABS = 0.5
 
 
 @pytest.fixture(scope="module")
