@@ -30,7 +30,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.launch import stop_process
-from asyncrl.sweep_report import CellSpec, Marks, SeedRun, write_report
+from asyncrl.sweep_report import CellSpec, SeedRun, write_report
+from asyncrl.sweep_runs import Marks
 
 SWEEP_KEYS = ("name", "dir", "base_config", "grid", "objectives", "overrides", "seeds", "baseline", "marks_s",
               "step_marks", "cell_timeout_s", "report_dir", "extra_cells")  # fmt: skip
@@ -360,7 +361,7 @@ def _status_line(run: SeedRun, status: str, code: int | None, elapsed: float | N
         why = "timed out" if read_marker(run).get("timed_out") else f"exit {code}"
         return f"FAILED ({why})  log: {run.dir / 'run.log'}"
     summary = json.loads((run.dir / "summary.json").read_text())
-    from asyncrl.sweep_report import load_metrics
+    from asyncrl.sweep_runs import load_metrics
 
     recs = load_metrics(run.dir / "metrics.jsonl")
     smean = sum(r["staleness_mean"] for r in recs) / len(recs) if recs else 0.0

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.sweep_report import CellSpec, SeedRun, load_metrics, startup_s
+from asyncrl.sweep_report import CellSpec, SeedRun
+from asyncrl.sweep_runs import load_metrics, startup_s
 from asyncrl.sweep_stats import band, moving_average
 
 #: Trailing window (steps) of the reward curves: single steps of 4 groups are noisy.

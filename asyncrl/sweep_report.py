@@ -1,8 +1,9 @@
 """The report of a staleness sweep: per-seed numbers from run dirs, per-cell means with bootstrap
 intervals, paired comparisons against the baseline objective, csv/markdown tables and plots.
 
-Pure functions over ``metrics.jsonl`` (one JSON record per learner step, ``time`` = seconds since the
-run's command started) and ``summary.json``; nothing here starts a process, so it is unit-tested on
+Pure functions over the per-run numbers of :mod:`asyncrl.sweep_runs` (read from ``metrics.jsonl``,
+one JSON record per learner step, ``time`` = seconds since the run's command started, and
+``summary.json``); nothing here starts a process, so it is unit-tested on
 synthetic run dirs. ``asyncrl.sweep`` runs the seeds of every cell and calls :func:`write_report`.
 
 Two budget views, because they answer different questions:
@@ -25,38 +26,26 @@ the steps' ``staleness_hist``.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.sweep_runs import (
+    Marks,
+    load_metrics,
+    mark_column,
+    metric_columns,
+    run_metrics,
+    staleness_hist,
+    step_column,
+)
 from asyncrl.sweep_stats import Interval, bootstrap_ci, paired_ci
-
-#: Number of last steps averaged into "final reward" and into the reward-at-mark columns.
-LAST_K = 3
 
 #: Identity columns of a run row (runs.csv) and of a cell row (results.csv).
 RUN_HEAD = ("cell", "max_staleness", "objective", "seed", "status", "exit_code")
 CELL_HEAD = ("cell", "max_staleness", "objective", "seeds", "seeds_ok")
-#: Numeric per-run columns around the mark columns (in this order).
-METRICS_HEAD = ("steps", "final_reward", "reward_mean_steps")
-METRICS_TAIL = (
-    "reward_auc_time",
-    "startup_s",
-    "samples_per_s",
-    "trained_tokens_per_s",
-    "gen_tokens_per_s",
-    "learner_wait_frac",
-    "staleness_mean",
-    "staleness_max",
-    "mismatch_kl_mean",
-    "rollout_kl_mean",
-    "ess_mean",
-    "dropped_groups",
-    "wall_s",
-)
 
 
 @dataclass(frozen=True)
@@ -85,33 +74,6 @@ class SeedRun:
         return self.cell.dir / f"seed{self.seed}"
 
 
-@dataclass(frozen=True)
-class Marks:
-    """Where the two budget views are read: wall-clock seconds after start-up and learner steps."""
-
-    seconds: tuple[float, ...] = ()
-    steps: tuple[int, ...] = ()
-
-
-def mark_column(mark_s: float) -> str:
-    """Column of a wall-clock mark (seconds after start-up): 60 -> reward_at_60s."""
-    return f"reward_at_{mark_s:g}s"
-
-
-def step_column(step: int) -> str:
-    return f"reward_at_step_{step}"
-
-
-def metric_columns(marks: Marks) -> list[str]:
-    """The numeric columns of a run, in report order."""
-    return [
-        *METRICS_HEAD,
-        *(step_column(n) for n in marks.steps),
-        *(mark_column(m) for m in marks.seconds),
-        *METRICS_TAIL,
-    ]
-
-
 def columns(marks: Marks) -> list[str]:
     """The results.csv header: per metric its mean over seeds and the 95% interval bounds."""
     return [*CELL_HEAD, *(c + sfx for c in metric_columns(marks) for sfx in ("", "_lo", "_hi"))]
@@ -120,146 +82,6 @@ def columns(marks: Marks) -> list[str]:
 def run_columns(marks: Marks) -> list[str]:
     """The runs.csv header (one row per seed run)."""
     return [*RUN_HEAD, *metric_columns(marks)]
-
-
-# ----------------------------------------------------------------------------------- per-run numbers
-
-
-def load_metrics(path: Path) -> list[dict[str, Any]]:
-    """Step records of a metrics.jsonl, sorted by time; a missing file is no steps.
-
-    A torn last line (the run was killed mid-write) is skipped rather than failing the whole report.
-    """
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return sorted(out, key=lambda r: r["time"])
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
-def final_reward(records: Sequence[dict]) -> float | None:
-    """Mean reward of the last LAST_K steps (None without steps)."""
-    return _mean([r["reward_mean"] for r in records[-LAST_K:]])
-
-
-def startup_s(records: Sequence[dict]) -> float | None:
-    """Seconds from the command start until the first batch was ready (see the module doc)."""
-    if not records:
-        return None
-    r = records[0]
-    return max(0.0, r["time"] - r.get("train_s", 0.0) - r.get("publish_s", 0.0))
-
-
-def reward_at(records: Sequence[dict], mark_s: float) -> float | None:
-    """Mean reward of the last LAST_K steps finished by ``mark_s`` seconds after start-up."""
-    t0 = startup_s(records)
-    return final_reward([r for r in records if r["time"] - t0 <= mark_s]) if records else None
-
-
-def reward_at_step(records: Sequence[dict], step: int) -> float | None:
-    """Mean reward of the last LAST_K steps up to learner step ``step``; None if the run stopped before."""
-    done = sorted((r for r in records if r["step"] <= step), key=lambda r: r["step"])
-    if not done or done[-1]["step"] < step:
-        return None
-    return final_reward(done)
-
-
-def reward_auc(records: Sequence[dict]) -> float | None:
-    """Trapezoid area under reward(time) divided by its duration: the time-averaged reward.
-
-    Over [first step, last step]; a single step has no duration, its reward is the average.
-    """
-    if not records:
-        return None
-    t = [r["time"] for r in records]
-    y = [r["reward_mean"] for r in records]
-    duration = t[-1] - t[0]
-    if duration <= 0:
-        return _mean(y)
-    area = sum((t[i + 1] - t[i]) * (y[i] + y[i + 1]) / 2 for i in range(len(t) - 1))
-    return area / duration
-
-
-def staleness_hist(records: Sequence[dict]) -> dict[int, int]:
-    """Trained tokens per token staleness, summed over the steps."""
-    out: dict[int, int] = {}
-    for r in records:
-        for k, v in (r.get("staleness_hist") or {}).items():
-            out[int(k)] = out.get(int(k), 0) + int(v)
-    return dict(sorted(out.items()))
-
-
-def _group_size(run_dir: Path) -> int:
-    """G of the run from the config.yaml it wrote (completions per group); 0 if unknown.
-
-    Read as plain YAML, not through the schema: a sweep dir must stay reportable after the schema
-    gains or renames a key.
-    """
-    from omegaconf import OmegaConf
-
-    path = run_dir / "config.yaml"
-    if not path.exists():
-        return 0
-    return int(OmegaConf.select(OmegaConf.load(path), "actors.group_size", default=0) or 0)
-
-
-def _generated_tokens(summary: dict) -> int | None:
-    """Sum of the actors' ``generated_tokens`` heartbeat counters, or None when none reported one."""
-    vals = [a["generated_tokens"] for a in (summary.get("actors") or {}).values() if "generated_tokens" in a]
-    return int(sum(vals)) if vals else None
-
-
-def run_metrics(run_dir: Path, marks: Marks) -> dict[str, Any]:
-    """Every numeric column of one run (None = no value: no steps, no window, not reached)."""
-    recs = load_metrics(run_dir / "metrics.jsonl")
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    row: dict[str, Any] = dict.fromkeys(metric_columns(marks))
-    row.update(steps=len(recs), wall_s=summary.get("wall_s"))
-    if not recs:
-        return row
-    row["final_reward"] = final_reward(recs)
-    row["reward_mean_steps"] = _mean([r["reward_mean"] for r in recs])
-    for n in marks.steps:
-        row[step_column(n)] = reward_at_step(recs, n)
-    for m in marks.seconds:
-        row[mark_column(m)] = reward_at(recs, m)
-    row["reward_auc_time"] = reward_auc(recs)
-    row["startup_s"] = startup_s(recs)
-    window = recs[-1]["time"] - recs[0]["time"]
-    later = recs[1:]
-    if window > 0:
-        g = _group_size(run_dir)
-        row["samples_per_s"] = sum(r["groups"] for r in later) * g / window if g else None
-        row["trained_tokens_per_s"] = sum(r["tokens"] for r in later) / window
-        row["learner_wait_frac"] = sum(r["wait_s"] for r in later) / window
-    gen = _generated_tokens(summary)
-    if gen is not None and summary.get("wall_s"):
-        # Actors have no step clock: this rate is over the whole command, start-up included.
-        row["gen_tokens_per_s"] = gen / summary["wall_s"]
-    hist = staleness_hist(recs)
-    n_tok = sum(hist.values())
-    if n_tok:  # token-weighted, from the distribution itself
-        row["staleness_mean"] = sum(k * v for k, v in hist.items()) / n_tok
-        row["staleness_max"] = max(hist)
-    else:
-        row["staleness_mean"] = _mean([r["staleness_mean"] for r in recs])
-        row["staleness_max"] = max(r["staleness_max"] for r in recs)
-    row["mismatch_kl_mean"] = _mean([r["mismatch_kl"] for r in recs])
-    row["rollout_kl_mean"] = _mean([r["rollout_kl"] for r in recs])
-    row["ess_mean"] = _mean([r["ess"] for r in recs if "ess" in r])
-    row["dropped_groups"] = sum(r["dropped_stale"] for r in recs)
-    return row
 
 
 # ------------------------------------------------------------------------------------ aggregation

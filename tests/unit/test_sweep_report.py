@@ -12,20 +12,16 @@ import yaml
 from asyncrl.config import ConfigError, load_config, to_yaml
 from asyncrl.sweep import SweepSpec, is_finished, load_spec, parse_spec
 from asyncrl.sweep_plots import PNGS
-from asyncrl.sweep_report import (
-    CellSpec,
+from asyncrl.sweep_report import CellSpec, SeedRun, columns, run_columns, write_report
+from asyncrl.sweep_runs import (
     Marks,
-    SeedRun,
-    columns,
     final_reward,
     metric_columns,
     reward_at,
     reward_at_step,
     reward_auc,
-    run_columns,
     staleness_hist,
     startup_s,
-    write_report,
 )
 
 REPO = Path(__file__).resolve().parents[2]
