@@ -67,7 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights-only", action="store_true",
                     help="only the weight-path rows (both swap paths at --sizes); no generation, learner, "
                     "pipeline or buffer rows")  # fmt: skip
+    ap.add_argument("--startup-only", type=int, default=None, metavar="N",
+                    help="only start-up to the first learner step, by phase: N short demo runs, median "
+                    "and spread per phase")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.startup_only is not None:
+        if args.weights_only or args.pipeline or args.quick:
+            ap.error("--startup-only runs only the start-up samples; drop --weights-only/--pipeline/--quick")
+        if args.startup_only < 1:
+            ap.error(f"--startup-only: at least 1 run expected, got {args.startup_only}")
+        return _startup_only(args.config or _default_config(), args.startup_only, args.out)
     sizes = (args.sizes or ("tiny" if args.quick else ",".join(SIZES))).split(",")
     bad = [s for s in sizes if s not in SIZES]
     if bad:
@@ -89,12 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(32 << 20 if args.quick else 256 << 20)
     gen = dict(groups=8 if args.quick else 32, concurrency=4, n=4, max_tokens=16 if args.quick else 48)
     demo = dict(cfg=cfg, steps=5 if args.quick else 20)
-    result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
-        "commit": _commit(),
-        "copy_bandwidth_GBps": bw / 1e9,
-    }
+    result: dict[str, Any] = {**_header(), "copy_bandwidth_GBps": bw / 1e9}
     only = args.weights_only
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as d:
         g, dm = (None, None) if only else (gen, demo)
@@ -119,6 +123,26 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
+    return 0
+
+
+def _header() -> dict[str, Any]:
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
+        "commit": _commit(),
+    }
+
+
+def _startup_only(config: str | None, runs: int, out: str) -> int:
+    from .startup import startup_rows
+
+    result: dict[str, Any] = _header()
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as d:
+        result["startup"] = startup_rows(config, runs, Path(d))
+    print("\n".join(table(result)))
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
     return 0
 
 
