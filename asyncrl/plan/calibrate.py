@@ -18,6 +18,10 @@ came from (``sources``: measured / fitted / config / assumed):
 * given a second run with a larger eta (actors and learner overlap), the co-location factors are
   calibrated on it: ``learner_slowdown`` is the measured ratio of learner seconds per token,
   ``gen_slowdown`` is fitted to its throughput. Staleness is never fitted: it is a prediction.
+
+:func:`calibrate_run` instead takes every input from the one run it is to predict, measured on its
+components (learner wall costs, the hand-offs, the engine's per-sequence step cost fitted to the
+measured decode time of a group), so that run's throughput and staleness are both predictions.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from .handoff import Handoff, handoff, handoff_samples
 from .inputs import Lengths, PlanInputs
 from .simulate import simulate
 
-__all__ = ["Measured", "measure", "calibrate", "inputs_from_run_config"]
+__all__ = ["Measured", "measure", "calibrate", "calibrate_run", "inputs_from_run_config"]
 
 
 @dataclass
@@ -177,6 +181,31 @@ def _fit(make, target: float, lo: float, hi: float, decreasing: bool = True, ite
     return math.exp(0.5 * (a + b))
 
 
+def _measured_run(m: Measured, base: PlanInputs | None) -> tuple[PlanInputs, dict[str, str]]:
+    """The shape of run ``m`` (its config) with its completion lengths and learner costs measured."""
+    p = inputs_from_run_config(m.run_dir, base)
+    sources = {k: "config" for k in ("num_actors", "groups_in_flight", "group_size", "groups_per_step",
+                                      "max_staleness", "publish_every", "checkpoint_every",
+                                      "refuse_stale_weights", "admission_poll_s", "admission_events",
+                                      "lengths.max_tokens")}  # fmt: skip
+    law = p.lengths
+    if law.kind == "lognormal" and not law.min_tokens < m.mean_length < law.max_tokens:
+        law = replace(law, kind="fixed")  # every completion at the cap: no spread to model
+    p = replace(
+        p,
+        engine_steps=m.mean_length <= DISCRETE_STEPS_MAX_TOKENS,
+        lengths=replace(law, mean=min(max(m.mean_length, law.min_tokens), law.max_tokens)),
+        learner_token_s=m.train_s_per_token,
+        learner_step_s=m.step_overhead_s,
+        publish_s=m.publish_s,
+        checkpoint_s=m.checkpoint_s,
+        learner_cv=m.learner_cv,
+        steps=FIT_STEPS,
+        warmup_steps=FIT_WARMUP,
+    )
+    return p, sources
+
+
 def calibrate(
     run_dirs: list[str | Path], base: PlanInputs | None = None
 ) -> tuple[PlanInputs, dict[str, str]]:
@@ -185,26 +214,7 @@ def calibrate(
         raise ValueError("calibrate needs at least one run dir")
     runs = sorted((measure(d) for d in run_dirs), key=lambda m: m.max_staleness)
     ref = runs[0]
-    p = inputs_from_run_config(ref.run_dir, base)
-    sources = {k: "config" for k in ("num_actors", "groups_in_flight", "group_size", "groups_per_step",
-                                      "max_staleness", "publish_every", "checkpoint_every",
-                                      "refuse_stale_weights", "admission_poll_s", "admission_events",
-                                      "lengths.max_tokens")}  # fmt: skip
-    law = p.lengths
-    if law.kind == "lognormal" and not law.min_tokens < ref.mean_length < law.max_tokens:
-        law = replace(law, kind="fixed")  # every completion at the cap: no spread to model
-    p = replace(
-        p,
-        engine_steps=ref.mean_length <= DISCRETE_STEPS_MAX_TOKENS,
-        lengths=replace(law, mean=min(max(ref.mean_length, law.min_tokens), law.max_tokens)),
-        learner_token_s=ref.train_s_per_token,
-        learner_step_s=ref.step_overhead_s,
-        publish_s=ref.publish_s,
-        checkpoint_s=ref.checkpoint_s,
-        learner_cv=ref.learner_cv,
-        steps=FIT_STEPS,
-        warmup_steps=FIT_WARMUP,
-    )
+    p, sources = _measured_run(ref, base)
     sources["engine_steps"] = (f"measured mean length {ref.mean_length:.1f} tokens "
                                f"{'<=' if p.engine_steps else '>'} {DISCRETE_STEPS_MAX_TOKENS:g}")  # fmt: skip
     sources.update({"lengths.mean": f"measured ({ref.run_dir})", "learner_token_s": "measured",
@@ -214,15 +224,7 @@ def calibrate(
                     "group_overhead_s": "assumed", "lengths.kind": "assumed", "lengths.sigma": "assumed"})  # fmt: skip
     # The hand-offs, from the actors' timelines of every run given (each cost is the same mechanism at
     # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
-    h = measure_handoffs(runs)
-    for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latency_running_extra_s",
-                "group_overhead_s", "group_start_s", "admission_wake_s"):  # fmt: skip
-        value = getattr(h, key)
-        if value is not None:
-            p = replace(p, **{key: value})
-            sources[key] = f"measured ({h.swaps} swaps, {h.groups} groups, {h.woken} woken admissions)"
-        else:
-            sources.setdefault(key, "assumed")
+    p = apply_handoffs(p, measure_handoffs(runs), sources)
     p = replace(p, gen_token_s=_fit(lambda x: replace(p, gen_token_s=x), ref.tokens_per_s, 1e-7, 10.0))
     overlap = [m for m in runs[1:] if m.max_staleness > ref.max_staleness]
     if overlap:
@@ -250,6 +252,68 @@ def calibrate(
             f"fitted to {o.learner_busy_s_per_step * 1e3:.1f} learner ms/step at eta={o.max_staleness}"
         )
         sources["gen_slowdown"] = f"fitted to {o.tokens_per_s:.1f} tok/s at eta={o.max_staleness}"
+    return p, sources
+
+
+#: The hand-offs the simulator takes from a run's timelines (asyncrl.plan.handoff.Handoff fields).
+HANDOFF_KEYS = ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latency_running_extra_s",
+                "group_overhead_s", "group_start_s", "admission_wake_s")  # fmt: skip
+
+
+#: A worker refused for stale weights admitted within this share of actors.admission_poll_s of its
+#: engine's swap end (on average) was woken by the swap; one left to its poll waits about half a period.
+SWAP_WAKE_MAX_POLL_SHARE = 0.25
+
+
+def apply_handoffs(p: PlanInputs, h: Handoff, sources: dict[str, str]) -> PlanInputs:
+    """``p`` with the hand-offs ``h`` measured (the others keep their value, marked assumed)."""
+    for key in HANDOFF_KEYS:
+        if getattr(h, key) is not None:
+            p = replace(p, **{key: getattr(h, key)})
+            sources[key] = f"measured ({h.swaps} swaps, {h.groups} groups, {h.woken} woken admissions)"
+        else:
+            sources.setdefault(key, "assumed")
+    if h.swap_admit_s is not None:
+        p = replace(p, swap_wakes_admission=h.swap_admit_s <= SWAP_WAKE_MAX_POLL_SHARE * p.admission_poll_s)
+        sources["swap_wakes_admission"] = (
+            f"measured (stale-weights admissions {h.swap_admit_s * 1e3:.1f} ms after a swap)"
+        )
+    else:
+        sources.setdefault("swap_wakes_admission", "assumed")
+    return p
+
+
+def calibrate_run(run_dir: str | Path, base: PlanInputs | None = None) -> tuple[PlanInputs, dict[str, str]]:
+    """The inputs of one run, each measured on that run's own components, to predict its pipeline.
+
+    Unlike :func:`calibrate`, nothing is fitted to a pipeline output: the learner's costs are its
+    measured wall seconds (per token, per step, per publish and checkpoint; co-location included, so
+    no slowdown factor), the hand-offs come from the actors' timelines, and the engine's
+    per-sequence step cost ``gen_token_s`` is the one for which the simulated groups' mean decode
+    time (submission to last token, less swap pauses) equals the measured one: a component's latency,
+    which depends on how many sequences share the engine's steps, not the pipeline's throughput or
+    staleness. Those (and the learner's idle and the drops) are then the simulator's prediction.
+    On this box identical runs differ by up to 30% in engine and learner speed (the 2 cores are
+    shared), so a run is predicted from its own component costs rather than another run's.
+    """
+    m = measure(run_dir)
+    p, sources = _measured_run(m, base)
+    p = replace(p, learner_slowdown=1.0, gen_slowdown=1.0)
+    h = measure_handoffs([m])
+    if h.group_decode_s is None:
+        raise ValueError(f"{run_dir}: no actor timeline (logs/*.timeline.jsonl) to measure the engine from")
+    p = apply_handoffs(p, h, sources)
+    p = replace(p, gen_token_s=_fit(lambda x: replace(p, gen_token_s=x), h.group_decode_s, 1e-7, 10.0,
+                                    decreasing=False, key="group_decode_s"))  # fmt: skip
+    sources.update({
+        "engine_steps": f"measured mean length {m.mean_length:.1f} tokens",
+        "lengths.mean": "measured", "lengths.kind": "assumed", "lengths.sigma": "assumed",
+        "learner_token_s": "measured (wall, co-location included)", "learner_step_s": "measured",
+        "publish_s": "measured", "checkpoint_s": "measured", "learner_cv": "measured",
+        "learner_slowdown": "1 (in the measured wall seconds)", "gen_slowdown": "1 (in gen_token_s)",
+        "gen_step_s": "assumed",
+        "gen_token_s": f"fitted to the measured group decode time {h.group_decode_s * 1e3:.1f} ms",
+    })  # fmt: skip
     return p, sources
 
 

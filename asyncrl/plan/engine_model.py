@@ -16,12 +16,17 @@ __all__ = ["SimEngine", "SimGroup"]
 
 
 class SimGroup:
-    __slots__ = ("actor", "left", "versions")
+    __slots__ = ("actor", "left", "versions", "t_gen0", "paused0", "decode_s")
 
     def __init__(self, actor: SimEngine, n: int) -> None:
         self.actor = actor
         self.left = n
         self.versions: dict[int, float] = {}  # policy version -> tokens it sampled
+        # Its decode time, as the actor's timeline measures it (asyncrl.plan.handoff.group_decodes):
+        # from its submission to the engine to its last token, less the engine's swap pauses between.
+        self.t_gen0 = 0.0
+        self.paused0 = 0.0  # the engine's paused_s at the submission
+        self.decode_s = 0.0
 
     @property
     def oldest(self) -> int:
@@ -49,6 +54,7 @@ class SimEngine:
         self.poll_epoch = 0  # invalidates a scheduled poll retry when a newer refusal re-arms it
         self.blocked_s = 0.0  # integral of (groups_in_flight - in_flight) dt
         self.busy_s = 0.0
+        self.paused_s = 0.0  # seconds paused for swaps so far
         self.slow = 1.0  # gen_slowdown while a co-located learner works
         self.stepping = False  # engine_steps: a decode step is in progress
         self.pause_pending = False  # engine_steps: a swap waits for the step to end
@@ -69,6 +75,8 @@ class SimEngine:
                 self.W += dt * r
             if r > 0:
                 self.busy_s += dt
+            if self.paused:
+                self.paused_s += dt
             self.blocked_s += dt * (self.p.groups_in_flight - self.in_flight)
             self.t = t
 

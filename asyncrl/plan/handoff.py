@@ -14,11 +14,17 @@ every hand-off the simulator models, in its own terms:
   decoding (the actor stages the new weights on the engine's cores);
 * ``group_overhead_s``: per group, from its last token to the buffer write returning (rewards,
   serialization, the Redis write);
+* ``group_decode_s``: per group, from its submission to the engine to its last token, less the
+  engine's swap pauses in between: the engine's speed as the group saw it, with whatever shared its
+  cores then (the planner fits the engine's per-sequence step cost to it);
 * ``group_start_s``: per group admitted at its first attempt, from the attempt to the submission to
   the engine (the admission script's round trip, the prompt);
 * ``admission_wake_s``: per group that was refused at least once and woken by a publish's hint, from
-  the publish to the admission (a worker refused for stale weights is admitted by its poll after
-  its engine's swap, not by a hint: the simulator models that poll from the config).
+  the publish to the admission;
+* ``swap_admit_s``: per group refused at least once whose last event before its admission is its
+  own engine's swap end (a refusal for stale weights), from that end to the admission: a few ms when
+  the actor wakes its workers after a swap, about half of ``actors.admission_poll_s`` when they wait
+  for their poll (``swap_wakes_admission``).
 
 Every function takes plain records, so each is tested on hand-made ones with exact values.
 Invariant: imports neither torch, vllm nor ray (``asyncrl plan`` runs on a laptop).
@@ -41,8 +47,10 @@ __all__ = [
     "swap_pauses",
     "swap_latencies",
     "group_overheads",
+    "group_decodes",
     "group_starts",
     "admission_waits",
+    "swap_admit_waits",
     "handoff_samples",
     "handoff",
 ]
@@ -61,8 +69,10 @@ class Handoff:
     swap_latency_s: float | None = None
     swap_latency_running_extra_s: float | None = None
     group_overhead_s: float | None = None
+    group_decode_s: float | None = None
     group_start_s: float | None = None
     admission_wake_s: float | None = None
+    swap_admit_s: float | None = None
     swaps: int = 0
     groups: int = 0
     woken: int = 0  # groups whose admission wait was measured
@@ -152,6 +162,20 @@ def group_overheads(groups: list[dict]) -> list[float]:
     return [g["t_written"] - g["t_gen1"] for g in groups]
 
 
+def group_decodes(groups: list[dict], swaps: list[dict]) -> list[float]:
+    """Seconds per group from its submission to the engine to its last token, less the part of its
+    actor's swap pauses that fell in between (the simulator's ``SimGroup.decode_s``)."""
+    pauses: dict[str, list[tuple[float, float]]] = {}
+    for s in swaps:
+        pauses.setdefault(s["actor"], []).append((s["t_start"], s["t_start"] + s["pause_s"]))
+    out = []
+    for g in groups:
+        a, b = g["t_gen0"], g["t_gen1"]
+        paused = sum(max(0.0, min(b, e) - max(a, s)) for s, e in pauses.get(g["actor"], ()))
+        out.append(b - a - paused)
+    return out
+
+
 def group_starts(groups: list[dict]) -> list[float]:
     """Seconds from a worker's admission attempt to its group's submission to the engine, for the
     groups admitted at the first attempt (the admission round trip, then the prompt); a refused
@@ -159,18 +183,18 @@ def group_starts(groups: list[dict]) -> list[float]:
     return [g["t_gen0"] - g["t_try"] for g in groups if not g.get("blocked")]
 
 
-def admission_waits(groups: list[dict], swaps: list[dict], publish: dict[int, float]) -> list[float]:
-    """Seconds from a publish's hint to the admission it woke: for each group refused at least once
-    whose last event between its first try and its admission is a publish end. When its own engine's
-    swap ended later, the swap (which sends no hint) did not wake it: its poll did, which the
-    simulator models from ``actors.admission_poll_s``; those are left out."""
+def _last_events(
+    groups: list[dict], swaps: list[dict], publish: dict[int, float]
+) -> list[tuple[dict, float, float]]:
+    """(group, last publish end, last own swap end) in [t_try, t_admit] of every group refused at
+    least once (-inf where there was none)."""
     pubs = sorted(publish.values())
     ends: dict[str, list[float]] = {}
     for s in swaps:
         ends.setdefault(s["actor"], []).append(s["t_start"] + s["pause_s"])
     for v in ends.values():
         v.sort()
-    waits = []
+    out = []
     for g in groups:
         if not g.get("blocked"):
             continue
@@ -178,9 +202,22 @@ def admission_waits(groups: list[dict], swaps: list[dict], publish: dict[int, fl
         for times in (pubs, ends.get(g["actor"], [])):
             i = bisect.bisect_right(times, g["t_admit"]) - 1
             last.append(times[i] if i >= 0 and times[i] >= g["t_try"] else float("-inf"))
-        if last[0] > last[1]:
-            waits.append(g["t_admit"] - last[0])
-    return waits
+        out.append((g, last[0], last[1]))
+    return out
+
+
+def admission_waits(groups: list[dict], swaps: list[dict], publish: dict[int, float]) -> list[float]:
+    """Seconds from a publish's hint to the admission it woke: for each group refused at least once
+    whose last event between its first try and its admission is a publish end. When its own engine's
+    swap ended later, the swap admitted it (:func:`swap_admit_waits`); those are left out."""
+    return [g["t_admit"] - pub for g, pub, swap in _last_events(groups, swaps, publish) if pub > swap]
+
+
+def swap_admit_waits(groups: list[dict], swaps: list[dict], publish: dict[int, float]) -> list[float]:
+    """Seconds from the end of its own engine's swap to the admission, for each group refused at least
+    once whose last event between its first try and its admission is that swap's end."""
+    return [g["t_admit"] - swap for g, pub, swap in _last_events(groups, swaps, publish)
+            if swap >= pub and swap > float("-inf")]  # fmt: skip
 
 
 def handoff_samples(
@@ -195,6 +232,8 @@ def handoff_samples(
     lat_idle, lat_busy = swap_latencies(swaps, publish, groups)
     return {"swap_idle": idle, "swap_busy": busy, "latency_idle": lat_idle, "latency_busy": lat_busy,
             "group_overhead": group_overheads(groups), "group_start": group_starts(groups),
+            "group_decode": group_decodes(groups, swaps),
+            "swap_admit": swap_admit_waits(groups, swaps, publish),
             "admission_wake": admission_waits(groups, swaps, publish)}  # fmt: skip
 
 
@@ -227,8 +266,10 @@ def handoff(samples: list[dict[str, list[float]]]) -> Handoff:
         swap_latency_s=lat,
         swap_latency_running_extra_s=lat_extra,
         group_overhead_s=_mean(pool.get("group_overhead", [])),
+        group_decode_s=_mean(pool.get("group_decode", [])),
         group_start_s=_mean(pool.get("group_start", [])),
         admission_wake_s=_mean(pool.get("admission_wake", [])),
+        swap_admit_s=_mean(pool.get("swap_admit", [])),
         swaps=len(pool.get("swap_idle", [])) + len(pool.get("swap_busy", [])),
         groups=len(pool.get("group_overhead", [])),
         woken=len(pool.get("admission_wake", [])),

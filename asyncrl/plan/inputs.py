@@ -85,6 +85,12 @@ class PlanInputs:
         "actors.admission_events: a refused worker is woken by the event that can admit it (a publish, "
         "a credit) admission_wake_s later, instead of on its next poll (admission_poll_s / 2 on average).",
     )
+    swap_wakes_admission: bool = F(
+        False,
+        "With admission_events: the actor wakes its workers refused for stale weights when its engine's "
+        "swap ends (admission_wake_s later) instead of leaving them to their poll. Calibration reads it "
+        "from the actors' timelines (asyncrl.plan.handoff.swap_admit_waits).",
+    )
     admission_wake_s: float = F(
         0.002, "Seconds from an admitting event to the woken worker's retry (measured 1.2-2.7 ms).", ge=0
     )

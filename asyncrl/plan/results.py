@@ -30,6 +30,8 @@ class StepTrace:
     blocked_worker_s: float  # cumulative over all actors' workers at the end of the step
     busy_engine_s: float  # cumulative engine time with at least one running sequence
     train_s: float = 0.0  # wall seconds of the train phase (co-location slows it down)
+    groups_decoded: int = 0  # cumulative: groups whose last token was sampled by the end of the step
+    decode_s_total: float = 0.0  # cumulative: their decode seconds (SimGroup.decode_s)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class PlanResult:
     window_s: float
     train_s_per_token: float = 0.0  # wall seconds of train phases per trained token
     learner_busy_s_per_step: float = 0.0  # wall seconds per step not spent waiting for data
+    group_decode_s: float = 0.0  # mean seconds from a group's submission to its last token, less swap pauses
     steps: list[StepTrace] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -71,6 +74,8 @@ def summarize(p: PlanInputs, trace: list[StepTrace]) -> PlanResult:
     workers = p.num_actors * p.groups_in_flight
     b0 = first.blocked_worker_s if first else 0.0
     u0 = first.busy_engine_s if first else 0.0
+    n0, d0 = (first.groups_decoded, first.decode_s_total) if first else (0, 0.0)
+    n_dec = trace[-1].groups_decoded - n0
     return PlanResult(
         samples_per_s=sum(s.sequences for s in window) / dur,
         tokens_per_s=sum(s.tokens for s in window) / dur,
@@ -85,5 +90,6 @@ def summarize(p: PlanInputs, trace: list[StepTrace]) -> PlanResult:
         window_s=dur,
         train_s_per_token=sum(s.train_s for s in window) / max(sum(s.tokens for s in window), EPS),
         learner_busy_s_per_step=(dur - sum(s.wait_s for s in window)) / len(window),
+        group_decode_s=(trace[-1].decode_s_total - d0) / n_dec if n_dec else 0.0,
         steps=trace,
     )

@@ -9,8 +9,9 @@ The model follows the real roles step by step (DESIGN.md):
   buffer ``group_overhead_s`` after its last token (it starts decoding ``group_start_s`` after the
   admission: the round trip). With ``actors.admission_events`` (the default) a
   refused worker retries ``admission_wake_s`` after a hint (a publish, a credit) and, like the real
-  worker, ``admission_poll_s`` after its refused attempt: its engine's swap sends no hint, so a worker
-  refused for stale weights is admitted by that poll. Without events it retries ``admission_poll_s /
+  worker, ``admission_poll_s`` after its refused attempt: unless ``swap_wakes_admission`` (the
+  actor wakes its workers when its engine's swap ends), a worker refused for stale weights is
+  admitted by that poll. Without events it retries ``admission_poll_s /
   2`` after anything that could admit it (a publish, a credit, its engine's swap): the expected delay
   of the real actor's fixed-period poll.
 * **Engines are continuous batchers,** discrete or fluid. With ``engine_steps`` a decode step takes
@@ -78,6 +79,8 @@ class _Sim:
         self.wait_since = 0.0
         self.batch: list[SimGroup] = []
         self.dropped = 0
+        self.decoded = 0  # groups whose last token was sampled, and their decode seconds in all
+        self.decode_total = 0.0
         self.step = 0
         self.trace: list[StepTrace] = []
         # learner: remaining work of its current phases [[kind, seconds of own-device work], ...]
@@ -153,6 +156,7 @@ class _Sim:
             if self.p.group_start_s > 0:  # the admission round trip: it decodes a moment later
                 self.at(self.t + self.p.group_start_s, "start", g)
                 continue
+            self.submit(e, g)
             for _ in range(self.p.group_size):
                 e.waiting.append((self.draw(), g))
         if e.in_flight < self.p.groups_in_flight and self.p.admission_events and self.p.admission_poll_s > 0:
@@ -185,9 +189,14 @@ class _Sim:
                 e.retry_pending = True
                 self.at(self.t + self.retry_delay, "retry", e)
 
+    def submit(self, e: SimEngine, g: SimGroup) -> None:
+        """The group's completions reach the engine (called with ``e`` advanced to now)."""
+        g.t_gen0, g.paused0 = self.t, e.paused_s
+
     def on_start(self, g: SimGroup) -> None:
         e = g.actor
         e.advance(self.t)
+        self.submit(e, g)
         for _ in range(self.p.group_size):
             e.waiting.append((self.draw(), g))
         self.fill(e)
@@ -233,6 +242,9 @@ class _Sim:
                 g.versions[v] = g.versions.get(v, 0.0) + n
             g.left -= 1
             if g.left == 0:
+                g.decode_s = self.t - g.t_gen0 - (e.paused_s - g.paused0)
+                self.decoded += 1
+                self.decode_total += g.decode_s
                 self.at(self.t + self.p.group_overhead_s, "written", g)
 
     def on_written(self, g: SimGroup) -> None:
@@ -265,7 +277,7 @@ class _Sim:
         e.swap_w.append(e.W)
         e.swap_v.append(version)
         self.schedule_finish(e)  # (also re-times the learner: the engine's state changed)
-        if not self.p.admission_events:
+        if not self.p.admission_events or self.p.swap_wakes_admission:
             self.wake([e])  # its next poll, half a period later on average; with events: its poll timer
         if e.version < self.V:  # published again meanwhile: the watcher swaps straight on
             self.on_notice(e)
@@ -362,7 +374,7 @@ class _Sim:
         self.trace.append(
             StepTrace(self.step, self.t, wait, tokens, seqs, hist, dropped,
                       sum(e.blocked_s for e in self.engines), sum(e.busy_s for e in self.engines),
-                      self.train_s)
+                      self.train_s, self.decoded, self.decode_total)
         )  # fmt: skip
         self.set_learner_busy(False)
         self.learner_waiting = True

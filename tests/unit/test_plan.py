@@ -248,10 +248,11 @@ def test_synchronous_step_pays_the_admission_retry_delay(poll: float, swap: floa
     at the swap's end would). Without events: poll / 2 after the publish on average, overlapping the
     swap. Deterministic inputs, so the step periods differ by exactly the two admission times'."""
 
-    def period(events: bool) -> float:
+    def period(events: bool, swap_wakes: bool = False) -> float:
         p = PlanInputs(
             num_actors=1, groups_in_flight=2, group_size=4, lengths=fixed(5.0), gen_step_s=0.0, gen_token_s=1e-3,
-            admission_poll_s=poll, admission_events=events, admission_wake_s=0.002, swap_latency_s=0.0,
+            admission_poll_s=poll, admission_events=events, swap_wakes_admission=swap_wakes,
+            admission_wake_s=0.002, swap_latency_s=0.0,
             swap_s=swap, groups_per_step=2, max_staleness=0, learner_step_s=0.03, learner_token_s=0.0,
             publish_s=0.005, learner_cv=0.0, steps=40, warmup_steps=5,
         )  # fmt: skip
@@ -264,6 +265,9 @@ def test_synchronous_step_pays_the_admission_retry_delay(poll: float, swap: floa
     polled = poll / 2 if poll / 2 >= swap else swap + poll / 2
     woken = 0.002 if swap == 0 else 0.002 + poll  # refused at the hint, admitted by the poll after it
     assert period(False) - period(True) == pytest.approx(polled - woken, rel=1e-6)
+    # An actor that wakes its workers when its engine's swap ends: admitted admission_wake_s after
+    # the later of the hint and the swap's end.
+    assert period(False) - period(True, swap_wakes=True) == pytest.approx(polled - (swap + 0.002), rel=1e-6)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -284,6 +288,16 @@ def test_sync_bound_with_discrete_steps_is_whole_steps_of_the_whole_batch(seed: 
     r = simulate(p)
     assert r.tokens_per_s == pytest.approx(tokens / cycle, rel=1e-9)
     assert r.staleness_dist == {0: pytest.approx(1.0)}
+    # A group's decode time, as the actor's timeline measures it: from its submission to its last
+    # token. All k together: L steps of k * G sequences. Apart: a step of the first group alone, L - 1
+    # of all k, and one more of the other k - 1, which the first one does not wait for.
+    full = p.gen_step_s + k * G * p.gen_token_s
+    if n_steps == L:
+        decode = L * full
+    else:
+        first, last = p.gen_step_s + G * p.gen_token_s, p.gen_step_s + (k - 1) * G * p.gen_token_s
+        decode = first + (L - 1) * full + (k - 1) / k * last
+    assert r.group_decode_s == pytest.approx(decode, rel=1e-9)
 
 
 def test_a_swap_waits_for_the_decode_step_in_progress() -> None:

@@ -11,16 +11,18 @@ import pytest
 
 from asyncrl.actors.timeline import TIMELINE_SUFFIX, Timeline
 from asyncrl.plan import Lengths, PlanInputs, simulate
-from asyncrl.plan.calibrate import calibrate, measure
+from asyncrl.plan.calibrate import calibrate, calibrate_run, measure
 from asyncrl.plan.handoff import (
     TIMELINE_GLOB,
     admission_waits,
+    group_decodes,
     group_overheads,
     group_starts,
     handoff,
     handoff_samples,
     publish_ends,
     read_timeline,
+    swap_admit_waits,
     swap_latencies,
     swap_pauses,
 )
@@ -127,6 +129,30 @@ def test_admission_wait_runs_from_the_publish_that_woke_the_worker() -> None:
     assert admission_waits(groups, swaps, publish) == pytest.approx([0.001, 0.003], abs=1e-9)
 
 
+def test_swap_admit_wait_runs_from_the_own_swap_that_ended_the_refusal() -> None:
+    """The complement of the publish-woken waits: the same groups as above, those whose own engine's
+    swap ended after the publish (a refusal for stale weights), from that swap's end."""
+    publish = {1: 10.0, 2: 20.0}
+    swaps = [swap("a", 10.005, 0.020, 1), swap("b", 10.004, 0.030, 1), swap("a", 20.004, 0.020, 2)]
+    groups = [
+        group("a", 10.027, 10.03, 10.1, 10.11, t_try=9.9, blocked=True),  # a's swap ended at 10.025: 2 ms
+        group("b", 10.045, 10.05, 10.1, 10.11, t_try=9.9, blocked=True),  # b's at 10.034: 11 ms
+        group("a", 10.05, 10.05, 10.1, 10.11, t_try=9.9),  # never refused
+        group("a", 20.001, 20.0, 20.1, 20.11, t_try=19.5, blocked=True),  # woken by the publish
+        group("a", 20.5, 20.5, 20.6, 20.7, t_try=20.3, blocked=True),  # no event since its first try
+    ]  # fmt: skip
+    assert swap_admit_waits(groups, swaps, publish) == pytest.approx([0.002, 0.011], abs=1e-9)
+    assert admission_waits(groups, swaps, publish) == pytest.approx([0.001], abs=1e-9)
+
+
+def test_group_decode_leaves_out_its_own_engines_swap_pauses() -> None:
+    swaps = [swap("a", 1.05, 0.02, 2), swap("a", 0.99, 0.02, 1), swap("b", 1.02, 0.03, 1)]
+    groups = [group("a", 1.0, 1.0, 1.1, 1.11),  # a's pauses 1.05-1.07 and (of 0.99-1.01) 1.0-1.01: 0.07
+              group("b", 1.0, 1.0, 1.04, 1.05),  # b's pause 1.02-1.05 overlaps 1.02-1.04: 0.02
+              group("a", 2.0, 2.0, 2.1, 2.11)]  # no pause: 0.1  # fmt: skip
+    assert group_decodes(groups, swaps) == pytest.approx([0.07, 0.02, 0.1], abs=1e-12)
+
+
 def test_handoff_pools_runs_and_derives_the_simulator_inputs() -> None:
     a = {"swap_idle": [0.02, 0.04], "swap_busy": [0.05], "latency_idle": [0.004, -0.002], "latency_busy": [],
          "group_overhead": [0.003], "group_start": [0.001, 0.002], "admission_wake": [0.002]}  # fmt: skip
@@ -208,6 +234,31 @@ def test_calibration_takes_the_handoffs_from_the_timelines(tmp_path: Path) -> No
     for key in ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latency_running_extra_s",
                 "group_overhead_s", "group_start_s", "admission_wake_s"):  # fmt: skip
         assert sources[key] == "measured (18 swaps, 36 groups, 16 woken admissions)", (key, sources[key])
+
+
+def test_calibrate_run_measures_every_component_of_its_own_run(tmp_path: Path) -> None:
+    """The learner's wall costs, the hand-offs and the engine's decode time all come from the one
+    run; the engine's per-sequence step cost is the one whose simulated group decode time is the
+    measured one. Decode times (_run_dir): actor-0's even groups 0.049 s less the 0.035 s of their
+    swap's pause, its odd ones 0.049 s, actor-1's 0.047 s."""
+    _run_dir(tmp_path / "s1", 1)
+    p, sources = calibrate_run(tmp_path / "s1")
+    assert p.max_staleness == 1 and p.learner_token_s == pytest.approx(0.1 / 160)
+    assert p.publish_s == pytest.approx(0.01) and p.learner_slowdown == p.gen_slowdown == 1.0
+    assert p.swap_s == pytest.approx(0.03) and p.swap_running_extra_s == pytest.approx(0.02)
+    assert p.swap_latency_s == pytest.approx(0.005) and p.admission_wake_s == pytest.approx(0.002)
+    # Groups admitted from step 3's end on: actor-0's odd ones of steps 3..19 and even ones of 4..20
+    # (9 each), actor-1's of steps 3..20 (18).
+    decode = (9 * 0.014 + 9 * 0.049 + 18 * 0.047) / 36
+    assert sources["gen_token_s"] == f"fitted to the measured group decode time {decode * 1e3:.1f} ms"
+    assert simulate(p).group_decode_s == pytest.approx(decode, rel=0.02)
+    # actor-0's odd groups were admitted by their poll, 15 ms after their swap: not woken by it.
+    assert p.swap_wakes_admission is False
+    assert sources["swap_wakes_admission"] == "measured (stale-weights admissions 15.0 ms after a swap)"
+    for f in (tmp_path / "s1" / "logs").iterdir():
+        f.unlink()
+    with pytest.raises(ValueError, match="no actor timeline"):
+        calibrate_run(tmp_path / "s1")
 
 
 def test_calibration_without_timelines_keeps_the_assumed_handoffs(tmp_path: Path) -> None:
