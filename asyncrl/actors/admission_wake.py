@@ -8,6 +8,7 @@ event loop: the current :attr:`event` is set and replaced by a fresh one.
 
 Invariant (no lost wake-up): a worker captures :attr:`event` *before* its admission attempt and waits
 on that object; a hint that arrives while the attempt is in flight sets it, so the wait returns at once.
+The actor pulses it too, right after its engine swapped (a refusal for stale weights ends there).
 The actor still retries every ``actors.admission_poll_s`` (hints are fire-and-forget: a subscription
 that is reconnecting misses them); after a reconnect the waker pulses once, since it may have missed one.
 """
@@ -50,9 +51,13 @@ class AdmissionWaker:
 
     def _pulse(self) -> None:
         if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._swap)
+            self._loop.call_soon_threadsafe(self.pulse)
 
-    def _swap(self) -> None:
+    def pulse(self) -> None:
+        """Wake the waiting workers now (loop thread only). Also called by the actor itself after its
+        engine swapped: a worker refused for stale weights can only be admitted after that, and no
+        Redis hint announces it (waiting for the next poll cost ~half of ``actors.admission_poll_s``
+        per synchronous step)."""
         # On the loop thread: wake every worker waiting on the current event, and give later attempts a
         # fresh one (a set event would make them spin).
         ev, self.event = self.event, asyncio.Event()

@@ -79,7 +79,11 @@ class VersionWatching:
             self.timeline.record(
                 "swap", t_start=time.time() - res.pause_s, pause_s=res.pause_s, version=res.version
             )
-        log.info("%s: serving v%d (%s, pause %.3fs)", self.actor_id, res.version, res.mode, res.pause_s)
+        waker = getattr(self, "_waker", None)
+        if waker is not None:  # workers refused for stale weights (refuse_stale_weights) may start now
+            waker.pulse()
+        log.info("%s: serving v%d (%s, pause %.3fs, prepare %.3fs)", self.actor_id, res.version, res.mode,
+                 res.pause_s, res.prepare_s)  # fmt: skip
         await self._heartbeat_async()
         return True
 

@@ -293,3 +293,61 @@ def test_multiproc_engine_swaps_exactly_and_bounds_its_busy_wait(rig, tmp_path: 
         assert used < 0.15, f"engine processes used {used:.2f} CPU-s while idle (busy-wait not bounded)"
     finally:
         eng.shutdown()
+
+
+def test_worker_refused_for_stale_weights_starts_as_soon_as_its_engine_swapped(
+    rig, redis_server, tmp_path: Path, run_name: str
+) -> None:
+    """max_staleness=0 (synchronous): after a publish every group worker is refused until its engine
+    serves the new version, and no Redis hint announces that moment. The actor pulses its own admission
+    waker when the swap returns, so the refused worker starts within milliseconds; before, it waited for
+    its next poll (``actors.admission_poll_s``, 5 s here: the wait below would time out)."""
+    from asyncrl.actors.actor import RolloutActor
+    from asyncrl.actors.admission_wake import AdmissionWaker
+    from asyncrl.buffer import ReplayBuffer
+    from asyncrl.config import load_config
+
+    poll_s = 5.0
+    run_dir = tmp_path / "run"
+    cfg = load_config(overrides=[
+        f"run.name={run_name}", f"run.dir={run_dir}", f"redis.url={redis_server.url}",
+        "buffer.max_staleness=0", "buffer.groups_per_step=1", f"actors.admission_poll_s={poll_s}",
+        "actors.refuse_stale_weights=true", "metrics.enabled=false",
+    ])  # fmt: skip
+    eng, loop = rig["engine"], rig["loop"]
+    tr = ShmTransport(shm_root(run_dir, run_name), rig["transport"].expected_names)
+    buf = ReplayBuffer.from_config(cfg)
+    actor = RolloutActor(cfg, run_dir, 0, redis_url=redis_server.url, model_path=eng.model_path)
+    actor.engine = eng
+    base = (eng.version or 0) + 100  # above whatever the module's other tests left serving
+    buf.publish_weights(tr.publish(base, rig["weights"](0), "float32"))
+    loop.run_until_complete(eng.load_weights(tr.version_dir(base) / "model.safetensors", base))
+    while buf.try_admit():  # use up the window of V = base (no version: not refused for staleness)
+        pass
+    waited: dict[str, float] = {}
+
+    async def main() -> None:
+        actor._wake = asyncio.Event()
+        actor._waker = await asyncio.to_thread(AdmissionWaker(actor.buffer, loop, "t").start)
+        try:
+            # V = base + 1 frees one slot, but this engine's weights are now too stale for it.
+            await asyncio.to_thread(buf.publish_weights, tr.publish(base + 1, rig["weights"](1), "float32"))
+            task = asyncio.create_task(actor._admit())
+            await asyncio.sleep(0.5)  # the publish hint came and went: refused, waiting for its poll
+            assert not task.done() and actor.counters["admission_blocked"] == 1
+            assert await actor._maybe_swap() and eng.version == base + 1
+            t0 = time.perf_counter()
+            assert await asyncio.wait_for(task, poll_s / 2)
+            waited["after_swap"] = time.perf_counter() - t0
+        finally:
+            actor._waker.stop()
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        buf.delete_run()
+        buf.close()
+        actor.buffer.close()
+        actor.timeline.close()
+        tr.cleanup()
+    assert waited["after_swap"] < 0.5, waited  # typically 1-3 ms: one admission round trip
