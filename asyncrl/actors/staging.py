@@ -187,13 +187,18 @@ class Stager:
         self._error: str | None = None
         self._seconds = 0.0
 
-    def begin(self, path: str, version: int) -> dict:
+    def begin(self, path: str, version: int, wait: bool = False) -> dict:
+        """Start building the stage of ``path``; ``wait``: build it in this call (the caller's thread)
+        and return :meth:`poll`'s answer, for an engine with nothing to generate meanwhile."""
         if self.reason is not None:
             return {"unsupported": self.reason}
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("a stage is already being built")
         self.discard()
         self._version = version
+        if wait:
+            self._run(path, version)
+            return {"started": True, **self.poll()}
         self._thread = threading.Thread(
             target=self._run, args=(path, version), name="asyncrl-stage", daemon=True
         )

@@ -5,7 +5,7 @@ API, engine ``asyncrl_file`` from :mod:`asyncrl.actors.worker_ext`), so every st
 label names exactly the weights that sampled its tokens. Before the pause, while generation goes on: the file's
 header checks, and with ``actors.swap_staging`` the *stage* (:mod:`asyncrl.actors.staging`: the
 worker loads the file into a second set of tensors and builds their oneDNN handles in a thread,
-polled by RPC). Then:
+polled by RPC; an idle engine builds a small one inside the begin RPC: nothing to overlap). Then:
 
     engine_core.pause_scheduler_async("keep")   # freeze running requests; the engine goes idle
     staged:   collective_rpc("asyncrl_stage_commit", v)      # switch layers to the stage (pointers)
@@ -50,8 +50,16 @@ __all__ = ["EngineError", "SwapResult", "SWAP_MODES", "WeightSwaps"]
 SWAP_MODES = ("in_flight", "between_groups")
 _TIED_OK = {"lm_head.weight"}
 STAGE_POLL_MIN_S, STAGE_POLL_MAX_S = 0.001, 0.02  # poll interval bounds while a stage builds
+#: An idle engine builds a stage of at most this many file bytes inside the begin RPC (no thread, no
+#: polls); ~10 ms at the tiny demo size, and a group submitted meanwhile waits at most about that long.
+SYNC_STAGE_MAX_BYTES = 16 << 20
 
 log = logging.getLogger(__name__)
+
+
+def _file_bytes(path: str) -> int:
+    p = Path(path)
+    return sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size
 
 
 class EngineError(RuntimeError):
@@ -119,27 +127,36 @@ class WeightSwaps:
     async def _stage(self, path: str, version: int) -> bool:
         """Build the stage of ``version`` in the worker(s) while generation goes on; False = this model
         cannot be staged (logged once; in-place reloads from now on). Raises on a bad file (no pause)."""
-        begun = await self.llm.collective_rpc("asyncrl_stage_begin", args=(path, version))
+        # Nothing generating (the synchronous case: every worker waits for these weights): build the
+        # stage inside the begin RPC. Nothing is there to overlap with, and the thread's start and the
+        # polls (~5 ms of a ~17 ms tiny swap) are saved. Only for small files: a group submitted
+        # meanwhile waits for the build, which must stay short.
+        wait = self._active == 0 and _file_bytes(path) <= SYNC_STAGE_MAX_BYTES
+        begun = await self.llm.collective_rpc("asyncrl_stage_begin", args=(path, version, wait))
         reasons = [r["unsupported"] for r in begun if "unsupported" in r]
         if reasons:
             self.staging = False
             self.staging_refused = reasons[0]
             log.warning("staged weight swaps refused (%s): reloading in place", reasons[0])
             return False
+        states = begun
         t0 = time.perf_counter()
-        while True:
+        while not wait:
             # Each poll is one RPC between two model steps (~0.1 ms): the interval grows with the stage
             # so that polling costs little while a large stage builds and adds <= 25% latency.
             await asyncio.sleep(
                 min(max(0.25 * (time.perf_counter() - t0), STAGE_POLL_MIN_S), STAGE_POLL_MAX_S)
             )
             states = await self.llm.collective_rpc("asyncrl_stage_poll")
-            errors = [s["error"] for s in states if s["error"]]
-            if errors:
-                await self.llm.collective_rpc("asyncrl_stage_discard")
-                raise ValueError(f"staging v{version} from {path} failed: {errors[0]}")
-            if all(s["done"] for s in states):
-                return True
+            if any(s["error"] for s in states) or all(s["done"] for s in states):
+                break
+        errors = [s["error"] for s in states if s["error"]]
+        if errors:
+            await self.llm.collective_rpc("asyncrl_stage_discard")
+            raise ValueError(f"staging v{version} from {path} failed: {errors[0]}")
+        if not all(s["done"] for s in states):
+            raise EngineError(f"staging v{version}: the worker reports no stage after building ({states})")
+        return True
 
     def _commit_stage(self, version: int) -> Callable[[], Awaitable[None]]:
         async def commit() -> None:

@@ -201,10 +201,11 @@ class WeightReloadExtension:
             self._asyncrl_stager_obj = stager
         return stager
 
-    def asyncrl_stage_begin(self, path: str, version: int) -> dict:
+    def asyncrl_stage_begin(self, path: str, version: int, wait: bool = False) -> dict:
         """Start building ``path`` (tagged ``version``) into a stage in a background thread; returns at
-        once: ``{"started": True}``, or ``{"unsupported": reason}`` for a model that cannot be staged."""
-        return self._asyncrl_stager().begin(path, int(version))
+        once: ``{"started": True}``, or ``{"unsupported": reason}`` for a model that cannot be staged.
+        ``wait``: build it inside this call and return with :meth:`asyncrl_stage_poll`'s fields too."""
+        return self._asyncrl_stager().begin(path, int(version), bool(wait))
 
     def asyncrl_stage_poll(self) -> dict:
         """``{"done", "busy", "error", "seconds"}`` of the stage being built."""

@@ -351,3 +351,44 @@ def test_worker_refused_for_stale_weights_starts_as_soon_as_its_engine_swapped(
         actor.timeline.close()
         tr.cleanup()
     assert waited["after_swap"] < 0.5, waited  # typically 1-3 ms: one admission round trip
+
+
+def test_idle_engine_builds_the_stage_inside_one_rpc_and_a_busy_one_in_a_thread(rig) -> None:
+    """Nothing generating (the synchronous case): the stage is built inside the begin RPC (no thread
+    start, no polls); with a group running it is built in the worker's thread and polled, so tokens keep
+    coming. Both serve the staged version (exactness itself: the staged tests above)."""
+    eng, tr, loop = rig["engine"], rig["transport"], rig["loop"]
+    calls: list[tuple[str, tuple]] = []
+    rpc = eng.llm.collective_rpc
+
+    async def counted(method, *a, **k):
+        calls.append((method, tuple(k.get("args", ()))))
+        return await rpc(method, *a, **k)
+
+    base = (eng.version or 0) + 200
+    eng.staging, eng.llm.collective_rpc = True, counted
+    try:
+        res = loop.run_until_complete(eng.swap_weights(tr.publish(base, rig["weights"](8), "float32").path,
+                                                       base, "in_flight"))  # fmt: skip
+        methods = [m for m, _ in calls]
+        assert res.staged and eng.version == base
+        assert methods.count("asyncrl_stage_begin") == 1 and "asyncrl_stage_poll" not in methods, methods
+        assert next(a for m, a in calls if m == "asyncrl_stage_begin")[2] is True  # wait=True
+        calls.clear()
+
+        async def busy() -> None:
+            gen = asyncio.ensure_future(eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 100, "busy-stage"))
+            while eng.in_flight == 0:
+                await asyncio.sleep(0.001)
+            await eng.swap_weights(
+                tr.publish(base + 1, rig["weights"](9), "float32").path, base + 1, "in_flight"
+            )
+            seqs = await gen
+            assert all(set(s.versions) <= {base, base + 1} for s in seqs)
+
+        loop.run_until_complete(busy())
+        methods = [m for m, _ in calls]
+        assert eng.version == base + 1 and "asyncrl_stage_poll" in methods, methods
+        assert next(a for m, a in calls if m == "asyncrl_stage_begin")[2] is False
+    finally:
+        eng.staging, eng.llm.collective_rpc = False, rpc
