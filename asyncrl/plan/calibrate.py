@@ -260,6 +260,11 @@ HANDOFF_KEYS = ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latenc
                 "group_overhead_s", "group_start_s", "admission_wake_s")  # fmt: skip
 
 
+#: calibrate_run(replay=True) simulates the run's steps this many times over (its learner trace
+#: replayed in order each time): one pass is as short as the run's window, where the simulated
+#: pipeline's sub-step timing is as sensitive as a real run's (eta=1 staleness moved by up to 0.3
+#: versions between one pass and five); five keep the trace's slow and fast stretches in proportion.
+REPLAY_CYCLES = 5
 #: A worker refused for stale weights admitted within this share of actors.admission_poll_s of its
 #: engine's swap end (on average) was woken by the swap; one left to its poll waits about half a period.
 SWAP_WAKE_MAX_POLL_SHARE = 0.25
@@ -274,7 +279,8 @@ def apply_handoffs(p: PlanInputs, h: Handoff, sources: dict[str, str]) -> PlanIn
         else:
             sources.setdefault(key, "assumed")
     if h.swap_admit_s is not None:
-        p = replace(p, swap_wakes_admission=h.swap_admit_s <= SWAP_WAKE_MAX_POLL_SHARE * p.admission_poll_s)
+        woken = h.swap_admit_s <= SWAP_WAKE_MAX_POLL_SHARE * p.admission_poll_s
+        p = replace(p, swap_wakes_admission=woken, swap_wake_s=h.swap_admit_s if woken else p.swap_wake_s)
         sources["swap_wakes_admission"] = (
             f"measured (stale-weights admissions {h.swap_admit_s * 1e3:.1f} ms after a swap)"
         )
@@ -283,7 +289,22 @@ def apply_handoffs(p: PlanInputs, h: Handoff, sources: dict[str, str]) -> PlanIn
     return p
 
 
-def calibrate_run(run_dir: str | Path, base: PlanInputs | None = None) -> tuple[PlanInputs, dict[str, str]]:
+def learner_work(steps: list[dict[str, Any]], p: PlanInputs) -> list[float]:
+    """Per-step learner work factors of a run (metrics.jsonl records, in order): each step's busy
+    seconds (step_s - wait_s) over what ``p``'s mean costs give for it (per-step overhead, its tokens,
+    its publish and checkpoint). The first step's wall time holds the start-up: factor 1."""
+    out = []
+    for i, r in enumerate(steps):
+        expected = (p.learner_step_s + p.learner_token_s * r["tokens"] + (p.publish_s if r["published"] else 0.0)
+                    + (p.checkpoint_s if r["checkpointed"] else 0.0))  # fmt: skip
+        busy = max(r["step_s"] - r["wait_s"], 0.0)
+        out.append(busy / expected if i > 0 and expected > 0 else 1.0)
+    return out
+
+
+def calibrate_run(
+    run_dir: str | Path, base: PlanInputs | None = None, replay: bool = True
+) -> tuple[PlanInputs, dict[str, str]]:
     """The inputs of one run, each measured on that run's own components, to predict its pipeline.
 
     Unlike :func:`calibrate`, nothing is fitted to a pipeline output: the learner's costs are its
@@ -293,12 +314,20 @@ def calibrate_run(run_dir: str | Path, base: PlanInputs | None = None) -> tuple[
     time (submission to last token, less swap pauses) equals the measured one: a component's latency,
     which depends on how many sequences share the engine's steps, not the pipeline's throughput or
     staleness. Those (and the learner's idle and the drops) are then the simulator's prediction.
+    With ``replay`` the learner's per-step work is the run's own, step by step
+    (:func:`learner_work`), over the run's steps and window: a learner slowed for part of the run
+    (another process on the machine) makes the simulated pipeline learner-bound over that part too.
     On this box identical runs differ by up to 30% in engine and learner speed (the 2 cores are
     shared), so a run is predicted from its own component costs rather than another run's.
     """
     m = measure(run_dir)
     p, sources = _measured_run(m, base)
     p = replace(p, learner_slowdown=1.0, gen_slowdown=1.0)
+    if replay:
+        # The run's own steps, in order, over the same window.
+        work = learner_work(read_jsonl(Path(run_dir) / METRICS_FILE), p)
+        p = replace(p, learner_work=work, steps=REPLAY_CYCLES * len(work), warmup_steps=m.warmup)
+        sources["learner_work"] = f"measured ({len(work)} steps replayed in order, {REPLAY_CYCLES} times)"
     h = measure_handoffs([m])
     if h.group_decode_s is None:
         raise ValueError(f"{run_dir}: no actor timeline (logs/*.timeline.jsonl) to measure the engine from")

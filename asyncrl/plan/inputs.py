@@ -88,8 +88,11 @@ class PlanInputs:
     swap_wakes_admission: bool = F(
         False,
         "With admission_events: the actor wakes its workers refused for stale weights when its engine's "
-        "swap ends (admission_wake_s later) instead of leaving them to their poll. Calibration reads it "
+        "swap ends (swap_wake_s later) instead of leaving them to their poll. Calibration reads it "
         "from the actors' timelines (asyncrl.plan.handoff.swap_admit_waits).",
+    )
+    swap_wake_s: float = F(
+        0.002, "Seconds from an engine's swap end to its woken workers' retry (swap_wakes_admission).", ge=0
     )
     admission_wake_s: float = F(
         0.002, "Seconds from an admitting event to the woken worker's retry (measured 1.2-2.7 ms).", ge=0
@@ -118,6 +121,12 @@ class PlanInputs:
         0.0,
         "Coefficient of variation of the learner's per-step work (lognormal, mean 1; 0 = constant).",
         ge=0,
+    )
+    learner_work: list[float] = F(
+        [],
+        "Per-step factors on the learner's work, replayed in step order (step k takes factor k - 1, "
+        "cycling) instead of the lognormal learner_cv: a measured run's trace (calibrate_run), so a "
+        "learner that slows down mid-run (a shared machine) does so in the simulation too.",
     )
     publish_every: int = F(1, "Publish weights every N learner steps (learner.publish_every).", ge=1)
     publish_s: float = F(0.05, "Learner seconds to gather and publish weights (blocks the learner).", ge=0)
@@ -191,6 +200,8 @@ def _check(p: PlanInputs) -> PlanInputs:
         raise ConfigError("lengths.mean must lie in [lengths.min_tokens, lengths.max_tokens]")
     if law.kind == "lognormal" and law.sigma > 0:
         lognormal_mu_for_mean(law.mean, law.sigma, law.min_tokens, law.max_tokens)
+    if any(not (math.isfinite(w) and w >= 0) for w in p.learner_work):
+        raise ConfigError("learner_work: every factor must be a finite number >= 0")
     if p.warmup_steps >= p.steps:
         raise ConfigError(f"warmup_steps={p.warmup_steps} must be < steps={p.steps}")
     if p.gen_step_s == 0 and p.gen_token_s == 0:

@@ -33,7 +33,8 @@ The model follows the real roles step by step (DESIGN.md):
   recomputed, in-flight requests survive) and then samples with the newest version.
 * **Learner.** Reads groups in arrival order, drops those staler than eta at the version the step
   starts with (returning their credit), trains ``groups_per_step`` groups for ``learner_step_s +
-  learner_token_s * tokens``, publishes (``publish_s``; V is bumped when it ends) every
+  learner_token_s * tokens`` (times the step's factor: ``learner_work`` replayed in order, or a
+  lognormal draw with ``learner_cv``), publishes (``publish_s``; V is bumped when it ends) every
   ``publish_every`` steps and checkpoints every ``checkpoint_every`` steps.
 
 Numbers are steady-state: measured from the end of step ``warmup_steps`` to the end of the last step,
@@ -161,7 +162,7 @@ class _Sim:
                 e.waiting.append((self.draw(), g))
         if e.in_flight < self.p.groups_in_flight and self.p.admission_events and self.p.admission_poll_s > 0:
             # Refused: besides the hints, the real worker retries admission_poll_s after this attempt.
-            # That poll is what admits it after its own engine's swap (a swap publishes no hint).
+            # That poll is what admits it after its own engine's swap (unless swap_wakes_admission).
             e.poll_epoch += 1
             self.at(self.t + self.p.admission_poll_s, "poll", (e, e.poll_epoch))
         if started:
@@ -182,12 +183,13 @@ class _Sim:
             length, g = e.waiting.popleft()
             heapq.heappush(e.running, (e.W + length, next(self.ids), e.W, g))
 
-    def wake(self, engines: list[SimEngine]) -> None:
-        """Blocked workers of ``engines`` retry after the expected poll delay."""
+    def wake(self, engines: list[SimEngine], delay: float | None = None) -> None:
+        """Blocked workers of ``engines`` retry after ``delay`` (default: the expected poll delay).
+        A wake with its own delay is not merged into a pending one: it may come first."""
         for e in engines:
-            if e.in_flight < self.p.groups_in_flight and not e.retry_pending:
+            if e.in_flight < self.p.groups_in_flight and (delay is not None or not e.retry_pending):
                 e.retry_pending = True
-                self.at(self.t + self.retry_delay, "retry", e)
+                self.at(self.t + (self.retry_delay if delay is None else delay), "retry", e)
 
     def submit(self, e: SimEngine, g: SimGroup) -> None:
         """The group's completions reach the engine (called with ``e`` advanced to now)."""
@@ -277,8 +279,12 @@ class _Sim:
         e.swap_w.append(e.W)
         e.swap_v.append(version)
         self.schedule_finish(e)  # (also re-times the learner: the engine's state changed)
-        if not self.p.admission_events or self.p.swap_wakes_admission:
-            self.wake([e])  # its next poll, half a period later on average; with events: its poll timer
+        if not self.p.admission_events:
+            self.wake([e])
+        elif self.p.swap_wakes_admission:
+            self.wake(
+                [e], self.p.swap_wake_s
+            )  # its next poll, half a period later on average; with events: its poll timer
         if e.version < self.V:  # published again meanwhile: the watcher swaps straight on
             self.on_notice(e)
 
@@ -340,7 +346,10 @@ class _Sim:
         self.dropped = 0
         self.batch = []
         step = self.step + 1
-        f = self.jitter.lognormvariate(self.jit_mu, self.jit_sigma) if self.jit_sigma > 0 else 1.0
+        if p.learner_work:
+            f = p.learner_work[(step - 1) % len(p.learner_work)]
+        else:
+            f = self.jitter.lognormvariate(self.jit_mu, self.jit_sigma) if self.jit_sigma > 0 else 1.0
         self.phases = [["train", f * (p.learner_step_s + p.learner_token_s * tokens)]]
         if step % p.publish_every == 0:
             self.phases.append(["publish", f * p.publish_s])

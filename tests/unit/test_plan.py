@@ -3,6 +3,7 @@ recovering known inputs from a run dir written from a simulated trace."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -15,7 +16,7 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.plan import Lengths, PlanInputs, load_plan_inputs, simulate
-from asyncrl.plan.calibrate import calibrate, measure
+from asyncrl.plan.calibrate import calibrate, learner_work, measure
 from asyncrl.plan.inputs import LengthSampler, lognormal_mu_for_mean
 
 REPO = Path(__file__).resolve().parents[2]
@@ -316,3 +317,30 @@ def test_a_swap_waits_for_the_decode_step_in_progress() -> None:
     assert r.staleness_dist == {0: pytest.approx(2 / 3), 1: pytest.approx(1 / 3)}
     fluid = simulate(replace(p, engine_steps=False))
     assert fluid.staleness_dist == {0: pytest.approx(5 / 6), 1: pytest.approx(1 / 6)}
+
+
+def test_learner_work_is_replayed_step_by_step() -> None:
+    """A learner-bound pipeline (instant generation): step k's busy time is learner_step_s times the
+    trace's factor k - 1, cycling through the trace."""
+    p = PlanInputs(
+        num_actors=1, groups_in_flight=8, group_size=1, lengths=fixed(1.0), gen_token_s=1e-7, group_overhead_s=0.0,
+        swap_latency_s=0.0, swap_s=0.0, groups_per_step=1, max_staleness=4, learner_step_s=0.1, learner_token_s=0.0,
+        publish_s=0.0, checkpoint_s=0.0, learner_cv=0.5, learner_work=[1.0, 3.0, 0.5], steps=12, warmup_steps=2,
+    )  # fmt: skip
+    r = simulate(p)
+    busy = [b.time - a.time - b.wait_s for a, b in itertools.pairwise(r.steps)]
+    assert busy == pytest.approx([0.1 * [1.0, 3.0, 0.5][k % 3] for k in range(1, 12)], rel=1e-6)
+
+
+def test_learner_work_factors_are_each_steps_busy_time_over_its_expected_cost() -> None:
+    p = PlanInputs(learner_step_s=0.01, learner_token_s=1e-3, publish_s=0.02, checkpoint_s=0.05)
+    steps = [
+        {"step_s": 30.0, "wait_s": 29.0, "tokens": 100, "published": True, "checkpointed": False},  # start-up: 1
+        {"step_s": 0.5, "wait_s": 0.37, "tokens": 100, "published": True, "checkpointed": False},  # 0.13 / 0.13
+        {"step_s": 0.3, "wait_s": 0.0, "tokens": 50, "published": True, "checkpointed": False},  # 0.3 / 0.08
+        {"step_s": 0.4, "wait_s": 0.1, "tokens": 100, "published": True, "checkpointed": True},  # 0.3 / 0.18
+        {"step_s": 0.1, "wait_s": 0.2, "tokens": 100, "published": False, "checkpointed": False},  # 0 / 0.11
+    ]  # fmt: skip
+    assert learner_work(steps, p) == pytest.approx([1.0, 1.0, 3.75, 0.3 / 0.18, 0.0], rel=1e-9)
+    with pytest.raises(ConfigError, match="learner_work"):
+        load_plan_inputs(overrides=["learner_work=[1.0,-1.0]"])
