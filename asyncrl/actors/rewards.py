@@ -3,9 +3,12 @@
 A reward function is user code: it may raise, return garbage, block on I/O or loop forever. None of
 that may cost more than the group being scored (issue 12, "Failed tasks"):
 
-* each completion's ``task.reward`` runs in its own daemon thread, so a slow or blocking reward never
-  stalls the event loop that drives the engine, the heartbeats and the weight swaps; a reward that
-  returns an awaitable (``async def``) is awaited on the loop;
+* a group's ``task.reward`` calls run in one daemon thread (in order), so a slow or blocking reward
+  never stalls the event loop that drives the engine, the heartbeats and the weight swaps; a reward
+  that returns an awaitable (``async def``) is awaited on the loop, the group's concurrently. One
+  thread per group, not per completion: a thread start and its loop callback are ~0.1 ms on a busy
+  core, and the G of them sat between a synchronous step's last token and its buffer write. (A reward
+  that blocks on I/O should be ``async def`` to overlap its G calls.);
 * the whole group gets ``task.reward_timeout_s``; past it, or on any exception or non-finite value,
   :meth:`RewardRunner.score` raises :class:`RewardFailure` with a reason and the actor drops the group
   (dead letter, admission credit returned, counter, log line) and goes on.
@@ -90,9 +93,7 @@ class RewardRunner:
     async def score(self, prompt: Any, texts: Sequence[str]) -> list[float]:
         """The reward of each text for ``prompt``; :class:`RewardFailure` with the reason otherwise."""
         try:
-            return await asyncio.wait_for(
-                asyncio.gather(*(self._one(prompt, t) for t in texts)), self.timeout_s
-            )
+            return await asyncio.wait_for(self._group(prompt, texts), self.timeout_s)
         except TimeoutError:
             raise RewardFailure(
                 f"reward: timed out after {self.timeout_s:g} s (task.reward_timeout_s)"
@@ -100,11 +101,19 @@ class RewardRunner:
         except Exception as e:
             raise RewardFailure(f"reward: {type(e).__name__}: {e}") from e
 
-    async def _one(self, prompt: Any, text: str) -> float:
-        value = await self._in_thread(self._target(), prompt, text)
-        if inspect.isawaitable(value):
-            value = await value
-        return _finite(value, getattr(self.task, "name", "task"), getattr(prompt, "prompt_id", "?"))
+    async def _group(self, prompt: Any, texts: Sequence[str]) -> list[float]:
+        fns = [self._target() for _ in texts]  # one call each (the fault injection counts calls)
+
+        def run_all() -> list[Any]:
+            return [fn(prompt, t) for fn, t in zip(fns, texts, strict=True)]
+
+        values = await self._in_thread(run_all)
+        # Awaitables (async rewards) run concurrently on the loop.
+        pending = [v for v in values if inspect.isawaitable(v)]
+        done = iter(await asyncio.gather(*pending)) if pending else iter(())
+        values = [next(done) if inspect.isawaitable(v) else v for v in values]
+        task, pid = getattr(self.task, "name", "task"), getattr(prompt, "prompt_id", "?")
+        return [_finite(v, task, pid) for v in values]
 
     def _in_thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         loop = asyncio.get_running_loop()

@@ -129,3 +129,32 @@ def test_injected_faults_every_nth_call() -> None:
         score(hang, ["a", "b"])
     with pytest.raises(ValueError, match="task.reward_fault"):
         RewardRunner(LengthTask(), 1.0, fault="crash")
+
+
+def test_a_group_is_scored_in_one_thread_off_the_loop_and_async_rewards_overlap() -> None:
+    """One reward thread per group (not per completion: G thread starts sat on the synchronous
+    critical path), never the loop's thread; a group's async rewards still run concurrently."""
+    import threading
+
+    seen: list[int] = []
+
+    class Recording(LengthTask):
+        def reward(self, prompt: Prompt, text: str):
+            seen.append(threading.get_ident())
+            return super().reward(prompt, text)
+
+        async def _later(self, value: int) -> float:
+            await asyncio.sleep(0.1)
+            return float(value)
+
+    async def main() -> tuple[list[float], float]:
+        runner = RewardRunner(Recording(), 5.0)
+        t0 = time.perf_counter()
+        out = await runner.score(PROMPT, ["a", "bb", "async", "ccc", "async", "async"])
+        return out, time.perf_counter() - t0
+
+    loop_thread = threading.get_ident()
+    out, took = asyncio.run(main())
+    assert out == [1.0, 2.0, 5.0, 3.0, 5.0, 5.0]
+    assert len(seen) == 6 and len(set(seen)) == 1 and seen[0] != loop_thread
+    assert took < 0.25  # three 100 ms async rewards overlapped (in turn they would take >= 0.3 s)
