@@ -63,9 +63,8 @@ from asyncrl.learner.objectives import (
     entropy_bonus,
     group_advantages,
     kl_penalty,
-    policy_loss,
+    objective_terms,
     reduce_loss,
-    rollout_kl_loss,
     token_mean,
 )
 
@@ -222,16 +221,16 @@ class Trainer:
         want_entropy = lc.entropy_coef > 0 or self.cfg.learner.entropy_metric
         logp, ent = token_logprobs(self.le.engine, mb, entropy=want_entropy, entropy_grad=lc.entropy_coef > 0)
         start = {"current": logp.detach(), "exact": mb.get("logp_prox")}.get(plan.source)
-        per_token, loss_mask, metrics = policy_loss(
+        # policy_loss + rollout_kl_loss in one pass (shared intermediates; the same values).
+        obj = objective_terms(
             logp, mb["logp_behav"], mb["advantages"], mb[LOSS_MASK], mb["token_versions"], version,
             self.ocfg, logp_prox=start, prox_offset=plan.prox_offset, progress=plan.progress,
         )  # fmt: skip
+        loss_mask, metrics = obj.loss_mask, obj.metrics
         seqs = {"sequence_mean": dens.seqs, "seq_mean_token_sum_norm": dens.samples}.get(mode, dens.seqs)
-        policy = reduce_loss(per_token, loss_mask, mode, dens.tokens, seqs, max_tokens)
+        policy = reduce_loss(obj.policy, loss_mask, mode, dens.tokens, seqs, max_tokens)
         # Regularisers: token means over ALL loss tokens of the optimizer step, whatever `mode`.
-        kl_term = token_mean(
-            rollout_kl_loss(logp, mb["logp_behav"], loss_mask, self.ocfg), loss_mask, dens.tokens
-        )
+        kl_term = token_mean(obj.rollout_kl, loss_mask, dens.tokens)
         terms = {"loss_policy": policy.detach(), "loss_rollout_kl": kl_term.detach()}
         loss = policy + kl_term
         sums: dict[str, Tensor] = {}
@@ -251,7 +250,9 @@ class Trainer:
             if ent is not None:
                 sums["entropy_sum"] = torch.where(loss_mask, ent.detach(), 0.0).sum()
             if plan.measure and start is not None:
-                sums.update(drift_sums(start, mb["logp_behav"], loss_mask, mb["token_versions"], version))
+                # At update 0 the step-start logprob IS logp: the objective's log-ratio to mu is d.
+                d = obj.log_ratio_behav if plan.source == "current" else None
+                sums.update(drift_sums(start, mb["logp_behav"], loss_mask, mb["token_versions"], version, d))
         return MicroBatchResult(loss.detach(), terms, metrics, sums)
 
     # ------------------------------------------------------------------ the step

@@ -55,7 +55,13 @@ from asyncrl.learner.objectives.kl import (
     rollout_kl_estimates,
 )
 from asyncrl.learner.objectives.options import MASK_LOSSES, RATIO_CLIP_LOSSES, ObjectiveConfig
-from asyncrl.learner.objectives.policy import group_advantages, policy_loss, rollout_kl_loss
+from asyncrl.learner.objectives.policy import (
+    ObjectiveTerms,
+    group_advantages,
+    objective_terms,
+    policy_loss,
+    rollout_kl_loss,
+)
 from asyncrl.learner.objectives.trust_region import dppo_drop_masks, dppo_keep_mask, m2po_keep_mask
 from asyncrl.learner.reduction import (
     LOSS_REDUCTIONS,
@@ -84,6 +90,7 @@ __all__ = [
     "LossDenominators",
     "MetricAccumulator",
     "ObjectiveConfig",
+    "ObjectiveTerms",
     "aggregate_metrics",
     "count_denominators",
     "deepspeed_loss_scale",
@@ -98,6 +105,7 @@ __all__ = [
     "kl_penalty",
     "loglinear_prox_logp",
     "m2po_keep_mask",
+    "objective_terms",
     "policy_loss",
     "policy_metrics",
     "raw_is_ratios",

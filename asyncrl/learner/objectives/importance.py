@@ -45,8 +45,10 @@ __all__ = [
     "importance_weights",
     "loglinear_prox_logp",
     "raw_is_ratios",
+    "level_log_rho",
     "raw_log_rho",
     "staleness_mask",
+    "weights_from_log_rho",
 ]
 
 ISMode = Literal["tis", "icepop", "none"]
@@ -94,6 +96,11 @@ def staleness_mask(mask: Tensor, token_versions: Tensor, version: int, max_stale
 def raw_log_rho(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor, level: str) -> Tensor:
     """log of the untruncated ratio pi_prox / mu at ``level``, broadcast to ``[B, T]``."""
     log_rho = log_ratio(safe(logp_prox, mask), safe(logp_behav, mask))  # exactly 0 off the mask
+    return level_log_rho(log_rho, mask, level)
+
+
+def level_log_rho(log_rho: Tensor, mask: Tensor, level: str) -> Tensor:
+    """The token log-ratios ``log_rho`` (exactly 0 off ``mask``) taken to ``level``, ``[B, T]``."""
     if level == "token":
         return log_rho
     total = sequence_sum(log_rho, mask)
@@ -103,7 +110,7 @@ def raw_log_rho(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor, level: str)
         out = total / mask.sum(dim=-1, keepdim=True).clamp(min=1).to(total.dtype)
     else:
         raise ValueError(f"unknown IS level {level!r}; expected one of {IS_LEVELS}")
-    return out.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expand_as(logp_behav)
+    return out.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expand_as(log_rho)
 
 
 @torch.no_grad()
@@ -133,21 +140,33 @@ def importance_weights(
     mode. Every log-ratio (and the sequence sums) is clamped to [-20, 20] before exp.
     """
     mask = mask.bool()
+    log_rho = log_ratio(safe(logp_prox, mask), safe(logp_behav, mask))  # exactly 0 off the mask
+    return weights_from_log_rho(log_rho, mask, mode, cap, low, level, veto)[0]
+
+
+@torch.no_grad()
+def weights_from_log_rho(log_rho: Tensor, mask: Tensor, mode: ISMode, cap: float, low: float, level: ISLevel,
+                         veto: float) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """:func:`importance_weights` from the token log-ratios ``log_rho`` = clamp(log pi_prox - log mu),
+    exactly 0 off ``mask`` (bool); also returns the untruncated rho at ``level`` (None for mode none),
+    so a caller that needs both (the policy loss: weights and is_trunc_frac) exponentiates once.
+    """
     if mode not in IS_MODES:
         raise ValueError(f"unknown IS mode {mode!r}; expected one of {IS_MODES}")
+    rho = None
     if mode == "none":
-        w = torch.ones_like(logp_behav)
+        w = torch.ones_like(log_rho)
     else:
-        rho = torch.exp(raw_log_rho(logp_prox, logp_behav, mask, level))
+        rho = torch.exp(level_log_rho(log_rho, mask, level))
         if mode == "tis":
             w = rho.clamp(max=cap)
         else:
             w = torch.where((rho >= low) & (rho <= cap), rho, 0.0)
     if veto > 0:
-        tok = torch.exp(log_ratio(safe(logp_prox, mask), safe(logp_behav, mask)))
+        tok = rho if rho is not None and level == "token" else torch.exp(log_rho)
         vetoed = ((tok < veto) & mask).any(dim=-1, keepdim=True).expand_as(w)
         w = torch.where(vetoed, 0.0, w)
-    return torch.where(mask, w, 1.0)
+    return torch.where(mask, w, 1.0), rho
 
 
 @torch.no_grad()

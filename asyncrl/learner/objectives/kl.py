@@ -37,6 +37,8 @@ __all__ = [
     "KL_METRICS",
     "entropy_from_logits",
     "entropy_from_logp",
+    "kl_estimates_from_log_ratio",
+    "kl_from_log_ratio",
     "kl_penalty",
     "rollout_kl_estimates",
 ]
@@ -61,7 +63,11 @@ def kl_penalty(logp: Tensor, logp_ref: Tensor, kind: KLKind = "k2", mask: Tensor
     ``mask`` (optional): positions outside it are replaced by 0 *before* the subtraction, so the
     result there is exactly 0 and gradients are exactly 0 even if logp is -inf there.
     """
-    d = log_ratio(safe(logp, mask), safe(logp_ref, mask))
+    return kl_from_log_ratio(log_ratio(safe(logp, mask), safe(logp_ref, mask)), kind)
+
+
+def kl_from_log_ratio(d: Tensor, kind: KLKind = "k2") -> Tensor:
+    """:func:`kl_penalty` from the clamped log-ratio ``d`` (0 where d is 0, e.g. off a mask)."""
     if kind == "k1":
         return d
     if kind == "abs":
@@ -81,7 +87,12 @@ def rollout_kl_estimates(logp: Tensor, logp_behav: Tensor, mask: Tensor) -> dict
     Returns ``{name: [B, T] tensor}`` for the names in :data:`KL_METRICS` (table in the module
     docstring); exactly 0 outside ``mask``. Token-mean them over the mask to get the estimates.
     """
-    d = log_ratio(safe(logp.detach(), mask), safe(logp_behav, mask))
+    return kl_estimates_from_log_ratio(log_ratio(safe(logp.detach(), mask), safe(logp_behav, mask)))
+
+
+@torch.no_grad()
+def kl_estimates_from_log_ratio(d: Tensor) -> dict[str, Tensor]:
+    """:func:`rollout_kl_estimates` from the clamped log-ratio ``d`` (exactly 0 off the mask)."""
     em1 = torch.expm1(d)  # r - 1, exact near d = 0
     return {
         "kl_mu_pi_k1": -d,

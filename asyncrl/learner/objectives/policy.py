@@ -19,6 +19,8 @@ mean over the whole optimizer step by the caller, whatever the policy reduction.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -32,16 +34,26 @@ from asyncrl.learner.objectives.common import (
 )
 from asyncrl.learner.objectives.diagnostics import policy_metrics
 from asyncrl.learner.objectives.importance import (
-    importance_weights,
+    level_log_rho,
     loglinear_prox_logp,
-    raw_log_rho,
     staleness_mask,
+    weights_from_log_rho,
 )
-from asyncrl.learner.objectives.kl import kl_penalty
+from asyncrl.learner.objectives.kl import kl_from_log_ratio, kl_penalty
 from asyncrl.learner.objectives.options import MASK_LOSSES, ObjectiveConfig
 from asyncrl.learner.objectives.trust_region import dppo_drop_masks, m2po_keep_mask
 
-__all__ = ["group_advantages", "policy_loss", "rollout_kl_loss"]
+__all__ = ["ObjectiveTerms", "group_advantages", "objective_terms", "policy_loss", "rollout_kl_loss"]
+
+
+class ObjectiveTerms(NamedTuple):
+    """What :func:`objective_terms` returns (per-token tensors ``[B, T]``)."""
+
+    policy: Tensor  # per-token policy loss, exactly 0 (+-0) outside loss_mask
+    rollout_kl: Tensor  # per-token beta_rollout_kl * kl_penalty(logp, mu), 0 outside loss_mask
+    loss_mask: Tensor
+    metrics: dict[str, Tensor]
+    log_ratio_behav: Tensor  # detached clamp(log pi_theta - log mu), exactly 0 outside loss_mask
 
 
 def policy_loss(
@@ -69,10 +81,25 @@ def policy_loss(
     kl_mu_pi_k1/k2/k3, kl_pi_mu_is (pi_theta vs mu), staleness_mean/max and stale_dropped_frac (over
     the input mask), num_tokens, num_tokens_in, num_seqs.
     """
+    t = objective_terms(logp, logp_behav, advantages, mask, token_versions, version, cfg, logp_prox,
+                        prox_offset, progress, rollout_kl=False)  # fmt: skip
+    return t.policy, t.loss_mask, t.metrics
+
+
+def objective_terms(logp: Tensor, logp_behav: Tensor, advantages: Tensor, mask: Tensor, token_versions: Tensor,
+                    version: int, cfg: ObjectiveConfig | None = None, logp_prox: Tensor | None = None,
+                    prox_offset: float = 0.0, progress: float = 1.0, rollout_kl: bool = True) -> ObjectiveTerms:  # fmt: skip
+    """:func:`policy_loss` and :func:`rollout_kl_loss` in one pass (the learner's per-micro-batch call).
+
+    The values (and gradients) are those of the two functions called separately; every intermediate
+    they share (the sanitised inputs, the log-ratios to mu and pi_prox, their exps) is formed once:
+    at a micro-batch of a few hundred tokens the objective's cost is the number of small tensor ops.
+    """
     cfg = cfg or ObjectiveConfig()
     in_mask = mask.bool()
     loss_mask = staleness_mask(in_mask, token_versions, version, cfg.max_staleness)
-    # Sanitise every input at non-loss positions first: everything below is then finite there.
+    # Sanitise every input at non-loss positions first: everything below is then finite there, and
+    # every log-ratio of two sanitised inputs is exactly 0 there.
     logp = safe(logp, loss_mask)
     behav = safe(logp_behav, loss_mask)
     adv = safe(per_token(advantages, logp).to(logp.dtype), loss_mask)
@@ -81,31 +108,39 @@ def policy_loss(
     else:
         prox = loglinear_prox_logp(logp, behav, token_versions, version, loss_mask, prox_offset, progress)
     anchor = behav if cfg.anchor == "behaviour" else prox
+    # d = clamp(log pi_theta - log mu): the rollout-KL term (with gradient) and the KL metrics.
+    d_grad = log_ratio(logp, behav) if rollout_kl and cfg.beta_rollout_kl else None
+    with torch.no_grad():
+        d = d_grad.detach() if d_grad is not None else log_ratio(logp.detach(), behav)
+        log_rho = log_ratio(prox, behav)  # token log(pi_prox / mu)
     is_args = (cfg.is_mode, cfg.is_cap, cfg.is_low, cfg.is_level, cfg.is_veto)
     sides: dict[str, Tensor] = {}
+    rho_tok: Tensor | None = None  # exp(log_rho), when formed on the way
 
     if cfg.policy_loss in MASK_LOSSES:
-        w_num = prox
-        w = importance_weights(prox, behav, loss_mask, *is_args)
+        w, w_raw = weights_from_log_rho(log_rho, loss_mask, *is_args)
+        if w_raw is not None and cfg.is_level == "token":
+            rho_tok = w_raw
         ratio = torch.exp(log_ratio(logp, prox))
         if cfg.policy_loss == "dppo":
             drop_low, drop_high = dppo_drop_masks(
                 logp.detach(), anchor, adv, cfg.divergence, cfg.dppo_low, cfg.dppo_high
             )
             sides = {"dppo_masked_frac_low": drop_low, "dppo_masked_frac_high": drop_high}
-            keep = ~(drop_low | drop_high)
+            pg = torch.where(drop_low | drop_high, 0.0, -w * ratio * adv)
         else:
             keep = m2po_keep_mask(logp, anchor, loss_mask, cfg.m2po_tau)
             sides = {"m2po_masked_frac": ~keep}
-        pg = torch.where(keep, -w * ratio * adv, 0.0)
+            pg = torch.where(keep, -w * ratio * adv, 0.0)
     else:
         # Ratio-clip losses: the clipped ratio is taken to the anchor; IS corrects mu -> anchor.
-        w_num = anchor
-        w = (
-            importance_weights(anchor, behav, loss_mask, *is_args)
-            if cfg.anchor == "prox"
-            else torch.ones_like(logp)
-        )
+        w_raw = None
+        if cfg.anchor == "prox":
+            w, w_raw = weights_from_log_rho(log_rho, loss_mask, *is_args)
+            if w_raw is not None and cfg.is_level == "token":
+                rho_tok = w_raw
+        else:
+            w = torch.ones_like(logp)
         log_r = log_ratio(logp, anchor)
         if cfg.policy_loss == "cispo":
             r = torch.exp(log_r).detach()
@@ -133,23 +168,25 @@ def policy_loss(
         capped = (adv < 0) & (pg.detach() > cap)
         sides["dual_clip_frac"] = capped
         pg = torch.where(capped, cap, pg)
-    pg = torch.where(loss_mask, pg, 0.0)
+    # No final torch.where(loss_mask, pg, 0): off the loss mask adv is 0 and every other factor finite
+    # (w = 1, ratios of sanitised inputs = 1, caps 0), so pg is already +-0 there, and its gradient 0.
 
-    w_raw = torch.exp(raw_log_rho(w_num, behav, loss_mask, cfg.is_level))  # for is_trunc_frac
-    metrics = policy_metrics(
-        logp=logp.detach(),
-        logp_behav=behav,
-        logp_prox=prox,
-        ratio=ratio.detach(),
-        w=w,
-        w_raw=w_raw,
-        sides=sides,
-        loss_mask=loss_mask,
-        in_mask=in_mask,
-        token_versions=token_versions,
-        version=version,
-    )
-    return pg, loss_mask, metrics
+    with torch.no_grad():
+        if w_raw is None:  # is_trunc_frac compares w with the untruncated ratio (w_num / mu at level)
+            w_num_log_rho = (
+                log_rho if cfg.policy_loss in MASK_LOSSES or cfg.anchor == "prox" else d.new_zeros(())
+            )
+            w_raw = torch.exp(level_log_rho(w_num_log_rho.expand_as(d), loss_mask, cfg.is_level))
+        metrics = policy_metrics(
+            logp=logp.detach(), logp_behav=behav, logp_prox=prox, ratio=ratio.detach(), w=w, w_raw=w_raw,
+            sides=sides, loss_mask=loss_mask, in_mask=in_mask, token_versions=token_versions,
+            version=version, log_rho=log_rho, rho=rho_tok, d=d,
+        )  # fmt: skip
+    if d_grad is None:
+        kl = torch.zeros_like(logp)
+    else:  # 0 off the loss mask: d is exactly 0 there, and so is every KL estimator of it
+        kl = cfg.beta_rollout_kl * kl_from_log_ratio(d_grad, cfg.rollout_kl_kind)
+    return ObjectiveTerms(pg, kl, loss_mask, metrics, d)
 
 
 def rollout_kl_loss(logp: Tensor, logp_behav: Tensor, loss_mask: Tensor, cfg: ObjectiveConfig) -> Tensor:
