@@ -38,25 +38,35 @@ class VersionWatching:
 
         Manifests that fail verification (tampered, half-written) are refused once, logged and
         remembered; an older valid one is used instead only if it is still newer than what the
-        engine serves (a restarted actor thus falls back to the newest good version).
+        engine serves (a restarted actor thus falls back to the newest good version). The registry
+        reads and the verification run in one worker thread (one hop on the swap's path, not three).
         """
         assert self.engine is not None
         current = -1 if self.engine.version is None else self.engine.version
-        versions = await asyncio.to_thread(self.buffer.manifest_versions)
-        for v in sorted((v for v in versions if v > current), reverse=True):
-            m = await asyncio.to_thread(self.buffer.manifest, v)
-            if m is None or (m.version, m.sha256) in self._rejected:
+        rejected = set(self._rejected)
+        found, refused = await asyncio.to_thread(self._scan_manifests, current, rejected)
+        for m, e in refused:  # counters and the refusal set belong to the loop thread
+            self._rejected.add((m.version, m.sha256))
+            self.counters["weight_rejects"] += 1
+            log.error("%s: refusing weights v%d: %s", self.actor_id, m.version, e)
+        return found
+
+    def _scan_manifests(
+        self, current: int, rejected: set[tuple[int, str]]
+    ) -> tuple[WeightManifest | None, list[tuple[WeightManifest, WeightIntegrityError]]]:
+        refused: list[tuple[WeightManifest, WeightIntegrityError]] = []
+        for v in sorted((v for v in self.buffer.manifest_versions() if v > current), reverse=True):
+            m = self.buffer.manifest(v)
+            if m is None or (m.version, m.sha256) in rejected:
                 continue
             try:
                 confine(m.path, self.weight_roots)  # a manifest path from Redis: never outside the run
-                await asyncio.to_thread(verify, m)
+                verify(m)
             except WeightIntegrityError as e:
-                self._rejected.add((m.version, m.sha256))
-                self.counters["weight_rejects"] += 1
-                log.error("%s: refusing weights v%d: %s", self.actor_id, m.version, e)
+                refused.append((m, e))
                 continue
-            return m
-        return None
+            return m, refused
+        return None, refused
 
     async def _maybe_swap(self, first: bool = False) -> bool:
         """Serve the newest valid manifest if it is newer than the served version; True if swapped."""

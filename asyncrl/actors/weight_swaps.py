@@ -116,10 +116,11 @@ class WeightSwaps:
             await self.llm.update_weights(request)
 
         async def prepare() -> tuple[Callable[[], Awaitable[None]], bool]:
-            # Off the pause: the header checks (names, version tag) of the new file, then the stage.
-            await asyncio.to_thread(self._check_file, Path(path), int(version))
+            # Off the pause: the stage, whose build starts with the worker's header checks (names,
+            # version tag; a failure raises here, before any pause); in place, the same checks here.
             if self.staging and await self._stage(str(path), int(version)):
                 return self._commit_stage(int(version)), True
+            await asyncio.to_thread(self._check_file, Path(path), int(version))
             return self._in_place(load), False
 
         return await self._swap(int(version), mode, prepare)

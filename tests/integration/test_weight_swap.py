@@ -374,6 +374,12 @@ def test_idle_engine_builds_the_stage_inside_one_rpc_and_a_busy_one_in_a_thread(
         assert res.staged and eng.version == base
         assert methods.count("asyncrl_stage_begin") == 1 and "asyncrl_stage_poll" not in methods, methods
         assert next(a for m, a in calls if m == "asyncrl_stage_begin")[2] is True  # wait=True
+        # Staged, the worker's build does the header checks: a file tagged v8 announced as another
+        # version is refused before any pause and the served version stays.
+        bad = tr.publish(base + 5, rig["weights"](8), "float32")
+        with pytest.raises(ValueError, match=f"expected {base + 6}"):
+            loop.run_until_complete(eng.swap_weights(bad.path, base + 6, "in_flight"))
+        assert eng.version == base
         calls.clear()
 
         async def busy() -> None:
