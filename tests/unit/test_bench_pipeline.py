@@ -83,6 +83,9 @@ def test_steady_state_window_against_a_plain_reference(tmp_path: Path, seed: int
     assert got["samples_per_s"] == pytest.approx(32 * len(win) / dur)
     assert got["wait_s_mean"] == pytest.approx(sum(r["wait_s"] for r in win) / len(win))
     assert got["learner_s_mean"] == pytest.approx(sum(r["step_s"] - r["wait_s"] for r in win) / len(win))
+    assert got["train_publish_s_mean"] == pytest.approx(
+        sum(r["train_s"] + r["publish_s"] for r in win) / len(win)
+    )
     train = sorted(r["train_s"] for r in win)
     n = len(train)
     assert got["train_s_median"] == pytest.approx((train[(n - 1) // 2] + train[n // 2]) / 2)
@@ -95,6 +98,9 @@ def test_overlap_bound_and_back_to_back() -> None:
         b = overlap_bound(g, t)
         assert 1.0 < b <= 2.0 and b == pytest.approx((g + t) / max(g, t))
     assert overlap_bound(0.05, 0.05) == 2.0 and overlap_bound(1.0, 1e-9) == pytest.approx(1.0)
+    # A sync step shorter than T_gen + T_train (the learner's records overlap the actors' generation):
+    # the bound is the sync step over the busier role, e.g. 0.111 s vs max(0.074, 0.055).
+    assert overlap_bound(0.074, 0.055, 0.111) == pytest.approx(0.111 / 0.074)
     b2b = back_to_back(0.038, 0.026, 0.005, 0.012)  # the issue's numbers: ~12 steps/s
     assert b2b["per_step_s"] == pytest.approx(0.081) and b2b["steps_per_s"] == pytest.approx(1 / 0.081)
 
