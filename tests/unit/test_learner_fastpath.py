@@ -17,7 +17,7 @@ from asyncrl.learner.batching import LOSS_MASK, Sample, collate
 from asyncrl.learner.engine import GuardedAdamW, grad_norms
 from asyncrl.learner.objectives import SIDE_METRICS, group_advantages
 from asyncrl.learner.objectives.diagnostics import policy_metrics
-from asyncrl.learner.step import MicroBatchResult, advantage_lists
+from asyncrl.learner.step import MicroBatchResult, advantage_lists, loss_tokens
 
 VERSION = 7
 
@@ -216,3 +216,26 @@ def test_stacked_group_advantages_equal_one_call_per_group(normalize_std) -> Non
     expect = [group_advantages(torch.tensor(r, dtype=torch.float32), normalize_std).tolist() for r in ragged]
     assert advantage_lists(ragged, normalize_std) == expect
     assert advantage_lists([], normalize_std) == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_loss_tokens_equal_the_per_sample_loop(seed) -> None:
+    """One pass over the step's tokens = per sample: mask & (V - v <= eta), its sum, np.unique of V - v."""
+    rng = np.random.default_rng(seed)
+    version, max_staleness = 9, 2
+    samples = []
+    for i in range(int(rng.integers(1, 12))):
+        n = int(rng.integers(1, 9))
+        mask = rng.random(n) < 0.8
+        if i % 4 == 3:
+            mask[:] = False  # overlong-masked
+        samples.append(Sample(group_index=0, completion_index=i, input_ids=np.zeros(n + 2, np.int64), prompt_len=2,
+                              logp_behav=np.zeros(n, np.float32), versions=rng.integers(5, 11, n).astype(np.int64),
+                              loss_mask=mask, advantage=0.0, temperature=1.0))  # fmt: skip
+    per, hist = loss_tokens(samples, version, max_staleness)
+    masks = [s.loss_mask & ((version - s.versions) <= max_staleness) for s in samples]
+    assert per == [int(m.sum()) for m in masks]
+    stale = np.concatenate([version - s.versions[m] for s, m in zip(samples, masks, strict=True)])
+    vals, counts = np.unique(stale, return_counts=True)
+    assert hist == {str(v): int(c) for v, c in zip(vals.tolist(), counts.tolist(), strict=True)}
+    assert list(hist) == sorted(hist, key=int) and loss_tokens([], version, max_staleness) == ([], {})
