@@ -18,8 +18,9 @@ own plan), fp32 on the CPU, with the same optimizer settings:
 It runs in its own process (``python -m asyncrl.bench.learner``) placed as ``asyncrl run`` places its
 learner (the same cores and ``OMP_NUM_THREADS``), so the caller's torch threads and process group are
 untouched and "alone" differs from the in-pipeline learner only in having no engine beside it. Steps of the
-variants run in blocks, A B C D three times over, so drift of a shared machine hits all of them;
-each number is the median step time, leaving out the first steps of every block (warm-up).
+variants run in blocks, A B C D in at least three rounds (``steps / 10`` rounds when more steps are
+asked for), so drift of a shared machine hits all of them; each number is the median step time, leaving
+out the first steps of every block (warm-up), and the JSON also holds the ratio within each round.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ __all__ = ["ALONE_TARGET", "IN_PIPELINE_TARGET", "learner_rows", "demo_groups"]
 
 ALONE_TARGET = 1.05  # Trainer step alone <= 1.05x bare DeepSpeed
 IN_PIPELINE_TARGET = 1.3  # learner step inside the pipeline <= 1.3x alone
-#: Variants run in blocks (A B C, ROUNDS times), not step by step: stepping three models in turn
-#: evicts each one's weights and optimizer state from the caches and doubled every step time.
+#: Variants run in blocks (A B C D, at least ROUNDS times; more rounds of ~BLOCK steps when more steps
+#: are asked for), not step by step: stepping three models in turn evicts each one's weights and
+#: optimizer state from the caches and doubled every step time.
 ROUNDS = 3
+BLOCK = 10
 
 
 def demo_groups(cfg: Any, tokenizer: Any, vocab: int, seed: int = 0) -> list:
@@ -158,8 +161,9 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
         fns = {"alone": alone, "alone_no_entropy": alone_no_entropy, "bare_deepspeed": bare_ds,
                "bare_torch": bare_torch}  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in fns}
-        block = max(1, -(-steps // ROUNDS))
-        for _ in range(ROUNDS):
+        rounds = max(ROUNDS, steps // BLOCK)
+        block = max(1, -(-steps // rounds))
+        for _ in range(rounds):
             for k, fn in fns.items():
                 for i in range(warmup + block):
                     t = time.perf_counter()
@@ -167,7 +171,14 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
                     if i >= warmup:
                         times[k].append(time.perf_counter() - t)
     med = {f"{k}_s": statistics.median(v) for k, v in times.items()}
-    return {**med, "steps": steps, "threads": torch.get_num_threads(), "sequences": len(samples),
+    # The ratio within each round (adjacent blocks): drift of a shared machine between rounds cancels.
+    per_round = {
+        k: [statistics.median(times[k][r * block : (r + 1) * block])
+            / statistics.median(times["bare_deepspeed"][r * block : (r + 1) * block]) for r in range(rounds)]
+        for k in ("alone", "alone_no_entropy")
+    }  # fmt: skip
+    return {**med, "rounds": rounds, "ratio_alone_vs_deepspeed_per_round": per_round["alone"],
+            "ratio_alone_no_entropy_vs_deepspeed_per_round": per_round["alone_no_entropy"], "steps": steps, "threads": torch.get_num_threads(), "sequences": len(samples),
             "tokens": int(sum(lengths)), "micro_batches": sum(len(m) for m in minis) * lc.epochs}  # fmt: skip
 
 
@@ -214,7 +225,12 @@ def learner_rows(config: str | None, steps: int, timeout_s: float = 600.0) -> di
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m asyncrl.bench.learner", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=30,
+        help=f"timed steps per variant, in rounds of ~{BLOCK} (>= {ROUNDS} rounds)",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="steps left out at the start of every block")
     ap.add_argument("--out", required=True)
     ap.add_argument("--placed", action="store_true", help="only the learner rows of `asyncrl bench`: run the "
@@ -223,10 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.placed:
         res = learner_rows(args.config, args.steps)
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        rr = res["ratio_alone_vs_deepspeed_per_round"]
         print(f"alone {res['alone_s'] * 1e3:.2f} ms (no entropy metric {res['alone_no_entropy_s'] * 1e3:.2f}), "
               f"bare DeepSpeed {res['bare_deepspeed_s'] * 1e3:.2f}, bare torch {res['bare_torch_s'] * 1e3:.2f}; "
               f"alone / DeepSpeed {res['ratio_alone_vs_deepspeed']:.3f} "
-              f"(no entropy {res['ratio_alone_no_entropy_vs_deepspeed']:.3f}), cpus {res['cpus']}")  # fmt: skip
+              f"(no entropy {res['ratio_alone_no_entropy_vs_deepspeed']:.3f}; per round: median "
+              f"{statistics.median(rr):.3f}, {min(rr):.3f}-{max(rr):.3f} over {len(rr)}), cpus {res['cpus']}")  # fmt: skip
         return 0
     Path(args.out).write_text(json.dumps(_measure(args.config, args.steps, args.warmup)) + "\n")
     return 0
