@@ -5,7 +5,7 @@ The model follows the real roles step by step (DESIGN.md):
 * **Actors.** Each of ``num_actors`` engines runs ``groups_in_flight`` group workers. A worker takes
   an admission slot with the rule of :mod:`asyncrl.buffer.admission` (``admitted < (V + eta + 1) *
   groups_per_step * publish_every + credits``: groups per version, and with ``refuse_stale_weights`` the engine's weights must be at most
-  eta behind V), then its ``group_size`` completions decode in the engine; the group reaches the
+  eta behind V, now and at the version that will train the slot: ``slot_version``), then its ``group_size`` completions decode in the engine; the group reaches the
   buffer ``group_overhead_s`` after its last token (it starts decoding ``group_start_s`` after the
   admission: the round trip). With ``actors.admission_events`` (the default) a
   refused worker retries ``admission_wake_s`` after a hint (a publish, a credit) and, like the real
@@ -50,7 +50,7 @@ import random
 from collections import deque
 from typing import Any
 
-from asyncrl.buffer.admission import admission_bound_formula
+from asyncrl.buffer.admission import admission_bound_formula, slot_version
 
 from .engine_model import SimEngine, SimGroup
 from .inputs import LengthSampler, PlanInputs
@@ -138,10 +138,15 @@ class _Sim:
 
     def bound_allows(self, e: SimEngine) -> bool:
         p = self.p
+        gps = p.groups_per_step * p.publish_every
         if p.refuse_stale_weights and self.V - e.version > p.max_staleness:
             return False
-        return self.admitted < admission_bound_formula(
-            self.V, p.max_staleness, p.groups_per_step * p.publish_every, self.credits
+        if self.admitted >= admission_bound_formula(self.V, p.max_staleness, gps, self.credits):
+            return False
+        # The real script's second refusal: weights that would be too stale at the slot's training version.
+        return not (
+            p.refuse_stale_weights
+            and slot_version(self.admitted + 1, gps, self.credits) - e.version > p.max_staleness
         )
 
     def try_admit(self, e: SimEngine) -> None:

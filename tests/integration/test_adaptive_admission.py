@@ -36,11 +36,16 @@ def test_bound_in_redis_moves_admission(redis_client, run_name) -> None:
         assert _admit_all(buf) == 4
         buf.set_staleness_bound(99)  # above max_staleness: clipped to it, never looser
         assert _admit_all(buf) == 2 and buf.staleness_bound() == 4
-        # The sampler-weights check uses the adaptive bound too: at V = 4 and bound 1 (count bound
-        # (4 + 1 + 1) * 2 = 12, 10 admitted), weights v2 are too stale (4 - 2 > 1), v3 are not.
+        # The sampler-weights checks use the adaptive bound too: at V = 4 and bound 1 (count bound
+        # (4 + 1 + 1) * 2 = 12, 10 admitted), weights v2 are too stale now (4 - 2 > 1), and v3 would be
+        # at the version that trains slot 11 (ceil(11 / 2) - 1 = 5; 5 - 3 > 1); v4 are not. Under the
+        # ceiling 4, v3 would be 2 <= 4 stale there and is admitted.
         buf.set_version(4)
         buf.set_staleness_bound(1)
-        assert not buf.try_admit(sampler_version=2) and buf.try_admit(sampler_version=3)
+        assert not buf.try_admit(sampler_version=2) and not buf.try_admit(sampler_version=3)
+        assert buf.try_admit(sampler_version=4)
+        buf.set_staleness_bound(4)
+        assert buf.try_admit(sampler_version=3)
         buf.set_staleness_bound(None)
         assert buf.stats()["staleness_bound"] == 4
         # Exported with the buffer's gauges.

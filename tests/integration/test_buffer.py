@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from asyncrl.buffer import (
     encode,
     verify,
 )
+from asyncrl.buffer.admission import admission_bound_formula, slot_version
 from asyncrl.buffer.connection import redis_options as _redis_options
 from tests.conftest import small_group
 
@@ -394,6 +396,36 @@ def test_admission_refuses_samplers_whose_weights_are_too_stale(buffer):
     assert buffer.try_admit(0, 4, sampler_version=4) is False
     assert buffer.try_admit(1, 4) is True  # no sampler version: only the count bound applies
     assert buffer.stats()["admitted"] == 3
+
+
+def test_admission_refuses_weights_that_would_be_too_stale_at_the_slots_training_version(
+    buffer, redis_client
+) -> None:
+    """A publish opens the last groups_per_step slots of the window, trained at V + eta: a worker still
+    on v < V would sample a group that is dropped there (measured: a third of the demo's groups at
+    max_staleness 1). The script refuses it without using a slot; fresh weights take the slot."""
+    gps, eta = 4, 1
+    assert all(buffer.try_admit(eta, gps, sampler_version=0) for _ in range(4 + 4))  # slots 1-8: v0, v1
+    buffer.set_version(1)  # bound 12; slot 9 is trained at version 2
+    assert buffer.try_admit(eta, gps, sampler_version=0) is False
+    assert buffer.stats()["admitted"] == 8
+    assert buffer.try_admit(eta, gps, sampler_version=1) is True
+    buffer.credit(4)  # 4 dropped groups gave their slots back: slot 10 - 4 = 6 is trained at version 1
+    assert buffer.try_admit(eta, gps, sampler_version=0) is True
+    assert buffer.try_admit(eta, gps) is True  # no sampler version: only the count bound applies
+    # The script and slot_version agree on random states (the simulator uses slot_version).
+    rng = random.Random(7)
+    for _ in range(200):
+        version, eta, gps = rng.randrange(0, 6), rng.randrange(0, 4), rng.randrange(1, 5)
+        admitted, credits = rng.randrange(0, 40), rng.randrange(0, 6)
+        sampler = rng.randrange(max(0, version - eta - 1), version + 1)
+        redis_client.mset({buffer.keys.admitted: admitted, buffer.keys.credits: credits})
+        buffer.set_version(version)
+        under = admitted < admission_bound_formula(version, eta, gps, credits)
+        fresh = version - sampler <= eta and slot_version(admitted + 1, gps, credits) - sampler <= eta
+        assert buffer.try_admit(eta, gps, sampler_version=sampler) is (under and fresh), (
+            version, eta, gps, admitted, credits, sampler
+        )  # fmt: skip
 
 
 def test_slots_of_a_crashed_actor_are_reclaimed_as_credits(buffer, make_group):
