@@ -7,8 +7,9 @@ that may cost more than the group being scored (issue 12, "Failed tasks"):
   never stalls the event loop that drives the engine, the heartbeats and the weight swaps; a reward
   that returns an awaitable (``async def``) is awaited on the loop, the group's concurrently. One
   thread per group, not per completion: a thread start and its loop callback are ~0.1 ms on a busy
-  core, and the G of them sat between a synchronous step's last token and its buffer write. (A reward
-  that blocks on I/O should be ``async def`` to overlap its G calls.);
+  core, and the G of them sat between a synchronous step's last token and its buffer write. A call
+  that takes longer than ``SERIAL_MAX_S`` (a sandbox, a remote verifier) sends the rest of the group
+  to one thread each, so a slow synchronous reward costs about two calls' latency, not G;
 * the whole group gets ``task.reward_timeout_s``; past it, or on any exception or non-finite value,
   :meth:`RewardRunner.score` raises :class:`RewardFailure` with a reason and the actor drops the group
   (dead letter, admission credit returned, counter, log line) and goes on.
@@ -32,6 +33,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["RewardFailure", "RewardRunner", "InjectedRewardFault"]
+
+#: A reward call slower than this (s) makes the rest of its group run in parallel threads.
+SERIAL_MAX_S = 0.005
 
 
 class RewardFailure(Exception):
@@ -105,7 +109,15 @@ class RewardRunner:
         fns = [self._target() for _ in texts]  # one call each (the fault injection counts calls)
 
         def run_all() -> list[Any]:
-            return [fn(prompt, t) for fn, t in zip(fns, texts, strict=True)]
+            out: list[Any] = []
+            for i, (fn, t) in enumerate(zip(fns, texts, strict=True)):
+                t0 = time.perf_counter()
+                out.append(fn(prompt, t))
+                if time.perf_counter() - t0 > SERIAL_MAX_S and i + 1 < len(fns):
+                    # A slow synchronous reward (a sandbox, a remote verifier): the rest of the group
+                    # in parallel, as before, not G times its latency in turn.
+                    return out + self._concurrently(fns[i + 1 :], prompt, texts[i + 1 :])
+            return out
 
         values = await self._in_thread(run_all)
         # Awaitables (async rewards) run concurrently on the loop.
@@ -114,6 +126,38 @@ class RewardRunner:
         values = [next(done) if inspect.isawaitable(v) else v for v in values]
         task, pid = getattr(self.task, "name", "task"), getattr(prompt, "prompt_id", "?")
         return [_finite(v, task, pid) for v in values]
+
+    def _concurrently(
+        self, fns: Sequence[Callable[..., Any]], prompt: Any, texts: Sequence[str]
+    ) -> list[Any]:
+        """Run ``fns[i](prompt, texts[i])`` each in its own daemon thread and wait for all (from the
+        group's thread; the group's timeout is enforced by the awaiting coroutine). The first exception,
+        in order, is raised."""
+        results: list[tuple[bool, Any]] = [(False, None)] * len(fns)
+
+        def run(i: int) -> None:
+            with self._lock:
+                self.running += 1
+            try:
+                results[i] = (True, fns[i](prompt, texts[i]))
+            except BaseException as e:
+                results[i] = (False, e)
+            finally:
+                with self._lock:
+                    self.running -= 1
+
+        threads = [
+            threading.Thread(target=run, args=(i,), name="asyncrl-reward", daemon=True)
+            for i in range(len(fns))
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for ok, value in results:
+            if not ok:
+                raise value
+        return [value for _, value in results]
 
     def _in_thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         loop = asyncio.get_running_loop()

@@ -158,3 +158,40 @@ def test_a_group_is_scored_in_one_thread_off_the_loop_and_async_rewards_overlap(
     assert out == [1.0, 2.0, 5.0, 3.0, 5.0, 5.0]
     assert len(seen) == 6 and len(set(seen)) == 1 and seen[0] != loop_thread
     assert took < 0.25  # three 100 ms async rewards overlapped (in turn they would take >= 0.3 s)
+
+
+def test_a_slow_synchronous_reward_runs_the_rest_of_its_group_in_parallel() -> None:
+    """A reward call slower than SERIAL_MAX_S (a sandbox, a remote verifier) does not make the group
+    take G times its latency: the remaining calls run one thread each; an exception among them still
+    fails the group with its reason."""
+    import threading
+
+    from asyncrl.actors.rewards import SERIAL_MAX_S
+
+    seen: set[int] = set()
+    lock = threading.Lock()
+
+    class Slow(LengthTask):
+        def reward(self, prompt: Prompt, text: str):
+            with lock:
+                seen.add(threading.get_ident())
+            time.sleep(0.1)
+            if text == "boom":
+                raise RuntimeError("sandbox died")
+            return super().reward(prompt, text)
+
+    assert SERIAL_MAX_S < 0.1
+    t0 = time.perf_counter()
+    assert score(RewardRunner(Slow(), 5.0), ["a", "bb", "ccc", "dddd", "eeeee", "ffffff"]) == [
+        1.0,
+        2.0,
+        3.0,
+        4.0,
+        5.0,
+        6.0,
+    ]
+    took = time.perf_counter() - t0
+    assert 0.19 <= took < 0.45, took  # the first call, then the other five together (in turn: >= 0.6 s)
+    assert len(seen) == 6  # the group's thread and one per remaining call
+    with pytest.raises(RewardFailure, match="RuntimeError: sandbox died"):
+        score(RewardRunner(Slow(), 5.0), ["a", "boom", "ccc"])
