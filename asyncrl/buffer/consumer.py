@@ -278,6 +278,19 @@ class StreamConsumer:
             args += [entry_id, reason, data[:DEAD_DATA_LIMIT], len(data)]
         return int(self._drop_script(keys=[k.rollouts, k.credits, k.dead], args=args))
 
+    def pending_of(self, consumer: str, entry_ids: Iterable[str]) -> set[str]:
+        """The ``entry_ids`` still pending to ``consumer`` (delivered, never acknowledged): its next
+        :meth:`read` returns them again. One XPENDING per id, pipelined (exact, whatever else is pending)."""
+        ids = list(dict.fromkeys(entry_ids))
+        if not ids:
+            return set()
+        pipe = self._client.pipeline(transaction=False)
+        for i in ids:
+            pipe.xpending_range(
+                self.keys.rollouts, self.group_name, min=i, max=i, count=1, consumername=consumer
+            )
+        return {i for i, rows in zip(ids, pipe.execute(), strict=True) if rows}
+
     def ack(self, entry_ids: Iterable[str]) -> int:
         """Acknowledge and delete entries (atomically); returns how many were pending."""
         ids = list(entry_ids)

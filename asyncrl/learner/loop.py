@@ -34,6 +34,7 @@ recorded, their staleness is counted against the new V, and the usual drop bound
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -167,7 +168,7 @@ def learn(
                 r0.buffer.ack(state.entry_ids)  # committed but maybe not acknowledged before a crash
             r0.ledger.extend(state.trained_ids)
             if skipped:
-                _credit_lost(r0, state.step, max(s.step for s in skipped))
+                _credit_lost(r0, state.consumer, state.step, max(s.step for s in skipped))
             r0.writer.truncate_after(state.step)
             pub = r0.published_max()
             if pub < state.version or (pub == state.version and not r0.publisher.usable(state.version)):
@@ -271,15 +272,27 @@ def learn(
             r0.buffer.close()
 
 
-def _credit_lost(r0: Rank0, restored: int, newest: int) -> None:
-    """Credit back the groups trained in steps (restored, newest]: they were acknowledged when the
-    checkpoint of step ``newest`` committed, and that checkpoint turned out not to load."""
-    lost = r0.writer.ledger_groups(restored, newest)
-    log.warning("fell back to the checkpoint of step %d: %d groups trained in steps %d-%d are lost with the "
-                "checkpoint that did not load (already acknowledged); their admission slots are credited back",
-                restored, len(lost), restored + 1, newest)  # fmt: skip
+def _credit_lost(r0: Rank0, consumer: str, restored: int, newest: int) -> None:
+    """Credit back the groups trained in steps (restored, newest] that are lost with the checkpoint of
+    step ``newest``, which turned out not to load.
+
+    Lost are only those whose entries were acknowledged (the ack follows the commit). A crash between
+    the commit and the ack leaves them pending to this consumer: its next read returns them and they
+    are trained again in the new lineage, so their slots are still in use. Crediting those too would
+    count them twice (seen in the chaos test: a SIGSTOP right after the commit of step 6 left steps 5-6
+    pending, and the admission ledger came out 8 slots over). The credit's request id names the lost
+    entries, so a crash and second fall-back before the ledger is truncated does not repeat it.
+    """
+    rows = r0.writer.ledger_entries(restored, newest)
+    pending = r0.buffer.pending_of(consumer, [e for _, e in rows])
+    lost = sorted(g for g, e in rows if e not in pending)
+    log.warning("fell back to the checkpoint of step %d: of the %d groups trained in steps %d-%d, %d are lost "
+                "with the checkpoint that did not load (already acknowledged; their admission slots are "
+                "credited back) and %d were never acknowledged (they are trained again)",
+                restored, len(rows), restored + 1, newest, len(lost), len(rows) - len(lost))  # fmt: skip
     if lost:
-        r0.buffer.credit(len(lost))
+        digest = hashlib.sha256("\n".join(lost).encode()).hexdigest()[:24]
+        r0.buffer.credit(len(lost), request_id=f"lost:{digest}")
 
 
 def _checkpoint(

@@ -175,11 +175,11 @@ class MetricsWriter:
         if any(int(r.get("step", 0)) > step for r in metrics):
             self._rewrite(METRICS_FILE, [r for r in metrics if int(r.get("step", 0)) <= step], True)
 
-    def ledger_groups(self, after: int, upto: int) -> list[str]:
-        """Group ids the ledger lists for steps ``after < step <= upto`` (each once)."""
-        ids = (g for r in read_jsonl(self.dir / LEDGER_FILE) if after < int(r.get("step", 0)) <= upto
-               for g in r.get("group_ids", []))  # fmt: skip
-        return list(dict.fromkeys(ids))
+    def ledger_entries(self, after: int, upto: int) -> list[tuple[str, str]]:
+        """(group id, stream entry id) pairs the ledger lists for steps ``after < step <= upto``, each once."""
+        pairs = (p for r in read_jsonl(self.dir / LEDGER_FILE) if after < int(r.get("step", 0)) <= upto
+                 for p in zip(r.get("group_ids", []), r.get("entry_ids", []), strict=False))  # fmt: skip
+        return list(dict.fromkeys(pairs))
 
     def _rewrite(self, name: str, rows: list[dict[str, Any]], sort_keys: bool) -> None:
         path = self.dir / name

@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +23,8 @@ import torch
 from asyncrl.buffer import ReplayBuffer, encode
 from asyncrl.learner.checkpoint import TrainedLedger, read_latest
 from asyncrl.learner.logprobs import load_hf_model
-from asyncrl.learner.loop import learn
-from asyncrl.learner.records import DISCARDED_FILE, LEDGER_FILE, METRICS_FILE, read_jsonl
+from asyncrl.learner.loop import _credit_lost, learn
+from asyncrl.learner.records import DISCARDED_FILE, LEDGER_FILE, METRICS_FILE, MetricsWriter, read_jsonl
 from asyncrl.tinymodel import resolve_model_path
 from tests.integration.learner_helpers import dist_env, sample_groups, tiny_config
 
@@ -107,7 +108,7 @@ def test_redelivered_groups_are_not_retrained_and_a_corrupt_checkpoint_falls_bac
     with _warnings() as msgs:
         state = learn(cfg, rdir, resume=True)
     assert any("step00000004" in m and "falling back" in m for m in msgs), msgs
-    assert any("2 groups trained in steps 4-4 are lost" in m for m in msgs), msgs
+    assert any("of the 2 groups trained in steps 4-4, 2 are lost" in m for m in msgs), msgs
     # Restored step 3, then trained steps 4 and 5 of the new lineage on the 4 new groups.
     assert state.step == 5
     assert [p.name.split(".")[0] for p in (rdir / "checkpoints").glob("step00000004.corrupt-*")] == [
@@ -126,6 +127,39 @@ def test_redelivered_groups_are_not_retrained_and_a_corrupt_checkpoint_falls_bac
     st = buf.stats()
     # The 2 groups lost with step 4's checkpoint give their admission slots back.
     assert st["depth"] == 0 and st["pending"] == 0 and st["credits"] == credits + 2
+    buf.delete_run()
+
+
+def test_a_fallback_credits_only_the_groups_whose_entries_were_acknowledged(
+    redis_client, run_name, tmp_path, make_group
+) -> None:
+    """The checkpoint of step 6 commits, the learner dies before acknowledging step 6's entries, and that
+    checkpoint then does not load (fall-back to step 4). Step 5's groups were acknowledged: they are lost
+    and their slots come back as credits. Step 6's are still pending to the consumer: the restarted
+    learner reads and trains them again, so crediting them too would count their slots twice.
+    """
+    buf = ReplayBuffer(redis_client, run_name)
+    groups = [make_group() for _ in range(8)]
+    ids = [buf.put(g) for g in groups]
+    got = buf.read("learner", 8, block_ms=None)
+    assert [e.entry_id for e in got] == ids
+    writer = MetricsWriter(tmp_path, "s")
+    writer.ledger(5, 5, [g.group_id for g in groups[:4]], ids[:4])
+    writer.ledger(6, 6, [g.group_id for g in groups[4:]], ids[4:])
+    assert buf.ack(ids[:4]) == 4  # step 5's ack happened; step 6's did not
+    r0 = SimpleNamespace(buffer=buf, writer=writer)  # the two parts of Rank0 the fall-back uses
+    credits = buf.stats()["credits"]
+    with _warnings() as msgs:
+        _credit_lost(r0, "learner", 4, 6)
+    assert any("of the 8 groups trained in steps 5-6, 4 are lost" in m and "4 were never acknowledged" in m
+               for m in msgs), msgs  # fmt: skip
+    assert buf.stats()["credits"] == credits + 4
+    # A second fall-back before the ledger was truncated (a crash in between) credits nothing again.
+    _credit_lost(r0, "learner", 4, 6)
+    assert buf.stats()["credits"] == credits + 4
+    # A fresh reader (the restarted learner) gets step 6's entries back first: they are trained again.
+    restarted = ReplayBuffer(redis_client, run_name)
+    assert [e.entry_id for e in restarted.read("learner", 8, block_ms=None)] == ids[4:]
     buf.delete_run()
 
 
