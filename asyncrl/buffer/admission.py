@@ -28,6 +28,20 @@ tombstone if the write has not run (so it never will), and an admission that did
 (the caller never used that slot). Without this a late admission would hold a slot nobody uses and a
 late credit could repeat one that a reclaim already made.
 
+Forks (a learner resumed from an older checkpoint while newer versions were published): it
+publishes the restored weights as ``max published + 1`` (asyncrl.learner.loop), so V jumps ahead of
+the steps the slots count by J = that version - the checkpoint's. The groups of the discarded steps
+are either trained again (still pending) or credited as lost, so the slot count is that of the
+checkpoint's step: without a correction the window would stay J * groups_per_step slots too wide for
+the rest of the run (measured in the chaos test: a fork of 3 versions, 4 groups dropped as stale every
+second step from then on, 396 in 200 steps). The learner therefore sets the run's total skew (the sum
+of its forks, carried in its checkpoints) and :meth:`Admission.set_version_skew` debits the credits
+by the change times the groups per version, in one script: the bound and :func:`slot_version` then
+count on the new version axis, and the admission ledger reads
+``admitted = credits + skew * groups_per_version + in flight + in the stream + trained``. Setting an
+absolute total (not adding a delta) makes it idempotent: a learner that crashes again and forks from
+the same checkpoint sets its own total, and a debit made by a discarded fork is undone.
+
 Wake-ups (no fixed poll): everything that can raise the bound — a credit, a reclaim, a settled
 admission given back, a dropped or dead-lettered group, a new version, a new adaptive bound — also
 PUBLISHes a hint on the run's admission channel (inside the same script where it is one, after the
@@ -195,6 +209,19 @@ end
 return 0
 """
 
+# KEYS: credits, version_skew. ARGV: total skew, groups per version, admission channel. Sets the skew and
+# moves the credits by -(change * groups per version) (see "Forks" in the module doc); returns the change.
+SKEW_LUA = f"""
+local old = tonumber(redis.call('GET', KEYS[2]) or '0')
+local change = tonumber(ARGV[1]) - old
+if change ~= 0 then
+  redis.call('INCRBY', KEYS[1], -change * tonumber(ARGV[2]))
+  redis.call('SET', KEYS[2], ARGV[1])
+  {wake_lua("ARGV[3]", "skew")}
+end
+return change
+"""
+
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
 
 
@@ -211,6 +238,7 @@ class Admission:
         self._reclaim = client.register_script(RECLAIM_LUA)
         self._credit = client.register_script(CREDIT_LUA)
         self._settle = client.register_script(SETTLE_LUA)
+        self._skew = client.register_script(SKEW_LUA)
         self._uncertain: list[tuple[str, str, str]] = []  # (kind, dedup key, owner)
         self._uncertain_lock = threading.Lock()
 
@@ -331,6 +359,21 @@ class Admission:
         else:
             self._client.set(self._keys.staleness_bound, bound)
         self.wake("bound")  # it may have loosened
+
+    def set_version_skew(self, skew: int, groups_per_version: int) -> int:
+        """Set the run's version skew (the versions its learner's forks skipped, in total) and move the
+        credits by the change times ``groups_per_version`` (module doc, "Forks"); returns the change.
+        Idempotent: the same total twice changes nothing the second time."""
+        for name, v, lo in (("version skew", skew, 0), ("groups per version", groups_per_version, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        k = self._keys
+        return int(
+            self._skew(keys=[k.credits, k.version_skew], args=[skew, groups_per_version, k.admission_channel])
+        )
+
+    def version_skew(self) -> int:
+        return int(self._client.get(self._keys.version_skew) or 0)
 
     def wake(self, event: str) -> int:
         """Publish an admission hint (after a write that may raise the bound); returns the receivers."""

@@ -99,6 +99,11 @@ class Keys:
         return self._k("staleness_bound")
 
     @property
+    def version_skew(self) -> str:
+        """Versions the learner skipped by forking on resume (admission.py, "Forks"); unset = 0."""
+        return self._k("version_skew")
+
+    @property
     def weights(self) -> str:
         return self._k("weights")
 
@@ -142,6 +147,7 @@ class Keys:
             self.credits,
             self.inflight,
             self.staleness_bound,
+            self.version_skew,
             self.weights,
             self.actors,
             self.learner,

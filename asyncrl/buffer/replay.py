@@ -210,15 +210,15 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
     def stats(self) -> dict[str, Any]:
         """depth (stream length), pending, dead, admitted, credits, version, bound and staleness_bound
         (the staleness admission applies: max_staleness or the adaptive bound; both None when the
-        buffer was opened without admission settings)."""
+        buffer was opened without admission settings), version_skew (the learner's forks, admission.py)."""
         k = self.keys
         pipe = self._client.pipeline(transaction=True)
         pipe.xlen(k.rollouts)
         pipe.xpending(k.rollouts, self.group_name)
         pipe.xlen(k.dead)
-        for key in (k.version, k.admitted, k.credits, k.staleness_bound):
+        for key in (k.version, k.admitted, k.credits, k.staleness_bound, k.version_skew):
             pipe.get(key)  # GETs, not MGET: a cluster pipeline refuses MGET (same slot and MULTI, so atomic)
-        depth, pending, dead, version, admitted, credits, adaptive = pipe.execute()
+        depth, pending, dead, version, admitted, credits, adaptive, skew = pipe.execute()
         version, admitted, credits = int(version or 0), int(admitted or 0), int(credits or 0)
         bound = eta = None
         if self._max_staleness is not None and self._groups_per_step is not None:
@@ -235,6 +235,7 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
             "version": version,
             "bound": bound,
             "staleness_bound": eta,
+            "version_skew": int(skew or 0),
         }
 
     # ------------------------------------------------------------------ version + admission
@@ -248,6 +249,11 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         self._client.set(self.keys.version, version)
         self._admission.wake("version")
+
+    def set_version_skew(self, skew: int, groups_per_version: int) -> int:
+        """The learner's forks in total (admission.py, "Forks"): keeps the admission window on the new
+        version axis. Returns the change applied."""
+        return self._admission.set_version_skew(skew, groups_per_version)
 
     def subscribe_admission(self, confirm_timeout: float = 5.0) -> AdmissionEvents:
         """Wake-up hints for a refused admission (credits, versions, bounds); active once it returns."""

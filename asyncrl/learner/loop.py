@@ -179,8 +179,15 @@ def learn(
                             pub, state.version, action)  # fmt: skip
             else:
                 r0.buffer.set_version(state.version)
+            # Before the fork's version is published: the window must not widen by the jump meanwhile.
+            # Set on every start (not only on a fork): the total is the checkpoint's, so a debit made by
+            # a fork whose lineage was discarded again is undone.
+            jump = 0 if action is None else action - state.version
+            gpv = cfg.buffer.groups_per_step * cfg.learner.publish_every
+            r0.buffer.set_version_skew(state.version_skew + jump, gpv)
         action = broadcast(action, world)
         if action is not None:
+            state.version_skew += action - state.version
             _publish(le, r0, action)
             state.version = action
         marks["weights_published"] = time.time()

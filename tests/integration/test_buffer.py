@@ -428,6 +428,29 @@ def test_admission_refuses_weights_that_would_be_too_stale_at_the_slots_training
         )  # fmt: skip
 
 
+def test_a_learner_fork_keeps_the_admission_window_on_the_new_version_axis(buffer) -> None:
+    """A learner resumed from the checkpoint of v2 while v3 was published forks to v4 (a jump of 2): the
+    slots still count step 2, so without the skew debit the window would be 2 versions wider for good."""
+    gps, eta = 4, 1
+    buffer.set_version(2)  # the checkpoint's version (the steps the slots count): bound (2+1+1)*4 = 16
+    assert all(buffer.try_admit(eta, gps, sampler_version=2) for _ in range(16))
+    window = buffer.admission_bound(eta, gps)
+    assert window == 16 and buffer.try_admit(eta, gps, sampler_version=2) is False
+    assert buffer.set_version_skew(2, gps) == 2  # fork 2 -> 4: debit before publishing v4
+    buffer.set_version(4)
+    st = buffer.stats()
+    assert (st["version_skew"], st["credits"], st["admitted"]) == (2, -8, 16)
+    assert buffer.admission_bound(eta, gps) == window  # same window, counted on the new axis
+    assert buffer.try_admit(eta, gps, sampler_version=4) is False
+    # Slot 17 (step 5's first) is trained at v4 before the fork, v6 on the new axis.
+    assert slot_version(17, gps, 0) == 4 and slot_version(17, gps, st["credits"]) == 6
+    assert buffer.set_version_skew(2, gps) == 0 and buffer.stats()["credits"] == -8  # idempotent
+    # A later resume from a checkpoint that predates the fork sets its own total: the debit is undone.
+    assert buffer.set_version_skew(0, gps) == -2 and buffer.stats()["credits"] == 0
+    with pytest.raises(ValueError, match="version skew"):
+        buffer.set_version_skew(-1, gps)
+
+
 def test_slots_of_a_crashed_actor_are_reclaimed_as_credits(buffer, make_group):
     g = 2
     assert all(buffer.try_admit(0, g, owner="actor-0") for _ in range(2))

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from asyncrl.buffer import ReplayBuffer
+from asyncrl.buffer.admission import admission_bound_formula
 from asyncrl.config import to_yaml
 from asyncrl.learner.batching import plan_mini_batch
 from asyncrl.learner.checkpoint import read_latest
@@ -203,6 +204,12 @@ def test_kill9_between_checkpoints_then_resume_trains_each_group_once(
     assert buf.manifest_versions() == [6, 7, 8]  # keep_versions = 3
     stats = buf.stats()
     assert stats["pending"] == 0 and stats["depth"] == 0
+    # The fork skipped v3 (a jump of 2 from the checkpoint's v2): admission debits 2 versions' worth of
+    # slots, so its window is that of an unforked run at step 6, not 2 versions (4 groups) wider.
+    assert stats["version_skew"] == 2 and stats["credits"] == -2 * 2
+    eta = cfg.buffer.max_staleness
+    assert admission_bound_formula(stats["version"], eta, 2, stats["credits"]) == (state.step + eta + 1) * 2
+    assert read_latest(rdir)[1].version_skew == 2  # carried by the checkpoint
     assert [r["step"] for r in read_jsonl(rdir / METRICS_FILE)] == [1, 2, 3, 4, 5, 6]
     buf.delete_run()
 
