@@ -14,7 +14,9 @@ The plan (``run.cpu_binding=auto`` when no GPU is visible and the run owns this 
   binds itself to its block (:func:`bind_from_env`, so the engine core and worker processes it spawns
   inherit it) and its engine's OpenMP threads get the block through ``VLLM_CPU_OMP_THREADS_BIND``
   (one ``|``-separated list per worker rank, vLLM 0.32's format), keeping vLLM's rule of leaving a
-  block's last core to the scheduler process when the block has more than one core.
+  block's last core to the scheduler process when the block has more than one core;
+* once its engine is up, the actor process itself (vLLM's front end) may move elsewhere
+  (``run.actor_frontend_cpus``, :func:`frontend_cpus`); the engine's processes keep the block.
 
 Invariant: the learner's cores and the engines' cores are disjoint whenever the plan exists.
 This module is stdlib only (the orchestrator imports it before Ray, torch or vLLM).
@@ -39,10 +41,14 @@ __all__ = [
     "bind_process",
     "cpulist",
     "ENV_CPUS",
+    "ENV_FRONTEND_CPUS",
+    "frontend_cpus",
 ]
 
 #: Cores an actor process binds itself to (set per actor slot in its Ray runtime_env).
 ENV_CPUS = "ASYNCRL_CPUS"
+#: Cores an actor process moves to once its engine is up, when not its engine's (run.actor_frontend_cpus).
+ENV_FRONTEND_CPUS = "ASYNCRL_FRONTEND_CPUS"
 
 
 def cpulist(cpus: Sequence[int]) -> str:
@@ -96,16 +102,40 @@ def resolve_plan(cfg: Any) -> CpuPlan | None:
     return plan_cpus(cores, cfg.actors.num_actors, cfg.run.learner_cpus)
 
 
-def engine_env(cpus: Sequence[int], ranks: int = 1) -> dict[str, str]:
-    """Environment of an actor bound to ``cpus`` whose engine has ``ranks`` worker processes."""
+def frontend_cpus(plan: CpuPlan, slot: int, where: str) -> tuple[int, ...]:
+    """The cores actor slot ``slot``'s own process moves to once its engine is up (``run.actor_frontend_cpus``).
+
+    Measured on the demo (2 cores, max_staleness 1, CPU time per learner step): the engine-core process
+    51 ms and the actor process (vLLM's front end, rewards, Redis) 23 ms share core 0, which is then
+    saturated, while the learner uses 40 ms of core 1 and waits the rest. ``learner`` moves the front end
+    there: generation gets core 0 alone, and the learner shares its core.
+    """
+    if where == "engine":
+        return plan.engine(slot)
+    if where == "learner":
+        return plan.learner
+    if where == "all":
+        return tuple(sorted({*plan.learner, *(c for b in plan.engines for c in b)}))
+    raise ConfigError(f"run.actor_frontend_cpus={where!r}; allowed: engine, learner, all")
+
+
+def engine_env(cpus: Sequence[int], ranks: int = 1, frontend: Sequence[int] | None = None) -> dict[str, str]:
+    """Environment of an actor bound to ``cpus`` whose engine has ``ranks`` worker processes; ``frontend``:
+    the cores its own process moves to once the engine is up (default: stay on ``cpus``)."""
     omp = list(cpus[:-1]) if len(cpus) > ranks else list(cpus)  # vLLM's rule: the scheduler keeps one
     per_rank = [omp[r::ranks] or omp for r in range(ranks)]
-    return {ENV_CPUS: cpulist(cpus), "VLLM_CPU_OMP_THREADS_BIND": "|".join(cpulist(p) for p in per_rank)}
+    env = {ENV_CPUS: cpulist(cpus), "VLLM_CPU_OMP_THREADS_BIND": "|".join(cpulist(p) for p in per_rank)}
+    if frontend is not None and tuple(frontend) != tuple(cpus):
+        env[ENV_FRONTEND_CPUS] = cpulist(frontend)
+    return env
 
 
-def bind_from_env() -> tuple[int, ...] | None:
-    """Bind this process (and so every process it starts later) to ``$ASYNCRL_CPUS``, if set."""
-    spec = os.environ.get(ENV_CPUS, "")
+def bind_from_env(var: str = ENV_CPUS) -> tuple[int, ...] | None:
+    """Bind this process (and so every process it starts later) to the cores in ``$var``, if set.
+
+    An actor binds to ``$ASYNCRL_CPUS`` before it starts an engine (the engine's processes inherit it)
+    and to ``$ASYNCRL_FRONTEND_CPUS`` after; a later engine restart binds to the first again first."""
+    spec = os.environ.get(var, "")
     if not spec:
         return None
     cpus = tuple(int(c) for c in spec.split(","))

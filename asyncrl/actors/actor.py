@@ -300,7 +300,12 @@ class RolloutActor(GroupProduction, VersionWatching):
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         # The start-up takes ~25 s on CPU: build in a thread so that stats/stop stay responsive.
         # AsyncLLM binds its output handler to the loop lazily, on first use from this loop.
+        from asyncrl.cpu_binding import ENV_FRONTEND_CPUS, bind_from_env
+
+        self.cpus = bind_from_env()  # a restarted engine inherits the engine's cores, not the front end's
         self.engine = await asyncio.to_thread(Engine.from_config, self.cfg, self.model_path)
+        # Its processes are up on the engine's cores: this process (the front end) may move now.
+        self.cpus = bind_from_env(ENV_FRONTEND_CPUS) or self.cpus
         if self.cfg.learner.weight_transport == "nccl":  # a new engine joins the learner's next group
             a = self.cfg.actors
             self.receiver = NcclReceiver(

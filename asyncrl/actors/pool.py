@@ -159,11 +159,12 @@ class ActorPool:
         (the actor binds itself to them at start; its engine's OpenMP threads get them from vLLM)."""
         env = actor_runtime_env()
         if self.cpu_plan is not None:
-            from asyncrl.cpu_binding import engine_env
+            from asyncrl.cpu_binding import engine_env, frontend_cpus
 
             a = self.cfg.actors
+            front = frontend_cpus(self.cpu_plan, i, self.cfg.run.actor_frontend_cpus)
             env["env_vars"].update(
-                engine_env(self.cpu_plan.engine(i), a.tensor_parallel_size * a.pipeline_parallel_size)
+                engine_env(self.cpu_plan.engine(i), a.tensor_parallel_size * a.pipeline_parallel_size, front)
             )
         return env
 

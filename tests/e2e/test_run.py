@@ -108,8 +108,26 @@ def _threads_cpus(pid: int) -> set[int]:
     return cpus
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or shutil.which("nvidia-smi") is not None,
-                    reason="run.cpu_binding=auto binds only on a CPU-only machine with >= 2 cores")  # fmt: skip
+def _roles(marker: str) -> dict[str, list[int]]:
+    """pids of the run's learner, vLLM engine-core and actor processes, found by the run's marker."""
+    roles: dict[str, list[int]] = {}
+    for entry in processes_with_marker(marker):
+        pid = int(entry.split(":")[0])
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        role = ("learner" if "asyncrl.cli learn" in entry else "worker" if comm == "VLLM::Worker"
+                else "engine_core" if comm.startswith("VLLM::EngineCor") else "actor" if "RayRollout" in comm
+                else None)  # fmt: skip
+        if role:
+            roles.setdefault(role, []).append(pid)
+    assert set(roles) == {"learner", "engine_core", "actor"}, roles
+    return roles
+
+
+BINDS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or shutil.which("nvidia-smi") is not None,
+                           reason="run.cpu_binding=auto binds only on a CPU-only machine with >= 2 cores")  # fmt: skip
+
+
+@BINDS
 def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
     """run.cpu_binding=auto (the default): every thread of the learner on its cores, every thread of the
     actor and vLLM engine-core processes on the engine's, read from /proc of the live processes. The
@@ -119,16 +137,7 @@ def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
     rdir, proc = live_run["dir"], live_run["proc"]
     wait_for(lambda: read_jsonl(rdir / "metrics.jsonl"), 420, "the first learner step", proc, live_run["log"])
     plan = plan_cpus(sorted(os.sched_getaffinity(0)), 1)
-    roles: dict[str, list[int]] = {}
-    for entry in processes_with_marker(live_run["marker"]):
-        pid = int(entry.split(":")[0])
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        role = ("learner" if "asyncrl.cli learn" in entry else "worker" if comm == "VLLM::Worker"
-                else "engine_core" if comm.startswith("VLLM::EngineCor") else "actor" if "RayRollout" in comm
-                else None)  # fmt: skip
-        if role:
-            roles.setdefault(role, []).append(pid)
-    assert set(roles) == {"learner", "engine_core", "actor"}, roles
+    roles = _roles(live_run["marker"])
     assert _threads_cpus(roles["learner"][0]) == set(plan.learner)
     for role in ("actor", "engine_core"):
         for pid in roles[role]:
@@ -136,6 +145,34 @@ def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
     # (The engine core's /proc environ is not read: vLLM's process title overwrites it.)
     learner_env = Path(f"/proc/{roles['learner'][0]}/environ").read_text().split("\0")
     assert f"OMP_NUM_THREADS={len(plan.learner)}" in learner_env
+
+
+@BINDS
+def test_the_actor_front_end_moves_to_the_learners_cores_and_its_engine_stays(tmp_path):
+    """run.actor_frontend_cpus=learner: once the engine is up, every thread of the actor process (vLLM's
+    front end) runs on the learner's cores, the engine core keeps the engine's, and the run trains."""
+    from asyncrl.cpu_binding import plan_cpus
+
+    rdir, marker, log = tmp_path / "run", uuid.uuid4().hex, tmp_path / "run.log"
+    cmd = asyncrl_cmd("run", "--config", str(ROOT / "configs" / "default.yaml"), f"run.dir={rdir}",
+                      "run.max_steps=3", "run.max_wall_s=300", "run.progress=false",
+                      "run.actor_frontend_cpus=learner")  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=marked_env(marker), stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
+    try:
+        wait_for(lambda: read_jsonl(rdir / "metrics.jsonl"), 420, "the first learner step", proc, log)
+        plan = plan_cpus(sorted(os.sched_getaffinity(0)), 1)
+        roles = _roles(marker)
+        assert _threads_cpus(roles["learner"][0]) == set(plan.learner)
+        assert _threads_cpus(roles["actor"][0]) == set(plan.learner)
+        assert _threads_cpus(roles["engine_core"][0]) == set(plan.engine(0))
+        assert proc.wait(300) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [r["step"] for r in read_jsonl(rdir / "metrics.jsonl")] == [1, 2, 3]
+    assert not wait_no_orphans(marker)
 
 
 def test_every_dashboard_query_returns_data_from_a_live_run(live_run):

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.cpu_binding import ENV_CPUS, engine_env, plan_cpus, resolve_plan
+from asyncrl.cpu_binding import (
+    ENV_CPUS,
+    ENV_FRONTEND_CPUS,
+    engine_env,
+    frontend_cpus,
+    plan_cpus,
+    resolve_plan,
+)
 
 
 @pytest.mark.parametrize(
@@ -105,3 +112,45 @@ def test_bind_from_env_binds_every_thread_and_later_children(tmp_path) -> None:
         proc.kill()
         proc.wait()
         subprocess.run(["kill", "-9", str(child)], check=False)
+
+
+def test_frontend_cpus_and_its_env() -> None:
+    plan = plan_cpus([0, 1, 2, 3], 2, learner_cpus=1)  # engines (0,), (1, 2); learner (3,)
+    assert frontend_cpus(plan, 1, "engine") == (1, 2)
+    assert frontend_cpus(plan, 1, "learner") == (3,)
+    assert frontend_cpus(plan, 0, "all") == (0, 1, 2, 3)
+    with pytest.raises(ConfigError, match=r"run.actor_frontend_cpus='gpu'; allowed: engine, learner, all"):
+        frontend_cpus(plan, 0, "gpu")
+    assert ENV_FRONTEND_CPUS not in engine_env((1, 2), frontend=(1, 2))  # same cores: nothing to move
+    assert engine_env((1, 2), frontend=(3,))[ENV_FRONTEND_CPUS] == "3"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell them apart")
+def test_the_front_end_moves_after_its_engine_started_and_the_engine_stays(tmp_path) -> None:
+    """As an actor does: bind to the engine's core, start a child (the engine core process), then move to
+    the front end's core. The child keeps the engine's core; the parent's threads all move."""
+    engine, front = sorted(os.sched_getaffinity(0))[:2]
+    script = (
+        "import subprocess, sys, threading, time\n"
+        "from asyncrl.cpu_binding import ENV_FRONTEND_CPUS, bind_from_env\n"
+        "ev = threading.Event()\n"
+        "threading.Thread(target=ev.wait).start()\n"
+        "bind_from_env()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+        "bind_from_env(ENV_FRONTEND_CPUS)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    env = dict(os.environ, **engine_env((engine,), frontend=(front,)))
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        child = int(proc.stdout.readline())
+        time.sleep(0.2)
+        assert _allowed(proc.pid) == {str(front)}
+        assert _allowed(child) == {str(engine)}
+    finally:
+        proc.kill()
+        proc.wait()
+        if child:
+            subprocess.run(["kill", "-9", str(child)], check=False)
