@@ -95,7 +95,17 @@ BUFFER_METRICS: tuple[Metric, ...] = (
         "asyncrl_buffer_admitted_groups", "gauge", "Groups admitted so far (admission counter).", "admitted"
     ),
     Metric(
-        "asyncrl_buffer_credits_groups", "gauge", "Admission credits returned for dropped groups.", "credits"
+        "asyncrl_buffer_credits_groups",
+        "gauge",
+        "Admission credits: groups given back (dropped, aborted, reclaimed, lost), less a learner fork's debit "
+        "(version skew x groups per version; may be negative).",
+        "credits",
+    ),
+    Metric(
+        "asyncrl_buffer_version_skew_versions",
+        "gauge",
+        "Versions the learner skipped by forking on resume, in total (admission counts on the new axis).",
+        "version_skew",
     ),
     Metric("asyncrl_buffer_admission_bound_groups", "gauge", "Current admission bound.", "bound"),
     Metric(
