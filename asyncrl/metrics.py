@@ -104,7 +104,8 @@ BUFFER_METRICS: tuple[Metric, ...] = (
     Metric(
         "asyncrl_buffer_version_skew_versions",
         "gauge",
-        "Versions the learner skipped by forking on resume, in total (admission counts on the new axis).",
+        "Versions minus learner steps: versions skipped by forks on resume, less steps that published nothing "
+        "(learner.publish_policy=taken); admission counts on this axis.",
         "version_skew",
     ),
     Metric("asyncrl_buffer_admission_bound_groups", "gauge", "Current admission bound.", "bound"),

@@ -42,6 +42,15 @@ count on the new version axis, and the admission ledger reads
 absolute total (not adding a delta) makes it idempotent: a learner that crashes again and forks from
 the same checkpoint sets its own total, and a debit made by a discarded fork is undone.
 
+Steps without a publication (``learner.publish_policy=taken``: the learner publishes only once the
+actors serve the previous version): the learner still consumes ``groups_per_step`` groups per step, so
+a window counted in versions would stop moving while the learner drains it, and the learner would
+starve waiting for data that admission no longer lets anyone start. Each such step lowers the skew by
+one (negative skew: steps ahead of versions), which returns ``groups_per_step`` credits: the window
+advances per learner step. :func:`slot_version` then counts in steps and over-estimates the version
+that will train a slot (versions advance at most once per step), which can only refuse more, and the
+current weights V still always pass; staleness at train time stays exact, in versions.
+
 Wake-ups (no fixed poll): everything that can raise the bound — a credit, a reclaim, a settled
 admission given back, a dropped or dead-lettered group, a new version, a new adaptive bound — also
 PUBLISHes a hint on the run's admission channel (inside the same script where it is one, after the
@@ -361,12 +370,18 @@ class Admission:
         self.wake("bound")  # it may have loosened
 
     def set_version_skew(self, skew: int, groups_per_version: int) -> int:
-        """Set the run's version skew (the versions its learner's forks skipped, in total) and move the
-        credits by the change times ``groups_per_version`` (module doc, "Forks"); returns the change.
-        Idempotent: the same total twice changes nothing the second time."""
-        for name, v, lo in (("version skew", skew, 0), ("groups per version", groups_per_version, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        """Set the run's version skew (versions minus learner steps: the versions its learner's forks
+        skipped, minus its steps that published nothing under ``learner.publish_policy=taken``) and move
+        the credits by the change times ``groups_per_version`` (module doc, "Forks" and "Steps without a
+        publication"); returns the change. Idempotent: the same total twice changes nothing the second time."""
+        if isinstance(skew, bool) or not isinstance(skew, int):
+            raise ValueError(f"version skew must be an int, got {skew!r}")
+        if (
+            isinstance(groups_per_version, bool)
+            or not isinstance(groups_per_version, int)
+            or groups_per_version < 1
+        ):
+            raise ValueError(f"groups per version must be an int >= 1, got {groups_per_version!r}")
         k = self._keys
         return int(
             self._skew(keys=[k.credits, k.version_skew], args=[skew, groups_per_version, k.admission_channel])

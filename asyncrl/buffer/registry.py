@@ -105,6 +105,24 @@ class RunRegistry:
                 out[_s(actor_id)] = {"error": f"unreadable heartbeat: {exc}"}
         return out
 
+    def lagging_actors(self, version: int, timeout_s: float, now: float | None = None) -> list[str]:
+        """Live actors that do not serve ``version`` yet (``learner.publish_policy=taken``).
+
+        An actor writes a heartbeat right after every swap, so its ``version`` is current within a
+        Redis round trip. Not counted: actors whose last heartbeat is older than ``timeout_s`` (dead or
+        frozen: waiting for them would stall publishing until the step cap), actors stopping or stopped,
+        and actors that serve no version yet (they load the newest one when they come up)."""
+        now = time.time() if now is None else now
+        lagging = []
+        for actor_id, info in self.actors().items():
+            if "error" in info or now - float(info.get("time", 0.0)) > timeout_s:
+                continue
+            if info.get("state") in ("stopping", "stopped") or int(info.get("version", -1)) < 0:
+                continue
+            if int(info["version"]) < version:
+                lagging.append(actor_id)
+        return sorted(lagging)
+
     def remove_actor(self, actor_id: str) -> None:
         self._client.hdel(self.keys.actors, actor_id)
 

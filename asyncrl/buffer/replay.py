@@ -210,7 +210,8 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
     def stats(self) -> dict[str, Any]:
         """depth (stream length), pending, dead, admitted, credits, version, bound and staleness_bound
         (the staleness admission applies: max_staleness or the adaptive bound; both None when the
-        buffer was opened without admission settings), version_skew (the learner's forks, admission.py)."""
+        buffer was opened without admission settings), version_skew (the learner's forks and
+        unpublished steps, admission.py)."""
         k = self.keys
         pipe = self._client.pipeline(transaction=True)
         pipe.xlen(k.rollouts)

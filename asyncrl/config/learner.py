@@ -142,6 +142,22 @@ class LearnerConfig:
         "in versions; admission widens by N * groups_per_step groups per version.",
         ge=1,
     )
+    publish_policy: str = F(
+        "steps",
+        "When a step publishes its weights. steps = every learner.publish_every steps. taken = only once "
+        "every live actor serves the newest published version (its heartbeat after the swap), or after "
+        "learner.publish_max_steps steps without one: no version is written that nobody would load while "
+        "actors are still swapping (large models, slow transports), and every step without a publication "
+        "returns groups_per_step admission credits, so the window still advances per step. Staleness "
+        "stays in exact versions (<= max_staleness); the policy lag in learner steps is bounded by "
+        "publish_max_steps + max_staleness. Needs publish_every = 1, and exact_prox when a step makes "
+        "more than one update (mini_batches * epochs > 1: A-3PO places pi_prox on a version axis whose "
+        "steps per version vary under this policy).",
+        choices=("steps", "taken"),
+    )
+    publish_max_steps: int = F(
+        4, "publish_policy=taken: publish at the latest after this many steps without a publication.", ge=1
+    )
     keep_versions: int = F(3, "Published weight versions kept on disk.", ge=1)
     weight_transport: str = F(
         "file",

@@ -86,6 +86,17 @@ def _validate(obj: Any, prefix: str) -> None:
             "learner.weight_transport='nccl' needs CUDA actors (actors.num_gpus_per_actor > 0); "
             "for CPU actors the allowed values are 'auto', 'file', 'shm'"
         )
+    if isinstance(obj, LearnerConfig) and obj.publish_policy == "taken":
+        if obj.publish_every != 1:
+            raise ConfigError(
+                f"{prefix}publish_policy='taken' decides every step itself: {prefix}publish_every must be 1 "
+                f"(got {obj.publish_every}); or use {prefix}publish_policy='steps'"
+            )
+        if obj.mini_batches * obj.epochs > 1 and not obj.exact_prox:
+            raise ConfigError(
+                f"{prefix}publish_policy='taken' with {prefix}mini_batches * {prefix}epochs > 1 needs "
+                f"{prefix}exact_prox=true (A-3PO assumes a fixed number of steps per version)"
+            )
     if isinstance(obj, TinyModelConfig):
         if obj.hidden_size % obj.num_heads or obj.hidden_size // obj.num_heads < 32:
             raise ConfigError(

@@ -75,7 +75,7 @@ class LearnerState:
     group_ids: list[str] = field(default_factory=list)  # their group ids
     trained_ids: list[str] = field(default_factory=list)  # ledger: last trained group ids, oldest first
     counters: dict[str, float] = field(default_factory=dict)  # cumulative StepRecord counters
-    version_skew: int = 0  # versions skipped by forks on resume, in total (asyncrl.buffer.admission, "Forks")
+    version_skew: int = 0  # forks' skipped versions minus unpublished steps (asyncrl.buffer.admission)
     world_size: int = 1
     created: float = 0.0
 

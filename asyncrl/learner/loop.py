@@ -224,9 +224,15 @@ def learn(
             train_s = time.monotonic() - t_train
             state.step += 1
             state.applied_steps = trainer.applied_steps
-            published = state.step % cfg.learner.publish_every == 0
+            published = _publish_due(cfg, r0, state.step, state.version, since_publish + 1, world)
             publish_s = 0.0
             since_publish = 0 if published else since_publish + 1
+            if not published and cfg.learner.publish_policy == "taken":
+                # The window must still advance by this step's groups (asyncrl.buffer.admission, "Steps
+                # without a publication"); the skew travels in the checkpoint like a fork's.
+                state.version_skew -= 1
+                if r0 is not None:
+                    r0.buffer.set_version_skew(state.version_skew, cfg.buffer.groups_per_step)
             if published:
                 state.version += 1
                 publish_s = _publish(le, r0, state.version)
@@ -277,6 +283,25 @@ def learn(
         if r0 is not None:
             r0.publisher.close()  # shm transport: frees the weights in /dev/shm (a restart re-publishes)
             r0.buffer.close()
+
+
+def _publish_due(cfg: Any, r0: Rank0 | None, step: int, version: int, steps_since: int, world: int) -> bool:
+    """Whether the step just trained (``step``; ``steps_since`` steps since the last publication, this
+    one included) publishes its weights as ``version + 1``: ``learner.publish_policy``.
+
+    steps: every ``publish_every`` steps. taken: once no live actor still lags behind ``version`` (a
+    version nobody has loaded yet is not followed by another that would only queue behind it), or after
+    ``publish_max_steps`` steps without one. Decided on rank 0 (it alone reads Redis), the same on
+    every rank."""
+    lc = cfg.learner
+    if lc.publish_policy == "steps":
+        return step % lc.publish_every == 0
+    due = None
+    if r0 is not None:
+        due = steps_since >= lc.publish_max_steps or not r0.buffer.lagging_actors(
+            version, cfg.actors.heartbeat_timeout_s
+        )
+    return bool(broadcast(due, world))
 
 
 def _credit_lost(r0: Rank0, consumer: str, restored: int, newest: int) -> None:

@@ -447,8 +447,35 @@ def test_a_learner_fork_keeps_the_admission_window_on_the_new_version_axis(buffe
     assert buffer.set_version_skew(2, gps) == 0 and buffer.stats()["credits"] == -8  # idempotent
     # A later resume from a checkpoint that predates the fork sets its own total: the debit is undone.
     assert buffer.set_version_skew(0, gps) == -2 and buffer.stats()["credits"] == 0
-    with pytest.raises(ValueError, match="version skew"):
-        buffer.set_version_skew(-1, gps)
+    with pytest.raises(ValueError, match="version skew must be an int"):
+        buffer.set_version_skew(1.5, gps)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="groups per version must be an int >= 1"):
+        buffer.set_version_skew(1, 0)
+
+
+def test_steps_without_a_publication_advance_the_window_per_step(buffer) -> None:
+    """learner.publish_policy=taken: a step that publishes nothing lowers the skew by one, which gives
+    groups_per_step credits back, so the window moves per learner step although V does not; the slot
+    check then counts in steps (over-estimates the training version: only refuses more), and the
+    current weights V always pass."""
+    gps, eta = 3, 1
+    buffer.set_version(0)
+    assert sum(buffer.try_admit(eta, gps, sampler_version=0) for _ in range(10)) == 6  # (0+1+1)*3
+    for steps in range(1, 5):  # the learner trains step `steps` (3 groups) and does not publish
+        assert buffer.set_version_skew(-steps, gps) == -1
+        st = buffer.stats()
+        assert (st["version"], st["version_skew"], st["credits"]) == (0, -steps, gps * steps)
+        assert buffer.admission_bound(eta, gps) == (steps + eta + 1) * gps  # the window of step `steps`
+        # The next slot trains at step `steps` + 1 or later, i.e. at most that many versions on: a
+        # sampler on v0 is refused once that would exceed eta, the served V = 0 always passes.
+        assert slot_version(st["admitted"] + 1, gps, st["credits"]) == eta  # V + eta: the next step's
+        admitted = sum(buffer.try_admit(eta, gps, sampler_version=0) for _ in range(10))
+        assert admitted == gps and buffer.stats()["admitted"] == (steps + eta + 1) * gps
+    # A publication after 4 silent steps: V = 1, skew 1 - 5 steps = -4 when step 5 did publish.
+    buffer.set_version(1)
+    assert buffer.admission_bound(eta, gps) == (1 + eta + 1) * gps + 4 * gps  # = step 5's window
+    assert buffer.try_admit(eta, gps, sampler_version=1) is True
+    assert buffer.set_version_skew(-4, gps) == 0  # idempotent (a retried call)
 
 
 def test_slots_of_a_crashed_actor_are_reclaimed_as_credits(buffer, make_group):
@@ -466,3 +493,25 @@ def test_slots_of_a_crashed_actor_are_reclaimed_as_credits(buffer, make_group):
     buffer.credit(1, owner="actor-0")
     assert buffer.reclaim_inflight("actor-0") == 0
     assert buffer.stats()["credits"] == 2
+
+
+def test_lagging_actors_are_the_live_ones_behind_the_version(buffer) -> None:
+    """publish_policy=taken waits only for live actors that serve an older version: not for dead ones
+    (heartbeat past the timeout), stopping ones, or ones that serve nothing yet."""
+    now = time.time()
+    beats = {
+        "a-current": {"version": 3, "state": "running", "time": now - 1},
+        "a-behind": {"version": 2, "state": "running", "time": now - 1},
+        "a-ahead-of-nothing": {"version": -1, "state": "waiting_for_weights", "time": now},
+        "a-dead": {"version": 1, "state": "running", "time": now - 61},
+        "a-stopping": {"version": 1, "state": "stopping", "time": now},
+        "b-behind": {"version": 0, "state": "running", "time": now - 59},
+    }
+    for actor_id, info in beats.items():
+        buffer.heartbeat(actor_id, info)
+    assert buffer.lagging_actors(3, timeout_s=60, now=now) == ["a-behind", "b-behind"]
+    assert buffer.lagging_actors(2, timeout_s=60, now=now) == ["b-behind"]
+    assert buffer.lagging_actors(0, timeout_s=60, now=now) == []
+    buffer.heartbeat("a-behind", {"version": 3, "state": "running"})  # its heartbeat after the swap
+    buffer.heartbeat("b-behind", {"version": 3, "state": "running"})
+    assert buffer.lagging_actors(3, timeout_s=60) == []

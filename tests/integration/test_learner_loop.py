@@ -303,3 +303,51 @@ def test_sigterm_checkpoints_acks_and_exits_zero(
     assert read_latest(rdir)[1].step == 1
     assert buf.stats()["pending"] == 0 and buf.learner_status()["state"] == "stopped"
     buf.delete_run()
+
+
+def test_publish_policy_taken_waits_for_the_actors_and_keeps_the_window_per_step(
+    redis_url, redis_client, run_name, sampler, tmp_path
+) -> None:
+    """learner.publish_policy=taken on real Redis + DeepSpeed: a step publishes only when no live actor
+    lags behind the newest version (its heartbeat after the swap), or after publish_max_steps steps;
+    every step without a publication gives groups_per_step credits back (the window moves per step),
+    and the skew is in the checkpoint and survives a resume."""
+    rdir = tmp_path / "run"
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=100, publish_policy="taken",
+                      publish_max_steps=3)  # fmt: skip
+    cfg.run.max_steps = 6
+    eta, gps = cfg.buffer.max_staleness, cfg.buffer.groups_per_step
+    buf = ReplayBuffer(redis_client, run_name)
+    for g in sample_groups(sampler, 12, group_size=4, max_tokens=6, seed=41):
+        buf.put(g)
+    buf.heartbeat("actor-0", {"version": 0, "state": "running"})  # live, serving v0, never swaps alone
+    buf.heartbeat("actor-dead", {"version": 0, "state": "running", "time": time.time() - 10_000})
+    bounds: list[tuple[int, int, int]] = []
+
+    def on_step(rec: StepRecord) -> None:
+        st = buf.stats()
+        bounds.append((st["version_skew"], st["credits"], buf.admission_bound(eta, gps)))
+        if rec.step == 4:  # actor-0 swaps in v2 (published at step 4) before step 5 ends
+            buf.heartbeat("actor-0", {"version": 2, "state": "running"})
+
+    dist_env()
+    state = learn(cfg, rdir, on_step=[on_step])
+    recs = read_jsonl(rdir / METRICS_FILE)
+    # Step 1: actor-0 serves v0 = V -> publish v1. Steps 2-3: it lags (v0 < v1), nothing published;
+    # step 4: the cap (3 steps since v1). Step 5: it serves v2 -> v3. Step 6: it lags again.
+    assert [r["published"] for r in recs] == [True, False, False, True, True, False]
+    assert [r["version"] for r in recs] == [1, 1, 1, 2, 3, 3]
+    assert [r["publish_s"] > 0 for r in recs] == [r["published"] for r in recs]
+    # versions - steps, per step; each silent step credited gps slots: the window is (step + eta + 1) * gps.
+    assert [b[0] for b in bounds] == [0, -1, -2, -2, -2, -3]
+    assert [b[1] for b in bounds] == [0, 2, 4, 4, 4, 6]
+    assert [b[2] for b in bounds] == [(s + eta + 1) * gps for s in range(1, 7)]
+    assert all(r["staleness_max"] <= eta for r in recs)
+    assert state.version_skew == -3 and read_latest(rdir)[1].version_skew == -3
+    assert sorted(p.name for p in (rdir / "weights").iterdir())[-1] == "v3"
+    # Resume from that checkpoint: the same skew is set again (idempotent), nothing moves.
+    cfg.run.max_steps = 6
+    state2 = learn(cfg, rdir, resume=True)
+    assert state2.step == 6 and state2.version == 3 and buf.stats()["version_skew"] == -3
+    assert buf.stats()["credits"] == 6
+    buf.delete_run()

@@ -107,3 +107,19 @@ def test_shipped_configs_load(name):
     cfg = load_config(CONFIG_DIR / name)
     if name.startswith("gpu"):
         assert cfg.model.dtype == "bfloat16" and cfg.learner.zero_stage >= 2 and cfg.task.name == "gsm8k"
+
+
+def test_publish_policy_taken_is_checked_against_the_keys_it_depends_on():
+    with pytest.raises(ConfigError, match="allowed values: 'steps', 'taken'"):
+        load_config(overrides=["learner.publish_policy=lazy"])
+    with pytest.raises(ConfigError, match=r"learner.publish_every must be 1 \(got 2\)"):
+        load_config(overrides=["learner.publish_policy=taken", "learner.publish_every=2"])
+    with pytest.raises(ConfigError, match="learner.exact_prox=true"):
+        load_config(overrides=["learner.publish_policy=taken", "learner.mini_batches=2"])
+    with pytest.raises(ConfigError, match="learner.publish_max_steps=0 is out of range; must be >= 1"):
+        load_config(overrides=["learner.publish_policy=taken", "learner.publish_max_steps=0"])
+    cfg = load_config(
+        overrides=["learner.publish_policy=taken", "learner.mini_batches=2", "learner.exact_prox=true"]
+    )
+    assert (cfg.learner.publish_policy, cfg.learner.publish_max_steps) == ("taken", 4)
+    assert load_config().learner.publish_policy == "steps"  # the default keeps publishing every step
