@@ -5,6 +5,10 @@ Choices and why:
 * The optimizer is a client ``torch.optim.AdamW`` subclass passed to ``deepspeed.initialize``, so no
   DeepSpeed op is JIT-built for it (FusedAdam / CPUAdam would be). On CPU DeepSpeed still JIT-builds
   its small shared-memory comm op once (cached in ~/.cache/torch_extensions).
+* The AdamW is torch's fused kernel (``fused=True``; CPU and CUDA): the same update as the per-tensor
+  loop to ~1 ulp (2.4e-7 on the demo's weights after 50 steps), a third of its time. With one rank and
+  ZeRO-0 fp32 DeepSpeed's backward all-reduce is switched off: over one rank it is a flatten, an
+  identity reduction and a copy back, bitwise the same gradients.
 * Gradient accumulation is driven explicitly: ``gradient_accumulation_steps = 1`` in the config,
   ``engine.set_gradient_accumulation_boundary(k == last)`` before each micro-batch and
   ``engine.backward(loss, scale_wrt_gas=False)``. A step can then have any number of micro-batches
@@ -234,8 +238,12 @@ def build_engine(cfg: Any, model_path: str | Path) -> LearnerEngine:
         eps=lc.adam_eps,
         check_grads=guard_clips,
         clip=float(lc.grad_clip) if guard_clips else 0.0,
-        foreach=False,  # deterministic per-tensor path; the models here are small
+        fused=True,  # one kernel over all tensors: 0.66 -> 0.19 ms per demo step (per-tensor loop)
     )
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(cfg, guard_clips))
+    if guard_clips and dist.get_world_size() == 1:
+        # One rank, ZeRO-0 fp32: DeepSpeed's gradient all-reduce would flatten every gradient, reduce
+        # it over one rank, scale it by 1 and copy it back (~1 ms per demo step): an exact identity.
+        engine.enable_backward_allreduce = False
     engine.train()
     return LearnerEngine(engine, opt, cfg)
