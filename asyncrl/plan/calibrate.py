@@ -162,6 +162,9 @@ def inputs_from_run_config(run_dir: str | Path, base: PlanInputs | None = None) 
         groups_per_step=int(b.groups_per_step),
         max_staleness=int(b.max_staleness),
         publish_every=int(lrn.publish_every),
+        # Run dirs from before learner.publish_policy published every publish_every steps.
+        publish_policy=str(lrn.get("publish_policy", "steps")),
+        publish_max_steps=int(lrn.get("publish_max_steps", 4)),
         checkpoint_every=int(lrn.checkpoint_every),
         lengths=replace(p.lengths, max_tokens=float(a.max_tokens)),
     )
@@ -185,7 +188,8 @@ def _measured_run(m: Measured, base: PlanInputs | None) -> tuple[PlanInputs, dic
     """The shape of run ``m`` (its config) with its completion lengths and learner costs measured."""
     p = inputs_from_run_config(m.run_dir, base)
     sources = {k: "config" for k in ("num_actors", "groups_in_flight", "group_size", "groups_per_step",
-                                      "max_staleness", "publish_every", "checkpoint_every",
+                                      "max_staleness", "publish_every", "publish_policy",
+                                      "publish_max_steps", "checkpoint_every",
                                       "refuse_stale_weights", "admission_poll_s", "admission_events",
                                       "lengths.max_tokens")}  # fmt: skip
     law = p.lengths

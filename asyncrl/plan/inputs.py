@@ -20,7 +20,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import ConfigError, F, _validate
 
-__all__ = ["Lengths", "PlanInputs", "load_plan_inputs", "lognormal_mu_for_mean"]
+__all__ = ["PUBLISH_POLICIES", "Lengths", "PlanInputs", "check_publish_policy", "load_plan_inputs",
+           "lognormal_mu_for_mean"]  # fmt: skip
+
+#: learner.publish_policy's values: publish every publish_every steps, or once the engines took the last one.
+PUBLISH_POLICIES = ("steps", "taken")
 
 
 @dataclass
@@ -129,6 +133,20 @@ class PlanInputs:
         "learner that slows down mid-run (a shared machine) does so in the simulation too.",
     )
     publish_every: int = F(1, "Publish weights every N learner steps (learner.publish_every).", ge=1)
+    publish_policy: str = F(
+        "steps",
+        "When a step publishes (learner.publish_policy). steps = every publish_every steps. taken = only "
+        "once every engine serves the newest published version (its swap has ended), or after "
+        "publish_max_steps steps without a publication; a step that publishes nothing returns "
+        "groups_per_step admission credits (the window advances per step). Needs publish_every = 1.",
+        choices=PUBLISH_POLICIES,
+    )
+    publish_max_steps: int = F(
+        4,
+        "publish_policy=taken: publish at the latest after this many steps without a publication "
+        "(learner.publish_max_steps).",
+        ge=1,
+    )
     publish_s: float = F(0.05, "Learner seconds to gather and publish weights (blocks the learner).", ge=0)
     checkpoint_every: int = F(10, "Checkpoint every N steps (learner.checkpoint_every).", ge=1)
     checkpoint_s: float = F(0.0, "Learner seconds per checkpoint.", ge=0)
@@ -191,6 +209,19 @@ class LengthSampler:
         return min(max(x, law.min_tokens), law.max_tokens)
 
 
+def check_publish_policy(p: PlanInputs) -> None:
+    """publish_policy and the key it depends on (also checked by the simulator: inputs built in code
+    skip :func:`load_plan_inputs`)."""
+    if p.publish_policy not in PUBLISH_POLICIES:
+        allowed = ", ".join(repr(c) for c in PUBLISH_POLICIES)
+        raise ConfigError(f"publish_policy={p.publish_policy!r} is not allowed; allowed values: {allowed}")
+    if p.publish_policy == "taken" and p.publish_every != 1:
+        raise ConfigError(
+            f"publish_policy='taken' decides every step itself: publish_every must be 1 "
+            f"(got {p.publish_every}); or use publish_policy='steps'"
+        )
+
+
 def _check(p: PlanInputs) -> PlanInputs:
     _validate(p, "")
     law = p.lengths
@@ -204,6 +235,7 @@ def _check(p: PlanInputs) -> PlanInputs:
         raise ConfigError("learner_work: every factor must be a finite number >= 0")
     if p.warmup_steps >= p.steps:
         raise ConfigError(f"warmup_steps={p.warmup_steps} must be < steps={p.steps}")
+    check_publish_policy(p)
     if p.gen_step_s == 0 and p.gen_token_s == 0:
         raise ConfigError("gen_step_s and gen_token_s are both 0: generation would take no time")
     return p

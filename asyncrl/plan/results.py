@@ -32,6 +32,7 @@ class StepTrace:
     train_s: float = 0.0  # wall seconds of the train phase (co-location slows it down)
     groups_decoded: int = 0  # cumulative: groups whose last token was sampled by the end of the step
     decode_s_total: float = 0.0  # cumulative: their decode seconds (SimGroup.decode_s)
+    version: int = 0  # the newest published version V at the end of the step (after its publish, if any)
 
 
 @dataclass

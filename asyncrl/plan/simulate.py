@@ -34,8 +34,14 @@ The model follows the real roles step by step (DESIGN.md):
 * **Learner.** Reads groups in arrival order, drops those staler than eta at the version the step
   starts with (returning their credit), trains ``groups_per_step`` groups for ``learner_step_s +
   learner_token_s * tokens`` (times the step's factor: ``learner_work`` replayed in order, or a
-  lognormal draw with ``learner_cv``), publishes (``publish_s``; V is bumped when it ends) every
-  ``publish_every`` steps and checkpoints every ``checkpoint_every`` steps.
+  lognormal draw with ``learner_cv``), publishes (``publish_s``; V is bumped when it ends), then
+  checkpoints (``checkpoint_s``, every ``checkpoint_every`` steps). It publishes every
+  ``publish_every`` steps (``publish_policy`` steps), or with ``publish_policy`` taken decides at the
+  end of each step's train phase: it publishes if every engine serves V (its swap of V has ended) or
+  if this is the ``publish_max_steps``-th step since the last publication; a step that publishes
+  nothing returns ``groups_per_step`` credits (the real learner lowers its version skew), so the
+  admission window advances per step while V stays, and ``slot_version`` over-estimates the training
+  version (it only refuses more). Staleness stays in versions.
 
 Numbers are steady-state: measured from the end of step ``warmup_steps`` to the end of the last step,
 the same window :func:`asyncrl.plan.calibrate.measure` uses on a real run's metrics.jsonl.
@@ -53,7 +59,7 @@ from typing import Any
 from asyncrl.buffer.admission import admission_bound_formula, slot_version
 
 from .engine_model import SimEngine, SimGroup
-from .inputs import LengthSampler, PlanInputs
+from .inputs import LengthSampler, PlanInputs, check_publish_policy
 from .results import EPS as _EPS
 from .results import PlanResult, StepTrace, summarize
 
@@ -62,6 +68,7 @@ __all__ = ["PlanResult", "StepTrace", "simulate", "summarize"]
 
 class _Sim:
     def __init__(self, p: PlanInputs) -> None:
+        check_publish_policy(p)
         self.p = p
         self.t = 0.0
         self.events: list[tuple[float, int, str, Any]] = []
@@ -91,6 +98,8 @@ class _Sim:
         self.l_decoding = False
         self.pending: tuple = ()
         self.train_start = self.train_s = 0.0
+        self.work_factor = 1.0  # the current step's factor on its learner work
+        self.since_publish = 0  # publish_policy=taken: steps since the last publication
         # Per-step learner work factor: lognormal with mean 1 and coefficient of variation learner_cv.
         self.jitter = random.Random(p.seed + 1)
         self.jit_sigma = math.sqrt(math.log1p(p.learner_cv**2))
@@ -355,8 +364,9 @@ class _Sim:
             f = p.learner_work[(step - 1) % len(p.learner_work)]
         else:
             f = self.jitter.lognormvariate(self.jit_mu, self.jit_sigma) if self.jit_sigma > 0 else 1.0
+        self.work_factor = f
         self.phases = [["train", f * (p.learner_step_s + p.learner_token_s * tokens)]]
-        if step % p.publish_every == 0:
+        if p.publish_policy == "steps" and step % p.publish_every == 0:  # taken: decided after the train
             self.phases.append(["publish", f * p.publish_s])
         if step % p.checkpoint_every == 0:
             self.phases.append(["checkpoint", f * p.checkpoint_s])
@@ -365,12 +375,28 @@ class _Sim:
         self.set_learner_busy(True)
         self.schedule_learner()
 
+    def decide_publish(self) -> None:
+        """publish_policy=taken, at the end of a step's train phase (as the real learner decides after
+        its update): publish if every engine serves V (its swap of V has ended; the real learner reads
+        the actors' heartbeats, written after each swap) or after publish_max_steps steps without a
+        publication (this one included). Otherwise the step returns groups_per_step credits (the
+        learner lowers the version skew, which wakes the refused workers): the window advances per step."""
+        self.since_publish += 1
+        if self.since_publish >= self.p.publish_max_steps or all(e.version >= self.V for e in self.engines):
+            self.since_publish = 0
+            self.phases.insert(0, ["publish", self.work_factor * self.p.publish_s])  # before a checkpoint
+            return
+        self.credits += self.p.groups_per_step  # publish_every is 1: groups per version = per step
+        self.wake(self.engines)
+
     def on_phase_done(self, epoch: int) -> None:
         if epoch != self.l_epoch:
             return
         kind, _ = self.phases.pop(0)
         if kind == "train":
             self.train_s = self.t - self.train_start
+            if self.p.publish_policy == "taken":
+                self.decide_publish()
         if kind == "publish":
             self.V += 1
             for e in self.engines:
@@ -388,7 +414,7 @@ class _Sim:
         self.trace.append(
             StepTrace(self.step, self.t, wait, tokens, seqs, hist, dropped,
                       sum(e.blocked_s for e in self.engines), sum(e.busy_s for e in self.engines),
-                      self.train_s, self.decoded, self.decode_total)
+                      self.train_s, self.decoded, self.decode_total, self.V)
         )  # fmt: skip
         self.set_learner_busy(False)
         self.learner_waiting = True
