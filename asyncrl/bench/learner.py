@@ -13,6 +13,9 @@ own plan), fp32 on the CPU, with the same optimizer settings:
 * ``bare DeepSpeed``: ``deepspeed.initialize`` with a plain ``torch.optim.AdamW`` and DeepSpeed's own
   gradient clipping; per micro-batch forward, fp32 log-softmax at the sampled tokens, a token-mean
   ratio * advantage loss, ``engine.backward``, ``engine.step``;
+* ``bare DeepSpeed, same kernels``: the same, with the two settings asyncrl's learner makes and a bare
+  script need not (torch's fused AdamW; no backward all-reduce with one rank): alone over it is the
+  cost of asyncrl's own step machinery (objective terms, metrics, guard), with no kernel choice in it;
 * ``bare torch``: the same loss on a plain module, ``clip_grad_norm_``, ``AdamW.step``.
 
 It runs in its own process (``python -m asyncrl.bench.learner``) placed as ``asyncrl run`` places its
@@ -131,6 +134,10 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
                    "gradient_clipping": float(lc.grad_clip), "zero_optimization": {"stage": 0},
                    "steps_per_print": 2**31 - 1}  # fmt: skip
         ds_engine, _, _, _ = deepspeed.initialize(model=ds_model, optimizer=ds_opt, config=ds_conf)
+        same_model = load_hf_model(model_path, torch.float32).train()
+        same_opt = torch.optim.AdamW(_param_groups(same_model, lc.weight_decay), fused=True, **adam)
+        same_engine, _, _, _ = deepspeed.initialize(model=same_model, optimizer=same_opt, config=ds_conf)
+        same_engine.enable_backward_allreduce = False  # one rank (as asyncrl.learner.engine.build_engine)
         pt_model = load_hf_model(model_path, torch.float32).train()
         pt_opt = torch.optim.AdamW(_param_groups(pt_model, lc.weight_decay), **adam)
 
@@ -140,13 +147,19 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
         def alone_no_entropy() -> None:
             trainer_no_ent.train(groups, 0)
 
-        def bare_ds() -> None:
+        def ds_step(engine: Any) -> None:
             for _ in range(lc.epochs):
                 for mbs in minis:
                     for k, mb in enumerate(mbs):
-                        ds_engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
-                        ds_engine.backward(_bare_loss(ds_engine, mb), scale_wrt_gas=False)
-                    ds_engine.step()
+                        engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+                        engine.backward(_bare_loss(engine, mb), scale_wrt_gas=False)
+                    engine.step()
+
+        def bare_ds() -> None:
+            ds_step(ds_engine)
+
+        def bare_ds_same_kernels() -> None:
+            ds_step(same_engine)
 
         def bare_torch() -> None:
             for _ in range(lc.epochs):
@@ -159,7 +172,7 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
                     pt_opt.zero_grad(set_to_none=True)
 
         fns = {"alone": alone, "alone_no_entropy": alone_no_entropy, "bare_deepspeed": bare_ds,
-               "bare_torch": bare_torch}  # fmt: skip
+               "bare_deepspeed_same_kernels": bare_ds_same_kernels, "bare_torch": bare_torch}  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in fns}
         rounds = max(ROUNDS, steps // BLOCK)
         block = max(1, -(-steps // rounds))
@@ -177,7 +190,11 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
             / statistics.median(times["bare_deepspeed"][r * block : (r + 1) * block]) for r in range(rounds)]
         for k in ("alone", "alone_no_entropy")
     }  # fmt: skip
+    same = [statistics.median(times["alone"][r * block : (r + 1) * block])
+            / statistics.median(times["bare_deepspeed_same_kernels"][r * block : (r + 1) * block])
+            for r in range(rounds)]  # fmt: skip
     return {**med, "rounds": rounds, "ratio_alone_vs_deepspeed_per_round": per_round["alone"],
+            "ratio_alone_vs_deepspeed_same_kernels_per_round": same,
             "ratio_alone_no_entropy_vs_deepspeed_per_round": per_round["alone_no_entropy"], "steps": steps, "threads": torch.get_num_threads(), "sequences": len(samples),
             "tokens": int(sum(lengths)), "micro_batches": sum(len(m) for m in minis) * lc.epochs}  # fmt: skip
 
@@ -219,6 +236,7 @@ def learner_rows(config: str | None, steps: int, timeout_s: float = 600.0) -> di
     res["ratio_alone_vs_deepspeed"] = res["alone_s"] / res["bare_deepspeed_s"]
     res["ratio_alone_no_entropy_vs_deepspeed"] = res["alone_no_entropy_s"] / res["bare_deepspeed_s"]
     res["ratio_deepspeed_vs_torch"] = res["bare_deepspeed_s"] / res["bare_torch_s"]
+    res["ratio_alone_vs_deepspeed_same_kernels"] = res["alone_s"] / res["bare_deepspeed_same_kernels_s"]
     return res
 
 
@@ -241,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
         rr = res["ratio_alone_vs_deepspeed_per_round"]
         print(f"alone {res['alone_s'] * 1e3:.2f} ms (no entropy metric {res['alone_no_entropy_s'] * 1e3:.2f}), "
-              f"bare DeepSpeed {res['bare_deepspeed_s'] * 1e3:.2f}, bare torch {res['bare_torch_s'] * 1e3:.2f}; "
+              f"bare DeepSpeed {res['bare_deepspeed_s'] * 1e3:.2f} (same kernels {res['bare_deepspeed_same_kernels_s'] * 1e3:.2f}, "
+              f"alone / it {res['ratio_alone_vs_deepspeed_same_kernels']:.3f}), bare torch {res['bare_torch_s'] * 1e3:.2f}; "
               f"alone / DeepSpeed {res['ratio_alone_vs_deepspeed']:.3f} "
               f"(no entropy {res['ratio_alone_no_entropy_vs_deepspeed']:.3f}; per round: median "
               f"{statistics.median(rr):.3f}, {min(rr):.3f}-{max(rr):.3f} over {len(rr)}), cpus {res['cpus']}")  # fmt: skip

@@ -90,6 +90,9 @@ def table(result: dict) -> list[str]:
         row("learner: bare DeepSpeed step (ms)", lr["bare_deepspeed_s"] * 1e3, fmt="{:.1f}")
         row("learner: bare torch step (ms)", lr["bare_torch_s"] * 1e3, fmt="{:.1f}")
         row("learner: step alone / bare DeepSpeed", lr["ratio_alone_vs_deepspeed"], ALONE_TARGET)
+        if "ratio_alone_vs_deepspeed_same_kernels" in lr:
+            row("learner: step alone / bare DeepSpeed with asyncrl's kernels (fused AdamW, no 1-rank all-reduce)",
+                lr["ratio_alone_vs_deepspeed_same_kernels"])  # fmt: skip
         row("learner: bare DeepSpeed / bare torch", lr["ratio_deepspeed_vs_torch"])
     p = result.get("pipeline")
     if p:

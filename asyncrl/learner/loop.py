@@ -291,11 +291,15 @@ def _publish_due(cfg: Any, r0: Rank0 | None, step: int, version: int, steps_sinc
 
     steps: every ``publish_every`` steps. taken: once no live actor still lags behind ``version`` (a
     version nobody has loaded yet is not followed by another that would only queue behind it), or after
-    ``publish_max_steps`` steps without one. Decided on rank 0 (it alone reads Redis), the same on
-    every rank."""
+    ``publish_max_steps`` steps without one; at ``max_staleness = 0`` always (the actors sampled this
+    step's data with ``version``, so they hold it; a heartbeat still in flight must not turn a
+    synchronous run into one that trains a step on data one step behind). Decided on rank 0 (it alone
+    reads Redis), the same on every rank."""
     lc = cfg.learner
     if lc.publish_policy == "steps":
         return step % lc.publish_every == 0
+    if cfg.buffer.max_staleness == 0:
+        return True
     due = None
     if r0 is not None:
         due = steps_since >= lc.publish_max_steps or not r0.buffer.lagging_actors(

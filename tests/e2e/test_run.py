@@ -241,3 +241,34 @@ def test_run_learns_swaps_weights_bounds_staleness_and_cleans_up(live_run):
     assert "run the same command again to resume it" in live_run["log"].read_text()
     left = wait_no_orphans(live_run["marker"])
     assert not left, "processes left behind:\n" + "\n".join(left)
+
+
+def test_publish_policy_taken_in_a_real_run(tmp_path):
+    """learner.publish_policy=taken with real actors: the learner reads their heartbeats (written after
+    each swap), so with swaps shorter than a step it publishes far more often than the cap alone would,
+    never more than publish_max_steps apart; staleness stays within the bound, and the run's version skew
+    is exactly its unpublished steps."""
+    steps, cap = 30, 3
+    rdir, marker, log = tmp_path / "run", uuid.uuid4().hex, tmp_path / "run.log"
+    cmd = asyncrl_cmd("run", "--config", str(ROOT / "configs" / "default.yaml"), f"run.dir={rdir}",
+                      f"run.max_steps={steps}", "run.max_wall_s=300", "run.progress=false",
+                      "buffer.max_staleness=1", "learner.publish_policy=taken",
+                      f"learner.publish_max_steps={cap}")  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=marked_env(marker), stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
+    try:
+        assert proc.wait(420) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    recs = read_jsonl(rdir / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))
+    published = [r["step"] for r in recs if r["published"]]
+    gaps = [b - a for a, b in zip([0, *published], published, strict=False)]
+    assert max(gaps) <= cap and len(published) > steps // cap + 2, published
+    assert [r["version"] for r in recs] == [sum(p <= r["step"] for p in published) for r in recs]
+    assert all(r["staleness_max"] <= 1 for r in recs)
+    summary = json.loads((rdir / "summary.json").read_text())
+    assert summary["finished"] and summary["buffer"]["version_skew"] == len(published) - steps
+    assert not wait_no_orphans(marker)

@@ -47,9 +47,13 @@ def test_quick_bench_writes_the_table_and_json(tmp_path: Path, capsys) -> None:
     lrn = res["learner"]
     assert lrn["sequences"] == 32 and lrn["micro_batches"] >= 1 and lrn["threads"] >= 1
     assert 32 * (5 + 1) <= lrn["tokens"] <= 32 * (5 + 64)
-    for k in ("alone_s", "bare_deepspeed_s", "bare_torch_s"):
+    for k in ("alone_s", "bare_deepspeed_s", "bare_deepspeed_same_kernels_s", "bare_torch_s"):
         assert 0 < lrn[k] < 10, k
     assert lrn["ratio_alone_vs_deepspeed"] == pytest.approx(lrn["alone_s"] / lrn["bare_deepspeed_s"])
+    assert lrn["ratio_alone_vs_deepspeed_same_kernels"] == pytest.approx(
+        lrn["alone_s"] / lrn["bare_deepspeed_same_kernels_s"]
+    )
+    assert "learner: step alone / bare DeepSpeed with asyncrl's kernels" in out
     assert "pipeline" not in res  # --quick leaves the real runs out unless --pipeline
     assert "publish-to-serving / copy floor" in out and "<= 3.00x" in out and "pause per swap" in out
     assert "learner: step alone / bare DeepSpeed" in out and "<= 1.05x" in out

@@ -351,3 +351,15 @@ def test_publish_policy_taken_waits_for_the_actors_and_keeps_the_window_per_step
     assert state2.step == 6 and state2.version == 3 and buf.stats()["version_skew"] == -3
     assert buf.stats()["credits"] == 6
     buf.delete_run()
+
+
+def test_publish_policy_taken_publishes_every_step_at_max_staleness_0(tmp_path) -> None:
+    """At max_staleness 0 the actors sampled the step's data with V, so taken publishes without asking
+    Redis (a heartbeat in flight must not make a synchronous run train on data one step behind)."""
+    from asyncrl.learner.loop import _publish_due
+
+    cfg = tiny_config(tmp_path, publish_policy="taken", publish_max_steps=4)
+    cfg.buffer.max_staleness = 0
+    assert all(_publish_due(cfg, None, step, 0, 1, 1) for step in range(1, 5))  # r0=None: no Redis read
+    cfg.learner.publish_policy, cfg.learner.publish_every = "steps", 3
+    assert [_publish_due(cfg, None, s, 0, 1, 1) for s in range(1, 7)] == [False, False, True] * 2
