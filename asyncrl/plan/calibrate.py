@@ -261,7 +261,7 @@ def calibrate(
 
 #: The hand-offs the simulator takes from a run's timelines (asyncrl.plan.handoff.Handoff fields).
 HANDOFF_KEYS = ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latency_running_extra_s",
-                "group_overhead_s", "group_start_s", "admission_wake_s")  # fmt: skip
+                "swap_latency_cv", "group_overhead_s", "group_start_s", "admission_wake_s")  # fmt: skip
 
 
 #: calibrate_run(replay=True) simulates the run's steps this many times over (its learner trace

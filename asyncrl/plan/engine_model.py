@@ -58,6 +58,9 @@ class SimEngine:
         self.slow = 1.0  # gen_slowdown while a co-located learner works
         self.stepping = False  # engine_steps: a decode step is in progress
         self.pause_pending = False  # engine_steps: a swap waits for the step to end
+        # The version the actor is handing to this engine (noticed, verified, staged), None when idle:
+        # one hand-off at a time, of the version it noticed (asyncrl.plan.simulate, "Swaps").
+        self.staging: int | None = None
 
     def rate(self) -> float:
         if self.p.engine_steps:  # W moves at step ends only; > 0 says "decoding"

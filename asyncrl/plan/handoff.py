@@ -8,10 +8,12 @@ every hand-off the simulator models, in its own terms:
 * ``swap_s`` / ``swap_running_extra_s``: the engine's pause per swap when no sequence was running
   (the synchronous case: only the reload) and the extra seconds when sequences were running (their
   KV cache is recomputed after the reload);
-* ``swap_latency_s`` / ``swap_latency_running_extra_s``: from the end of the learner step that
-  published version v (its ``step_time``: the simulator bumps V at the end of the step) to the start
-  of an actor's pause for v, when its engine was idle at the publish, and the extra when it was
-  decoding (the actor stages the new weights on the engine's cores);
+* ``swap_latency_s`` / ``swap_latency_running_extra_s``: an actor's hand-off of version v, from the
+  end of the learner step that published it (its ``step_time``: the simulator bumps V at the end of
+  the step), or from the end of the actor's previous swap if that came later, to the start of its
+  pause for v, when its engine was idle then, and the extra when it was decoding (the actor stages
+  the new weights on the engine's cores);
+* ``swap_latency_cv``: the spread of those hand-offs (each over its own kind's mean, pooled);
 * ``group_overhead_s``: per group, from its last token to the buffer write returning (rewards,
   serialization, the Redis write);
 * ``group_decode_s``: per group, from its submission to the engine to its last token, less the
@@ -68,6 +70,7 @@ class Handoff:
     swap_running_extra_s: float | None = None
     swap_latency_s: float | None = None
     swap_latency_running_extra_s: float | None = None
+    swap_latency_cv: float | None = None
     group_overhead_s: float | None = None
     group_decode_s: float | None = None
     group_start_s: float | None = None
@@ -145,15 +148,25 @@ def swap_pauses(swaps: list[dict], groups: list[dict]) -> tuple[list[float], lis
 def swap_latencies(
     swaps: list[dict], publish: dict[int, float], groups: list[dict]
 ) -> tuple[list[float], list[float]]:
-    """Seconds from the end of version v's publish to the start of an actor's pause for v: for the
-    swaps whose actor had no group generating at the publish, and for those whose actor had."""
+    """Seconds of each actor's hand-off of version v: from the moment it could start on v (the end of
+    v's publish, or the end of its previous swap if that came later: an actor hands over one version
+    at a time, the one it noticed) to the start of its pause for v; for the hand-offs that started
+    with the actor's engine idle, and for those that started while it had a group generating.
+
+    Measured from the publish alone, a version published while the actor still swapped the previous
+    one would count that wait too, and the simulator, which queues such a version itself, would pay
+    it twice (at max_staleness 4 in the demo the hand-off is about as long as a learner step: almost
+    every version waits)."""
     running = _Generating(groups)
     idle: list[float] = []
     busy: list[float] = []
-    for s in swaps:
+    free: dict[str, float] = {}  # actor -> end of its last swap
+    for s in sorted(swaps, key=lambda s: s["t_start"]):
         t = publish.get(int(s["version"]))
-        if t is not None:
-            (busy if running(s["actor"], t) else idle).append(s["t_start"] - t)
+        start = t if t is None else max(t, free.get(s["actor"], float("-inf")))
+        free[s["actor"]] = s["t_start"] + s["pause_s"]
+        if start is not None:
+            (busy if running(s["actor"], start) else idle).append(s["t_start"] - start)
     return idle, busy
 
 
@@ -251,6 +264,20 @@ def _base_and_extra(
     return max(idle, 0.0), max(busy - max(idle, 0.0), 0.0)
 
 
+def _pooled_cv(*kinds: list[float]) -> float | None:
+    """Coefficient of variation of the samples, each divided by the mean of its own kind (idle, busy:
+    their means differ by the running extra, which is not spread), pooled; None below 3 samples.
+    Kinds with fewer than 2 samples or a mean <= 0 tell nothing about the spread and are left out."""
+    factors = []
+    for xs in kinds:
+        m = _mean(xs)
+        if len(xs) >= 2 and m is not None and m > 0:
+            factors += [x / m for x in xs]
+    if len(factors) < 3:
+        return None
+    return (sum((f - 1.0) ** 2 for f in factors) / len(factors)) ** 0.5
+
+
 def handoff(samples: list[dict[str, list[float]]]) -> Handoff:
     """The simulator's hand-off inputs from the samples of one or more runs, pooled (means; the
     idle/busy splits as in :func:`_base_and_extra`)."""
@@ -261,6 +288,7 @@ def handoff(samples: list[dict[str, list[float]]]) -> Handoff:
     swap_s, swap_extra = _base_and_extra(pool, "swap_idle", "swap_busy")
     lat, lat_extra = _base_and_extra(pool, "latency_idle", "latency_busy")
     return Handoff(
+        swap_latency_cv=_pooled_cv(pool.get("latency_idle", []), pool.get("latency_busy", [])),
         swap_s=swap_s,
         swap_running_extra_s=swap_extra,
         swap_latency_s=lat,

@@ -102,7 +102,19 @@ class PlanInputs:
         0.002, "Seconds from an admitting event to the woken worker's retry (measured 1.2-2.7 ms).", ge=0
     )
     swap_latency_s: float = F(
-        0.01, "Seconds from a publish until an actor starts its swap (notify + poll).", ge=0
+        0.01,
+        "Seconds of an actor's hand-off of a version (notice, verify, stage) before it pauses its engine: "
+        "from the publish, or from the end of its previous swap if a version published meanwhile waited "
+        "for it (one hand-off at a time).",
+        ge=0,
+    )
+    swap_latency_cv: float = F(
+        0.0,
+        "Coefficient of variation of the hand-off (swap_latency_s plus its running extra): each hand-off "
+        "draws a lognormal factor with mean 1 (measured 0.14-0.2 on the demo). 0 = every hand-off takes "
+        "exactly the mean, and a deterministic pipeline can lock into a phase (e.g. every batch half one "
+        "version, half the next) that the real one's jitter breaks.",
+        ge=0,
     )
     swap_latency_running_extra_s: float = F(
         0.0,

@@ -27,10 +27,18 @@ The model follows the real roles step by step (DESIGN.md):
   sequence that started at ``W0`` with length ``L`` ends when ``W = W0 + L``, and the version of each
   of its tokens follows from the engine's swap history in ``W`` coordinates (exact per-token versions,
   like vLLM's weight-version spans). A long sequence left alone speeds up: heavy tails matter.
-* **Swaps.** ``swap_latency_s`` after a publish (plus ``swap_latency_running_extra_s`` if the
-  engine is decoding then: the actor stages the weights on the engine's cores) each engine pauses
-  for ``swap_s`` (reload; plus ``swap_running_extra_s`` when sequences are running: their KV is
-  recomputed, in-flight requests survive) and then samples with the newest version.
+* **Swaps.** Each actor hands one version at a time to its engine, the version it noticed, as the
+  real actor does (it verifies and stages the manifest it read, then pauses for that version): at a
+  publish, an actor that is not already handing over a version starts on V; ``swap_latency_s``
+  later (plus ``swap_latency_running_extra_s`` if the engine is decoding then: the actor stages the
+  weights on the engine's cores; times a lognormal factor with mean 1 and ``swap_latency_cv``) the
+  engine pauses for ``swap_s`` (reload; plus
+  ``swap_running_extra_s`` when sequences are running: their KV is recomputed, in-flight requests
+  survive) and then samples with that version. A version published meanwhile waits for the swap's
+  end and then takes its own hand-off (``swap_latency_s`` from then: the latency is measured from
+  when the actor was free, :func:`asyncrl.plan.handoff.swap_latencies`), so an actor whose hand-off
+  outlasts a learner step lags V by a version or more, swapping every version or skipping to the
+  newest at each swap's end, as the real one does.
 * **Learner.** Reads groups in arrival order, drops those staler than eta at the version the step
   starts with (returning their credit), trains ``groups_per_step`` groups for ``learner_step_s +
   learner_token_s * tokens`` (times the step's factor: ``learner_work`` replayed in order, or a
@@ -104,6 +112,11 @@ class _Sim:
         self.jitter = random.Random(p.seed + 1)
         self.jit_sigma = math.sqrt(math.log1p(p.learner_cv**2))
         self.jit_mu = -(self.jit_sigma**2) / 2
+        # Per hand-off factor: lognormal with mean 1 and coefficient of variation swap_latency_cv (its
+        # own stream: the learner's draws stay the same with or without it).
+        self.handoff_jitter = random.Random(p.seed + 2)
+        self.ho_sigma = math.sqrt(math.log1p(p.swap_latency_cv**2))
+        self.ho_mu = -(self.ho_sigma**2) / 2
 
     # ------------------------------------------------------------------ events
 
@@ -272,8 +285,16 @@ class _Sim:
         if self.learner_waiting:
             self.gather()
 
+    def start_handoff(self, e: SimEngine) -> None:
+        """The actor starts handing V to ``e`` (noticed now; staged; then the pause)."""
+        e.staging = self.V
+        extra = self.p.swap_latency_running_extra_s if e.running or e.waiting else 0.0
+        f = self.handoff_jitter.lognormvariate(self.ho_mu, self.ho_sigma) if self.ho_sigma > 0 else 1.0
+        self.at(self.t + (self.p.swap_latency_s + extra) * f, "notice", e)
+
     def on_notice(self, e: SimEngine) -> None:
-        if e.swapping or e.version >= self.V:
+        """The hand-off of ``e.staging`` is ready: pause the engine (between steps) and swap."""
+        if e.swapping or e.staging is None:
             return
         if self.p.engine_steps and e.stepping:
             e.pause_pending = True  # the scheduler pauses between steps
@@ -283,13 +304,14 @@ class _Sim:
         e.epoch += 1  # no progress while paused
         self.engines_changed()
         extra = self.p.swap_running_extra_s if e.running or e.waiting else 0.0
-        self.at(self.t + self.p.swap_s + extra, "swapped", (e, self.V))
+        self.at(self.t + self.p.swap_s + extra, "swapped", (e, e.staging))
 
     def on_swapped(self, arg: tuple[SimEngine, int]) -> None:
         e, version = arg
         e.advance(self.t)
         e.paused = e.swapping = False
         e.version = version
+        e.staging = None
         e.swap_w.append(e.W)
         e.swap_v.append(version)
         self.schedule_finish(e)  # (also re-times the learner: the engine's state changed)
@@ -299,8 +321,8 @@ class _Sim:
             self.wake(
                 [e], self.p.swap_wake_s
             )  # its next poll, half a period later on average; with events: its poll timer
-        if e.version < self.V:  # published again meanwhile: the watcher swaps straight on
-            self.on_notice(e)
+        if e.version < self.V:  # published meanwhile: the actor now hands over the newest version
+            self.start_handoff(e)
 
     # ------------------------------------------------------------------ learner
 
@@ -400,8 +422,8 @@ class _Sim:
         if kind == "publish":
             self.V += 1
             for e in self.engines:
-                extra = self.p.swap_latency_running_extra_s if e.running or e.waiting else 0.0
-                self.at(self.t + self.p.swap_latency_s + extra, "notice", e)
+                if e.staging is None and not e.swapping:  # else: at the end of its current hand-off
+                    self.start_handoff(e)
             self.wake(self.engines)
         if self.phases:
             self.l_t = self.t

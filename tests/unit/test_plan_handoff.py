@@ -107,6 +107,21 @@ def test_swap_latency_is_measured_from_the_publish_and_split_by_engine_state_at_
     assert idle == pytest.approx([0.004, -0.001], abs=1e-12) and busy == pytest.approx([0.010], abs=1e-12)
 
 
+def test_a_version_published_during_the_previous_swap_is_measured_from_that_swaps_end() -> None:
+    """One hand-off at a time: v2 (published at 10.02) could not start before a's swap of v1 ended
+    (10.03 + 0.01), so its hand-off is 10.07 - 10.04, not 10.07 - 10.02; b was free: from its publish.
+    Idle / busy is the engine's state when the hand-off started (a's group runs from 10.041 on)."""
+    publish = {1: 10.0, 2: 10.02}
+    groups = [group("a", 10.041, 10.041, 10.06, 10.07)]
+    swaps = [swap("a", 10.07, 0.01, 2), swap("a", 10.03, 0.01, 1), swap("b", 10.05, 0.01, 2)]
+    idle, busy = swap_latencies(swaps, publish, groups)
+    assert idle == pytest.approx([0.03, 0.03, 0.03], abs=1e-12) and busy == []
+    groups = [group("a", 10.03, 10.03, 10.2, 10.21)]  # now a decodes from 10.03 on: its v2 hand-off is busy
+    idle, busy = swap_latencies(swaps, publish, groups)
+    assert idle == pytest.approx([0.03, 0.03], abs=1e-12) and busy == pytest.approx([0.03], abs=1e-12)
+    # The old measure (from the publish alone) would have read 0.05 for a's v2.
+
+
 def test_group_overhead_and_start_are_the_times_around_the_decode_loop() -> None:
     groups = [group("a", 1.0, 1.001, 1.5, 1.506, t_try=0.998), group("a", 2.0, 2.0, 2.4, 2.403),
               group("a", 3.0, 3.004, 3.4, 3.41, t_try=2.5, blocked=True)]  # fmt: skip
