@@ -27,6 +27,7 @@ version number with different weights; see asyncrl.learner.loop on resume), so a
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -65,6 +66,8 @@ WEIGHTS_FILE = "model.safetensors"
 #: Values of ``learner.weight_transport``.
 TRANSPORTS = ("auto", "file", "shm", "nccl")
 _CHUNK = 4 << 20  # hash-and-write granularity: stays in cache between the two passes
+#: Write leases (Linux): how ShmTransport proves that a spare file is no longer open or mapped.
+_LEASES = hasattr(fcntl, "F_SETLEASE")
 # torch dtype name -> safetensors dtype code.
 _ST_DTYPES = {
     "float64": "F64",
@@ -89,6 +92,7 @@ def write_safetensors(
     *,
     digest: bool = True,
     fsync: bool = True,
+    overwrite: bool = False,
 ) -> tuple[str, int]:
     """Stream ``tensors`` (CPU, contiguous) into a safetensors file; returns (sha256 hex or "", size).
 
@@ -96,6 +100,9 @@ def write_safetensors(
     copy of the whole model is built (``safetensors.torch.save`` would), and the file is never
     read back. The header is safetensors' format: u64 LE length, JSON (padded to 8 bytes with
     spaces), then the tensors back to back in the header's (sorted-name) order.
+
+    ``overwrite``: ``path`` exists and nobody else has it open; it is written over from the start and
+    cut to size, keeping its pages (a tmpfs file then costs a copy, not a page allocation per 4 KiB).
     """
     import torch
 
@@ -113,7 +120,7 @@ def write_safetensors(
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     h = hashlib.sha256() if digest else None
-    with open(path, "wb") as f:
+    with open(path, "r+b" if overwrite else "wb") as f:
         for part in (struct.pack("<Q", len(head)), head):
             if h is not None:
                 h.update(part)
@@ -128,6 +135,8 @@ def write_safetensors(
                 if h is not None:
                     h.update(chunk)
                 f.write(chunk)
+        if overwrite:
+            f.truncate()
         f.flush()
         if fsync:
             os.fsync(f.fileno())
@@ -198,6 +207,7 @@ class FilesystemTransport(WeightTransport):
                 {"format": "pt", "asyncrl_version": str(version)},
                 digest=self.digest == "sha256",
                 fsync=self.fsync,
+                overwrite=self._take_spare(tmp / WEIGHTS_FILE),
             )
             manifest = WeightManifest(
                 version, str(final / WEIGHTS_FILE), sha, size, dtype, digest=self.digest
@@ -220,6 +230,10 @@ class FilesystemTransport(WeightTransport):
     def delete(self, version: int) -> None:
         shutil.rmtree(self.version_dir(version), ignore_errors=True)
 
+    def _take_spare(self, path: Path) -> bool:
+        """Move a file to ``path`` that the next write may overwrite; False = none (write a new one)."""
+        return False
+
 
 class ShmTransport(FilesystemTransport):
     """Weights in shared memory (``/dev/shm``) for actors on the learner's machine.
@@ -229,14 +243,57 @@ class ShmTransport(FilesystemTransport):
     0700, and lives only in this host's memory). What is checked instead: sizes (``verify``) and
     the ``asyncrl_version`` tag in the file's metadata (the actors' loader). ``keep_versions``
     bounds the memory held; the directory is removed by :meth:`cleanup`.
+
+    Recycling: writing a new tmpfs file allocates (and zeroes) every page of it, which costs more
+    than the copy itself. So a deleted version's file is not unlinked but kept as the *spare* (one
+    at most, ``.spare-model.safetensors`` in the root, renamed out of ``v{N}/``: its old path is gone
+    for readers exactly as if it had been removed), and the next publish writes over it.
+    Invariant: a spare is overwritten only if no other open file or memory mapping of it exists
+    anywhere on the host, which the kernel checks atomically: a write lease (``F_SETLEASE``) is
+    granted only then. An actor still reading it (an old version it has mapped) makes the lease
+    fail, and the spare is unlinked instead (the reader keeps its bytes). The lease is released at
+    once: nothing opens the spare's path. Memory: the spare keeps a publish's peak (``keep_versions``
+    + 1 files) held between publishes.
     """
 
     digest = "none"
     fsync = False
+    SPARE = ".spare-" + WEIGHTS_FILE
 
     def __init__(self, root: str | os.PathLike[str], expected_names: set[str] | None = None) -> None:
         super().__init__(root, expected_names)
         os.chmod(self.root, 0o700)
+
+    def delete(self, version: int) -> None:
+        spare = self.root / self.SPARE
+        if _LEASES and not spare.exists():
+            try:  # atomic: a reader opening the old path now gets ENOENT, as after a removal
+                os.rename(self.version_dir(version) / WEIGHTS_FILE, spare)
+            except OSError:
+                pass
+        super().delete(version)
+
+    def _take_spare(self, path: Path) -> bool:
+        spare = self.root / self.SPARE
+        try:
+            fd = os.open(spare, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            # Granted only while no other open file or mapping of the inode exists (see the class doc).
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except OSError:
+            free = False
+        else:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            free = True
+        finally:
+            os.close(fd)
+        if not free:
+            spare.unlink(missing_ok=True)  # a reader still has it: it keeps its bytes
+            return False
+        os.rename(spare, path)
+        return True
 
     def cleanup(self) -> None:
         """Remove every version (the run is over; a resumed learner re-publishes its version)."""

@@ -230,6 +230,36 @@ def test_staged_swap_under_running_requests_labels_every_token(rig) -> None:
     assert spanning >= 1, [s.versions for s in seqs]
 
 
+def test_staged_swaps_in_a_row_recycle_scratch_and_serve_what_in_place_reloads_serve(rig) -> None:
+    """Two staged swaps back to back, with different weights: the second stage loads into the scratch the
+    first one's packing freed (asyncrl.actors.staging._Scratch, holding the other version's layers), and
+    each serves, to the bit, what vLLM's in-place reload of the same weights serves."""
+    eng, tr, run = rig["engine"], rig["transport"], rig["loop"].run_until_complete
+    base = (eng.version or 0) + 300  # above whatever the module's other tests left serving
+    wa, wb = rig["weights"](10), rig["weights"](11)
+
+    def swap(v: int, w: dict, staged: bool) -> list:
+        eng.staging = staged
+        res = run(eng.swap_weights(tr.publish(v, w, "float32").path, v, "in_flight"))
+        assert res.staged == staged and eng.version == v
+        tr.delete(v)
+        return _seeded(rig, f"recycle-{v}")
+
+    try:
+        in_a = swap(base, wa, False)
+        st_b = swap(base + 1, wb, True)
+        st_a = swap(base + 2, wa, True)
+        (poll,) = run(eng.llm.collective_rpc("asyncrl_stage_poll"))
+        in_b = swap(base + 3, wb, False)
+    finally:
+        eng.staging = False
+    assert poll["recycled_bytes"] > 0 and poll["error"] is None, poll
+    for x, y in ((in_a, st_a), (in_b, st_b)):
+        for a, b in zip(x, y, strict=True):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # bitwise
+    assert [s.logprobs for s in st_a] != [s.logprobs for s in st_b]  # the versions really differ
+
+
 def _idle_cpu_s(procs) -> float:
     """CPU-s ``procs`` use over 0.4-1.2 s from now (the engine has just finished a request)."""
     time.sleep(0.4)

@@ -70,3 +70,63 @@ def test_graphs_or_compilation_are_refused() -> None:
 
     reason = unsupported_reason(_model(_Layer()), SimpleNamespace(enforce_eager=False))
     assert reason is not None and "enforce_eager" in reason
+
+
+# The scratch pool (asyncrl.actors.staging._Scratch): model-format storages that processing dropped are
+# loaded into again by the next layer / stage. Pooled memory must never be live, nor be written through
+# the tensor that dropped it.
+
+
+def _shadow_of_one_layer(complete):
+    from asyncrl.actors.staging import _Scratch, _Shadow
+
+    model = _model(_Layer())
+    scratch = _Scratch()
+    return model, scratch, _Shadow(model, scratch, complete)
+
+
+def test_a_layer_is_processed_once_its_elements_are_loaded_and_then_refuses_loads() -> None:
+    done: list[int] = []
+    model, _, shadow = _shadow_of_one_layer(done.append)
+    sh = shadow.root.l0
+    assert sh.weight is not model.l0.weight and sh._parameters is not model.l0._parameters
+    w = torch.arange(4.0).reshape(2, 2)
+    sh.weight.weight_loader(sh.weight, w)  # its last (only) element written: processed now
+    assert done == [id(sh)]
+    shadow.processed.add(id(sh))
+    with pytest.raises(RuntimeError, match="loaded again"):
+        sh.weight.weight_loader(sh.weight, w)
+    assert torch.equal(model.l0.weight, torch.zeros(2, 2))  # the live layer was never written
+
+
+def test_scratch_pools_only_storages_nothing_else_references() -> None:
+    from asyncrl.actors.staging import _Scratch
+
+    scratch = _Scratch()
+    layer = _Layer()
+    dropped, aliased, kept = torch.ones(8, 4), torch.ones(8, 4), torch.ones(8, 4)
+    view = aliased[1:]  # e.g. a kernel holding a view: the storage is not free
+    layer.weight = torch.nn.Parameter(kept, requires_grad=False)
+    scratch.reclaim(layer, [dropped, aliased, layer.weight])
+    assert scratch.held == 128 and list(scratch.free) == [128]
+    ptr = dropped.untyped_storage().data_ptr()
+    t = scratch.empty((4, 8), (1, 4), torch.float32, torch.device("cpu"))  # same bytes, other layout
+    assert t.untyped_storage().data_ptr() == ptr and t.shape == (4, 8) and t.stride() == (1, 4)
+    assert scratch.reused == 128 and scratch.held == 0
+    fresh = scratch.empty((4, 8), (8, 1), torch.float32, torch.device("cpu"))  # pool empty: a new one
+    assert fresh.untyped_storage().data_ptr() not in (ptr, aliased.untyped_storage().data_ptr())
+    assert view.sum() == 28 and layer.weight.sum() == 32
+
+
+def test_large_scratch_is_a_huge_page_aligned_mapping_and_comes_back() -> None:
+    from asyncrl.actors.staging import _Scratch
+
+    scratch, layer = _Scratch(), _Layer()
+    t = scratch.empty((1024, 1025), (1025, 1), torch.float32, torch.device("cpu"))  # > 2 MiB
+    assert t.data_ptr() % _Scratch.HUGE == 0 and scratch.reused == 0
+    t.fill_(1.5)
+    ptr = t.data_ptr()
+    scratch.reclaim(layer, [t])
+    del t
+    u = scratch.empty((1025, 1024), (1, 1025), torch.float32, torch.device("cpu"))
+    assert u.data_ptr() == ptr and scratch.reused == 1024 * 1025 * 4 and float(u.sum()) == 1.5 * 1024 * 1025

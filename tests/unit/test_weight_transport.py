@@ -145,3 +145,38 @@ def test_make_transport_picks_shm_only_for_local_runs(tmp_path: Path) -> None:
             local.cleanup()
     with pytest.raises(ValueError, match="learner.weight_transport"):
         make_transport("nfs", tmp_path, "r", names, local=True)
+
+
+def test_shm_transport_overwrites_a_deleted_version_only_when_no_reader_has_it(tmp_path: Path) -> None:
+    """ShmTransport recycles a deleted version's tmpfs file (no page allocation on the next publish),
+    but never one that a reader still has open or mapped: that reader keeps its bytes."""
+    import mmap
+
+    tr = ShmTransport(shm_root(tmp_path, "spare"))
+    try:
+        ts = {"w": torch.randn(64, 64)}
+        m1 = tr.publish(1, ts, "float32")
+        ino1 = os.stat(m1.path).st_ino
+        tr.delete(1)
+        assert not Path(m1.path).exists() and (tr.root / tr.SPARE).exists()
+        ts2 = {"w": torch.randn(32, 64), "b": torch.randn(3)}  # smaller: the file is cut to size
+        m2 = tr.publish(2, ts2, "float32")
+        assert os.stat(m2.path).st_ino == ino1 and not (tr.root / tr.SPARE).exists()
+        write_safetensors(tmp_path / "fresh", ts2, {"format": "pt", "asyncrl_version": "2"}, fsync=False)
+        assert Path(m2.path).read_bytes() == (tmp_path / "fresh").read_bytes()
+        verify(m2)
+        # A reader maps v2 and closes its descriptor (as safetensors does); v2 is deleted under it.
+        with open(m2.path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        before = bytes(mapped)
+        tr.delete(2)
+        m3 = tr.publish(3, {"w": torch.randn(32, 64), "b": torch.randn(3)}, "float32")
+        ino3 = os.stat(m3.path).st_ino
+        assert ino3 != ino1 and not (tr.root / tr.SPARE).exists()  # not overwritten but unlinked
+        assert bytes(mapped) == before  # the reader's version is intact
+        mapped.close()
+        tr.delete(3)
+        m4 = tr.publish(4, ts, "float32")  # v3's file has no reader: recycled
+        assert os.stat(m4.path).st_ino == ino3 and load_file(m4.path)["w"].equal(ts["w"])
+    finally:
+        tr.cleanup()
