@@ -186,6 +186,13 @@ def test_handoff_pools_runs_and_derives_the_simulator_inputs() -> None:
     assert h.group_overhead_s is None and h.group_start_s is None and h.admission_wake_s is None
     # A busy mean below the idle one is noise, not a negative cost.
     assert handoff([{"swap_idle": [0.05], "swap_busy": [0.04]}]).swap_running_extra_s == 0.0
+    # Two idle hand-offs beside 5 busy ones do not set the base: the busy mean does, the extra unmeasured.
+    h = handoff([{"latency_idle": [0.055, 0.054], "latency_busy": [0.04, 0.05, 0.045, 0.045, 0.045]}])
+    assert h.swap_latency_s == pytest.approx(0.045) and h.swap_latency_running_extra_s is None
+    h = handoff([{"swap_idle": [0.01] * 5, "swap_busy": [0.03, 0.05]}])  # and the other way round
+    assert h.swap_s == pytest.approx(0.01) and h.swap_running_extra_s is None
+    h = handoff([{"swap_idle": [0.01] * 5, "swap_busy": [0.03] * 5}])  # both measured: base and extra
+    assert h.swap_s == pytest.approx(0.01) and h.swap_running_extra_s == pytest.approx(0.02)
 
 
 def _run_dir(rdir: Path, eta: int) -> None:
