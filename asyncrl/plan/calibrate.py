@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 
 from asyncrl.learner.records import METRICS_FILE, read_jsonl
 
-from .handoff import Handoff, handoff, handoff_samples
+from .handoff import Handoff, cv, handoff, handoff_samples
 from .inputs import Lengths, PlanInputs
 from .simulate import simulate
 
@@ -89,11 +89,6 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def _cv(xs: list[float]) -> float:
-    m = _mean(xs)
-    return math.sqrt(_mean([(x - m) ** 2 for x in xs])) / m if m > 0 else 0.0
-
-
 def measure(run_dir: str | Path, warmup: int | None = None) -> Measured:
     rdir = Path(run_dir)
     recs = read_jsonl(rdir / METRICS_FILE)
@@ -133,7 +128,7 @@ def measure(run_dir: str | Path, warmup: int | None = None) -> Measured:
         publish_s=_mean([r["publish_s"] for r in win if r["published"]]),
         mean_length=tokens / max(sum(r["sequences"] for r in win), 1),
         learner_busy_s_per_step=(dur - sum(r["wait_s"] for r in win)) / len(win),
-        learner_cv=_cv([r["step_s"] - r["wait_s"] for r in win]),
+        learner_cv=cv([r["step_s"] - r["wait_s"] for r in win]),
         window_start=float(recs[k - 1]["step_time"])
         if k > 0 and "step_time" in recs[k - 1]
         else float("-inf"),

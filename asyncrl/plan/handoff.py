@@ -286,9 +286,15 @@ def _pooled_cv(*kinds: list[float]) -> float | None:
         m = _mean(xs)
         if len(xs) >= 2 and m is not None and m > 0:
             factors += [x / m for x in xs]
-    if len(factors) < 3:
-        return None
-    return (sum((f - 1.0) ** 2 for f in factors) / len(factors)) ** 0.5
+    return cv(factors) if len(factors) >= 3 else None
+
+
+def cv(xs: list[float]) -> float:
+    """Population coefficient of variation of ``xs`` (0 when empty or the mean is not positive)."""
+    m = _mean(xs)
+    if m is None or m <= 0:
+        return 0.0
+    return (sum((x - m) ** 2 for x in xs) / len(xs)) ** 0.5 / m
 
 
 def handoff(samples: list[dict[str, list[float]]]) -> Handoff:
