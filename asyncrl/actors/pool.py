@@ -159,10 +159,10 @@ class ActorPool:
         (the actor binds itself to them at start; its engine's OpenMP threads get them from vLLM)."""
         env = actor_runtime_env()
         if self.cpu_plan is not None:
-            from asyncrl.cpu_binding import engine_env, frontend_cpus
+            from asyncrl.cpu_binding import engine_env, frontend_cpus, frontend_placement
 
             a = self.cfg.actors
-            front = frontend_cpus(self.cpu_plan, i, self.cfg.run.actor_frontend_cpus)
+            front = frontend_cpus(self.cpu_plan, i, frontend_placement(self.cfg))
             env["env_vars"].update(
                 engine_env(self.cpu_plan.engine(i), a.tensor_parallel_size * a.pipeline_parallel_size, front)
             )

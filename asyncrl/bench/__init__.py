@@ -115,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
 
             b2b = _b2b(result, cfg, back_to_back)
             result["pipeline"] = pipeline_rows(
-                config, staleness, args.pipeline_steps, Path(d), b2b, lrn["alone_s"]
+                config,
+                staleness,
+                args.pipeline_steps,
+                Path(d),
+                b2b,
+                lrn["alone_s"],
+                lrn.get("alone_idle_gap_s"),
             )
     if not only:
         result["buffer"] = buffer_rows(args.quick)

@@ -16,7 +16,12 @@ own plan), fp32 on the CPU, with the same optimizer settings:
 * ``bare DeepSpeed, same kernels``: the same, with the two settings asyncrl's learner makes and a bare
   script need not (torch's fused AdamW; no backward all-reduce with one rank): alone over it is the
   cost of asyncrl's own step machinery (objective terms, metrics, guard), with no kernel choice in it;
-* ``bare torch``: the same loss on a plain module, ``clip_grad_norm_``, ``AdamW.step``.
+* ``bare torch``: the same loss on a plain module, ``clip_grad_norm_``, ``AdamW.step``;
+* ``alone after an idle gap``: the ``alone`` step with the process idle for ``IDLE_GAP_S`` before each
+  one (not timed), as in a synchronous run (max_staleness 0), where the learner waits ~50 ms for the
+  actors between steps. On the 2-core VM a step after such a gap measured ~1.3x one right after the
+  previous step, with nothing else running (a sleep and a busy spin of the gap both did it): a
+  context row, the reference for the learner inside the synchronous pipeline.
 
 It runs in its own process (``python -m asyncrl.bench.learner``) placed as ``asyncrl run`` places its
 learner (the same cores and ``OMP_NUM_THREADS``), so the caller's torch threads and process group are
@@ -49,6 +54,9 @@ IN_PIPELINE_TARGET = 1.3  # learner step inside the pipeline <= 1.3x alone
 #: optimizer state from the caches and doubled every step time.
 ROUNDS = 3
 BLOCK = 10
+#: Idle time before each step of the ``alone_idle_gap`` variant: about a synchronous demo step's
+#: generation (the learner's wait for data there).
+IDLE_GAP_S = 0.05
 
 
 def demo_groups(cfg: Any, tokenizer: Any, vocab: int, seed: int = 0) -> list:
@@ -147,6 +155,9 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
         def alone_no_entropy() -> None:
             trainer_no_ent.train(groups, 0)
 
+        def alone_idle_gap() -> None:
+            trainer.train(groups, 0)
+
         def ds_step(engine: Any) -> None:
             for _ in range(lc.epochs):
                 for mbs in minis:
@@ -172,13 +183,16 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
                     pt_opt.zero_grad(set_to_none=True)
 
         fns = {"alone": alone, "alone_no_entropy": alone_no_entropy, "bare_deepspeed": bare_ds,
-               "bare_deepspeed_same_kernels": bare_ds_same_kernels, "bare_torch": bare_torch}  # fmt: skip
+               "bare_deepspeed_same_kernels": bare_ds_same_kernels, "bare_torch": bare_torch,
+               "alone_idle_gap": alone_idle_gap}  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in fns}
         rounds = max(ROUNDS, steps // BLOCK)
         block = max(1, -(-steps // rounds))
         for _ in range(rounds):
             for k, fn in fns.items():
                 for i in range(warmup + block):
+                    if k == "alone_idle_gap":
+                        time.sleep(IDLE_GAP_S)
                     t = time.perf_counter()
                     fn()
                     if i >= warmup:
@@ -195,7 +209,7 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
             for r in range(rounds)]  # fmt: skip
     return {**med, "rounds": rounds, "ratio_alone_vs_deepspeed_per_round": per_round["alone"],
             "ratio_alone_vs_deepspeed_same_kernels_per_round": same,
-            "ratio_alone_no_entropy_vs_deepspeed_per_round": per_round["alone_no_entropy"], "steps": steps, "threads": torch.get_num_threads(), "sequences": len(samples),
+            "ratio_alone_no_entropy_vs_deepspeed_per_round": per_round["alone_no_entropy"], "idle_gap_s": IDLE_GAP_S, "steps": steps, "threads": torch.get_num_threads(), "sequences": len(samples),
             "tokens": int(sum(lengths)), "micro_batches": sum(len(m) for m in minis) * lc.epochs}  # fmt: skip
 
 

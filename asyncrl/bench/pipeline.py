@@ -145,7 +145,8 @@ def overlap_bound(t_gen: float, t_train: float, t_sync: float | None = None) -> 
 
 
 def pipeline_rows(config: str | None, staleness: tuple[int, ...], steps: int, root: Path,
-                  b2b: dict | None, train_alone_s: float | None) -> dict:  # fmt: skip
+                  b2b: dict | None, train_alone_s: float | None,
+                  train_alone_idle_gap_s: float | None = None) -> dict:  # fmt: skip
     """Run the demo at each max_staleness and derive the pipeline rows (see the module docstring)."""
     runs = {}
     for eta in staleness:
@@ -168,4 +169,6 @@ def pipeline_rows(config: str | None, staleness: tuple[int, ...], steps: int, ro
             r["over_back_to_back"] = r["steps_per_s"] / b2b["steps_per_s"]
         if train_alone_s:
             r["train_in_pipeline_over_alone"] = r["train_s_median"] / train_alone_s
+    if 0 in runs and train_alone_idle_gap_s:  # context: the same step alone with the sync run's idle gaps
+        runs[0]["train_in_pipeline_over_alone_idle_gap"] = runs[0]["train_s_median"] / train_alone_idle_gap_s
     return res

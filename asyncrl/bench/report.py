@@ -94,6 +94,9 @@ def table(result: dict) -> list[str]:
             row("learner: step alone / bare DeepSpeed with asyncrl's kernels (fused AdamW, no 1-rank all-reduce)",
                 lr["ratio_alone_vs_deepspeed_same_kernels"])  # fmt: skip
         row("learner: bare DeepSpeed / bare torch", lr["ratio_deepspeed_vs_torch"])
+        if lr.get("alone_idle_gap_s"):
+            row(f"learner: step alone after {lr['idle_gap_s'] * 1e3:.0f} ms idle, as in a sync run (ms)",
+                lr["alone_idle_gap_s"] * 1e3, fmt="{:.1f}")  # fmt: skip
     p = result.get("pipeline")
     if p:
         b2b = p.get("back_to_back")
@@ -111,6 +114,9 @@ def table(result: dict) -> list[str]:
             if "train_in_pipeline_over_alone" in r:
                 row(f"learner: step inside the pipeline (eta={eta}, median {r['train_s_median'] * 1e3:.1f} ms) / alone",
                     r["train_in_pipeline_over_alone"], IN_PIPELINE_TARGET)  # fmt: skip
+            if "train_in_pipeline_over_alone_idle_gap" in r:
+                row(f"learner: step inside the pipeline (eta={eta}) / alone after the same idle gap",
+                    r["train_in_pipeline_over_alone_idle_gap"])  # fmt: skip
         if "overlap_bound" in p:
             row(f"pipeline: overlap bound (T_gen {p['T_gen_s'] * 1e3:.0f} ms, T_train {p['T_train_s'] * 1e3:.0f} ms at eta=0)",
                 p["overlap_bound"], fmt="{:.2f}x")  # fmt: skip

@@ -124,3 +124,26 @@ def test_table_marks_met_and_missed_targets() -> None:
     first = next(v for k, v in lines.items() if "first learner step" in k)
     assert first.endswith("NO") and "<= 25.0" in first
     assert next(v for k, v in lines.items() if "inside the pipeline" in k).endswith("yes")
+
+
+def test_sync_learner_step_is_also_compared_with_alone_after_an_idle_gap(tmp_path: Path, monkeypatch) -> None:
+    """The eta=0 run gets a second reference (the alone step after the sync run's idle gap), a context
+    row with no target; async runs do not."""
+    from asyncrl.bench import pipeline
+
+    fake = {0: {"steps_per_s": 12.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.028, "wait_s_mean": 0.05,
+                "train_s_median": 0.0215, "window_steps": 100, "window_s": 8.3, "samples_per_s": 380.0,
+                "max_staleness": 0},
+            1: {"steps_per_s": 16.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.028, "wait_s_mean": 0.03,
+                "train_s_median": 0.021, "window_steps": 100, "window_s": 6.2, "samples_per_s": 510.0,
+                "max_staleness": 1}}  # fmt: skip
+    monkeypatch.setattr(pipeline, "run_demo", lambda config, eta, steps, root: eta)
+    monkeypatch.setattr(pipeline, "steady", lambda eta: dict(fake[eta]))
+    monkeypatch.setattr(pipeline, "startup_phases", lambda eta: {"first_step": 18.0})
+    res = pipeline.pipeline_rows(None, (0, 1), 10, tmp_path, None, 0.0165, 0.0215)
+    assert res["runs"]["0"]["train_in_pipeline_over_alone"] == pytest.approx(0.0215 / 0.0165)
+    assert res["runs"]["0"]["train_in_pipeline_over_alone_idle_gap"] == pytest.approx(1.0)
+    assert "train_in_pipeline_over_alone_idle_gap" not in res["runs"]["1"]
+    lines = table({"weights": [], "buffer": [], "pipeline": res})
+    gap = [ln for ln in lines if "alone after the same idle gap" in ln]
+    assert len(gap) == 1 and "eta=0" in gap[0] and gap[0].split()[-1] == "1.00x"

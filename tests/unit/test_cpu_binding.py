@@ -17,6 +17,7 @@ from asyncrl.cpu_binding import (
     ENV_FRONTEND_CPUS,
     engine_env,
     frontend_cpus,
+    frontend_placement,
     plan_cpus,
     resolve_plan,
 )
@@ -123,6 +124,30 @@ def test_frontend_cpus_and_its_env() -> None:
         frontend_cpus(plan, 0, "gpu")
     assert ENV_FRONTEND_CPUS not in engine_env((1, 2), frontend=(1, 2))  # same cores: nothing to move
     assert engine_env((1, 2), frontend=(3,))[ENV_FRONTEND_CPUS] == "3"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "where"),
+    [
+        ([], "engine"),  # the demo: max_staleness 1, roles overlap
+        (["buffer.max_staleness=0"], "learner"),  # synchronous: the roles take turns
+        (["buffer.max_staleness=4"], "engine"),
+        (["buffer.max_staleness=0", "run.actor_frontend_cpus=engine"], "engine"),  # explicit wins
+        (["buffer.max_staleness=1", "run.actor_frontend_cpus=learner"], "learner"),
+        (["run.actor_frontend_cpus=all"], "all"),
+    ],
+)
+def test_auto_front_end_placement_follows_the_staleness_bound(overrides, where) -> None:
+    cfg = load_config(None, overrides)
+    assert cfg.run.actor_frontend_cpus == next(
+        (o.split("=")[1] for o in overrides if o.startswith("run.actor_frontend_cpus")), "auto"
+    )
+    assert frontend_placement(cfg) == where
+
+
+def test_a_bad_front_end_placement_fails_at_load_with_the_allowed_values() -> None:
+    with pytest.raises(ConfigError, match=r"actor_frontend_cpus.*auto.*engine.*learner.*all"):
+        load_config(None, ["run.actor_frontend_cpus=gpu"])
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell them apart")
