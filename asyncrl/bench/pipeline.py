@@ -18,6 +18,12 @@ asyncrl.plan.calibrate leaves out, the same window ``asyncrl plan --from`` measu
   beside the actors' generation: ``wait_s`` then undercounts the actors' path. The old number is kept
   as ``T_gen_wait_s``.)
 
+Placement: ``run.actor_frontend_cpus=auto`` puts the actor process on the learner's cores at max_staleness
+0 (the roles take turns) and on its engine's cores otherwise, so the default sync run's T_gen is not
+what the async runs' engines can do. The overlap bound compares the same pipeline with and without
+overlap, so when the placements differ it comes from one more sync run with the async runs' placement
+(``same_placement_sync``); the eta=0 rows (steps/s, learner step) stay the default's.
+
 The back-to-back limit is 1 / (gen + train + publish + reload per step), each measured alone in the
 same bench invocation: gen = one step's groups on an idle engine (asyncrl.bench.weights), train =
 the Trainer step alone (asyncrl.bench.learner), publish and reload = the tiny model's weight path for
@@ -54,18 +60,28 @@ _ACTOR_STATE = re.compile(
 )
 
 
-def run_demo(config: str | None, eta: int, steps: int, root: Path, timeout_s: float = 600.0) -> Path:
-    """One real ``asyncrl run`` of the demo at ``buffer.max_staleness=eta``; returns its run dir."""
-    rdir = root / f"run-eta{eta}"
+def run_demo(
+    config: str | None,
+    eta: int,
+    steps: int,
+    root: Path,
+    timeout_s: float = 600.0,
+    frontend: str | None = None,
+) -> Path:
+    """One real ``asyncrl run`` of the demo at ``buffer.max_staleness=eta`` (``frontend``: a
+    ``run.actor_frontend_cpus`` other than the config's); returns its run dir."""
+    name = f"run-eta{eta}" + (f"-frontend-{frontend}" if frontend else "")
+    rdir = root / name
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", *(["-c", config] if config else []),
            f"run.dir={rdir}", f"run.max_steps={steps}", f"buffer.max_staleness={eta}",
-           f"run.max_wall_s={int(timeout_s)}", "console.mode='off'"]  # fmt: skip
-    with open(root / f"run-eta{eta}.out", "wb") as out:
+           f"run.max_wall_s={int(timeout_s)}", "console.mode='off'",
+           *([f"run.actor_frontend_cpus={frontend}"] if frontend else [])]  # fmt: skip
+    with open(root / f"{name}.out", "wb") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s + 120)
     summary = json.loads((rdir / "summary.json").read_text()) if (rdir / "summary.json").exists() else {}
     if proc.returncode != 0 or not summary.get("finished"):
         raise RuntimeError(f"demo run at max_staleness={eta} did not finish (exit {proc.returncode}, "
-                           f"status {summary.get('status')!r}); see {root / f'run-eta{eta}.out'}")  # fmt: skip
+                           f"status {summary.get('status')!r}); see {root / f'{name}.out'}")  # fmt: skip
     return rdir
 
 
@@ -144,6 +160,19 @@ def overlap_bound(t_gen: float, t_train: float, t_sync: float | None = None) -> 
     return (t_gen + t_train if t_sync is None else t_sync) / max(t_gen, t_train)
 
 
+def frontend_placements(config: str | None) -> tuple[str | None, str | None]:
+    """(sync, async): the resolved ``run.actor_frontend_cpus`` of the demo's run at max_staleness 0
+    and at >= 1 (None: no CPU plan on this machine, nothing is placed)."""
+    from asyncrl.config import load_config
+    from asyncrl.cpu_binding import frontend_placement, resolve_plan
+
+    cfg = load_config(config)
+    if resolve_plan(cfg) is None:
+        return None, None
+    at = lambda eta: frontend_placement(load_config(config, [f"buffer.max_staleness={eta}"]))  # noqa: E731
+    return at(0), at(1)
+
+
 def pipeline_rows(config: str | None, staleness: tuple[int, ...], steps: int, root: Path,
                   b2b: dict | None, train_alone_s: float | None,
                   train_alone_idle_gap_s: float | None = None) -> dict:  # fmt: skip
@@ -153,8 +182,13 @@ def pipeline_rows(config: str | None, staleness: tuple[int, ...], steps: int, ro
         rdir = run_demo(config, eta, steps, root)
         runs[eta] = {**steady(rdir), "startup": startup_phases(rdir)}
     res: dict[str, Any] = {"runs": {str(k): v for k, v in runs.items()}, "back_to_back": b2b}
+    sync_place, async_place = frontend_placements(config)
+    same = None
+    if 0 in runs and any(e > 0 for e in runs) and sync_place != async_place:
+        same = {**steady(run_demo(config, 0, steps, root, frontend=async_place)), "frontend": async_place}
+        res["same_placement_sync"] = same
     if 0 in runs:
-        sync = runs[0]
+        sync = same or runs[0]
         t_sync, t_train = 1.0 / sync["steps_per_s"], sync["learner_s_mean"]
         t_gen = max(t_sync - sync["train_publish_s_mean"], 1e-9)
         bound = overlap_bound(t_gen, t_train, t_sync)
@@ -164,6 +198,8 @@ def pipeline_rows(config: str | None, staleness: tuple[int, ...], steps: int, ro
             if eta > 0:
                 r["speedup_vs_sync"] = r["steps_per_s"] / sync["steps_per_s"]
                 r["speedup_over_bound"] = r["speedup_vs_sync"] / bound
+                if same is not None:  # against the default sync run (context)
+                    r["speedup_vs_default_sync"] = r["steps_per_s"] / runs[0]["steps_per_s"]
     for r in runs.values():
         if b2b:
             r["over_back_to_back"] = r["steps_per_s"] / b2b["steps_per_s"]

@@ -117,13 +117,22 @@ def table(result: dict) -> list[str]:
             if "train_in_pipeline_over_alone_idle_gap" in r:
                 row(f"learner: step inside the pipeline (eta={eta}) / alone after the same idle gap",
                     r["train_in_pipeline_over_alone_idle_gap"])  # fmt: skip
+        same = p.get("same_placement_sync")
+        if same:
+            row(f"pipeline eta=0, front end on the {same['frontend']}'s cores as in the async runs: steps/s",
+                same["steps_per_s"], fmt="{:.2f}")  # fmt: skip
         if "overlap_bound" in p:
-            row(f"pipeline: overlap bound (T_gen {p['T_gen_s'] * 1e3:.0f} ms, T_train {p['T_train_s'] * 1e3:.0f} ms at eta=0)",
+            at = "eta=0, front end as async" if same else "eta=0"
+            row(f"pipeline: overlap bound (T_gen {p['T_gen_s'] * 1e3:.0f} ms, T_train {p['T_train_s'] * 1e3:.0f} ms at {at})",
                 p["overlap_bound"], fmt="{:.2f}x")  # fmt: skip
             for eta, r in p["runs"].items():
                 if "speedup_over_bound" in r:
                     row(f"pipeline eta={eta}: async/sync {r['speedup_vs_sync']:.2f}x / overlap bound",
                         r["speedup_over_bound"], OVERLAP_TARGET, op=">=")  # fmt: skip
+                if "speedup_vs_default_sync" in r:
+                    row(
+                        f"pipeline eta={eta}: steps/s / the default eta=0 run's", r["speedup_vs_default_sync"]
+                    )
         ref = p["runs"].get("1") or next(iter(p["runs"].values()))
         s = ref["startup"]
         for key, label in PHASES:

@@ -126,24 +126,59 @@ def test_table_marks_met_and_missed_targets() -> None:
     assert next(v for k, v in lines.items() if "inside the pipeline" in k).endswith("yes")
 
 
+def _fake_runs(monkeypatch, placements):
+    """pipeline_rows over fake steady-state numbers (the derivations only; the real runs are the bench's)."""
+    from asyncrl.bench import pipeline
+
+    fake = {(0, None): {"steps_per_s": 13.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.028,
+                        "wait_s_mean": 0.045, "train_s_median": 0.0215, "window_steps": 100, "window_s": 7.7,
+                        "samples_per_s": 416.0, "max_staleness": 0},
+            (0, "engine"): {"steps_per_s": 12.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.0283,
+                            "wait_s_mean": 0.05, "train_s_median": 0.0215, "window_steps": 100, "window_s": 8.3,
+                            "samples_per_s": 384.0, "max_staleness": 0},
+            (1, None): {"steps_per_s": 16.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.028,
+                        "wait_s_mean": 0.03, "train_s_median": 0.021, "window_steps": 100, "window_s": 6.2,
+                        "samples_per_s": 512.0, "max_staleness": 1}}  # fmt: skip
+    calls = []
+
+    def run_demo(config, eta, steps, root, frontend=None):
+        calls.append((eta, frontend))
+        return (eta, frontend)
+
+    monkeypatch.setattr(pipeline, "run_demo", run_demo)
+    monkeypatch.setattr(pipeline, "steady", lambda key: dict(fake[key]))
+    monkeypatch.setattr(pipeline, "startup_phases", lambda key: {"first_step": 18.0})
+    monkeypatch.setattr(pipeline, "frontend_placements", lambda config: placements)
+    return pipeline, calls
+
+
 def test_sync_learner_step_is_also_compared_with_alone_after_an_idle_gap(tmp_path: Path, monkeypatch) -> None:
     """The eta=0 run gets a second reference (the alone step after the sync run's idle gap), a context
     row with no target; async runs do not."""
-    from asyncrl.bench import pipeline
-
-    fake = {0: {"steps_per_s": 12.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.028, "wait_s_mean": 0.05,
-                "train_s_median": 0.0215, "window_steps": 100, "window_s": 8.3, "samples_per_s": 380.0,
-                "max_staleness": 0},
-            1: {"steps_per_s": 16.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.028, "wait_s_mean": 0.03,
-                "train_s_median": 0.021, "window_steps": 100, "window_s": 6.2, "samples_per_s": 510.0,
-                "max_staleness": 1}}  # fmt: skip
-    monkeypatch.setattr(pipeline, "run_demo", lambda config, eta, steps, root: eta)
-    monkeypatch.setattr(pipeline, "steady", lambda eta: dict(fake[eta]))
-    monkeypatch.setattr(pipeline, "startup_phases", lambda eta: {"first_step": 18.0})
+    pipeline, calls = _fake_runs(monkeypatch, (None, None))
     res = pipeline.pipeline_rows(None, (0, 1), 10, tmp_path, None, 0.0165, 0.0215)
+    assert calls == [(0, None), (1, None)]  # nothing placed: no extra run
     assert res["runs"]["0"]["train_in_pipeline_over_alone"] == pytest.approx(0.0215 / 0.0165)
     assert res["runs"]["0"]["train_in_pipeline_over_alone_idle_gap"] == pytest.approx(1.0)
     assert "train_in_pipeline_over_alone_idle_gap" not in res["runs"]["1"]
     lines = table({"weights": [], "buffer": [], "pipeline": res})
     gap = [ln for ln in lines if "alone after the same idle gap" in ln]
     assert len(gap) == 1 and "eta=0" in gap[0] and gap[0].split()[-1] == "1.00x"
+
+
+def test_overlap_bound_holds_the_front_end_placement_fixed(tmp_path: Path, monkeypatch) -> None:
+    """When the default sync run places the front end elsewhere than the async runs (auto), the bound
+    comes from one more sync run placed as the async runs; the eta=0 rows stay the default run's."""
+    pipeline, calls = _fake_runs(monkeypatch, ("learner", "engine"))
+    res = pipeline.pipeline_rows(None, (0, 1), 10, tmp_path, None, 0.0165)
+    assert calls == [(0, None), (1, None), (0, "engine")]
+    t_sync = 1 / 12.0  # the same-placement run's step, not the default's 1 / 13
+    assert res["T_sync_s"] == pytest.approx(t_sync)
+    assert res["overlap_bound"] == pytest.approx(t_sync / max(t_sync - 0.0283, 0.03))
+    r1 = res["runs"]["1"]
+    assert r1["speedup_vs_sync"] == pytest.approx(16.0 / 12.0)
+    assert r1["speedup_vs_default_sync"] == pytest.approx(16.0 / 13.0)
+    lines = table({"weights": [], "buffer": [], "pipeline": res})
+    assert any("front end on the engine's cores" in ln and ln.split()[-1] == "12.00" for ln in lines)
+    assert any("front end as async" in ln for ln in lines)
+    assert any(ln.startswith("pipeline eta=1: steps/s / the default eta=0 run's") for ln in lines)
