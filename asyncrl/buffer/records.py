@@ -210,6 +210,7 @@ def _check_meta(meta: Any) -> None:
 
 
 def _check_completion(c: Any, name: str) -> None:
+    """Types, shapes, reward and finish reason of one completion; its values: :func:`_check_values`."""
     if not isinstance(c, Completion):
         raise RecordError(f"{name}: expected Completion, got {type(c).__name__}")
     arrays = (
@@ -226,20 +227,40 @@ def _check_completion(c: Any, name: str) -> None:
     for attr, arr, _ in arrays[1:]:
         if arr.shape[0] != n:
             raise RecordError(f"{name}.{attr}: length {arr.shape[0]} != {n} token_ids")
+    _check_float(c.reward, f"{name}.reward")
+    if not isinstance(c.finish_reason, str) or c.finish_reason not in FINISH_REASONS:
+        raise RecordError(f"{name}.finish_reason: {c.finish_reason!r} not in {sorted(FINISH_REASONS)}")
+
+
+def _check_values(c: Completion, name: str) -> None:
+    """Finite, non-positive logprobs; versions that never decrease (weights only move forward while
+    a request is in flight). Raises with the first offending index."""
     bad = np.flatnonzero(~np.isfinite(c.logprobs))
     if bad.size:
         raise RecordError(f"{name}.logprobs: non-finite value at {int(bad[0])}")
     bad = np.flatnonzero(c.logprobs > 0)
     if bad.size:
         raise RecordError(f"{name}.logprobs: positive value {float(c.logprobs[bad[0]])} at {int(bad[0])}")
-    if n > 1:
-        # Weights only move forward while a request is in flight, so v_t never decreases.
-        bad = np.flatnonzero(c.versions[1:] < c.versions[:-1])
-        if bad.size:
-            raise RecordError(f"{name}.versions: decreases at {int(bad[0]) + 1}")
-    _check_float(c.reward, f"{name}.reward")
-    if not isinstance(c.finish_reason, str) or c.finish_reason not in FINISH_REASONS:
-        raise RecordError(f"{name}.finish_reason: {c.finish_reason!r} not in {sorted(FINISH_REASONS)}")
+    bad = np.flatnonzero(c.versions[1:] < c.versions[:-1])
+    if bad.size:
+        raise RecordError(f"{name}.versions: decreases at {int(bad[0]) + 1}")
+
+
+def _values_ok(completions: list[Completion]) -> bool:
+    """:func:`_check_values` of every completion at once, without the indices: a few reductions over
+    the group's concatenated arrays (every record is validated twice, at put and at read, and the
+    per-completion index searches were most of the codec's time). -inf is <= 0: both tests needed."""
+    lp = np.concatenate([c.logprobs for c in completions])
+    if not (np.isfinite(lp).all() and (lp <= 0).all()):
+        return False
+    v = np.concatenate([c.versions for c in completions])
+    if v.size < 2:
+        return True
+    up = v[1:] >= v[:-1]
+    # A completion may start below the previous one's last version: its first pair is not compared.
+    starts = np.cumsum([c.versions.shape[0] for c in completions])[:-1]
+    up[starts[(starts > 0) & (starts < v.size)] - 1] = True
+    return bool(up.all())
 
 
 def validate(group: Group) -> None:
@@ -261,6 +282,10 @@ def validate(group: Group) -> None:
         raise RecordError(f"completions: {len(group.completions)} exceed the limit of {MAX_COMPLETIONS}")
     for i, c in enumerate(group.completions):
         _check_completion(c, f"completions[{i}]")
+    if not _values_ok(group.completions):
+        for i, c in enumerate(group.completions):
+            _check_values(c, f"completions[{i}]")
+        raise AssertionError("_values_ok and _check_values disagree")  # unreachable by construction
     _check_meta(group.meta)
 
 

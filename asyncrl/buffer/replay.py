@@ -307,6 +307,7 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
         self._client.delete(*self.keys.all_keys())
         with self._locks_guard:
             self._cursor.clear()
+            self.__dict__.pop("_clean_reads_by", None)
 
     def close(self) -> None:
         """Close the connection pool if this instance created it (``connect``)."""

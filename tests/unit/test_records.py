@@ -270,3 +270,63 @@ def test_encode_validates(mutate, reason: str) -> None:
     mutate(g)
     with pytest.raises(RecordError, match=reason):
         encode(g)
+
+
+# --------------------------------------------------------------------------- vectorized value check
+
+
+@st.composite
+def value_cases(draw: st.DrawFn) -> list[Completion]:
+    """Completions whose values are valid or broken in the ways _check_values names: NaN, +-inf,
+    positive logprobs, a decreasing version inside one completion; and versions that drop from one
+    completion to the next (legal), empty completions among them."""
+    out = []
+    for _ in range(draw(st.integers(1, 5))):
+        n = draw(st.integers(0, 6))
+        lp = draw(st.lists(st.sampled_from([-1.0, -0.0, 0.0, -1e-30, -80.0, 1e-30, 2.0, np.nan,
+                                            np.inf, -np.inf]), min_size=n, max_size=n))  # fmt: skip
+        v = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+        if draw(st.booleans()):
+            v = sorted(v)  # mostly monotone, so that the boundary masking is exercised
+        out.append(Completion(token_ids=np.zeros(n, np.uint32), logprobs=np.array(lp, np.float32),
+                              versions=np.array(v, np.uint32), reward=0.0, finish_reason="stop"))  # fmt: skip
+    return out
+
+
+def _reference_ok(completions: list[Completion]) -> bool:
+    """The definition, one completion and one token at a time."""
+    for c in completions:
+        for i, x in enumerate(c.logprobs.tolist()):
+            if not math.isfinite(x) or x > 0:
+                return False
+            if i and int(c.versions[i]) < int(c.versions[i - 1]):
+                return False
+    return True
+
+
+@settings(max_examples=400, deadline=None)
+@given(value_cases())
+def test_group_value_check_matches_the_per_completion_definition(cs: list[Completion]) -> None:
+    ok = _reference_ok(cs)
+    assert rec._values_ok(cs) == ok
+    g = _valid()
+    g.completions = cs
+    if ok:
+        rec.validate(g)
+    else:  # the slow path names the first offending completion and index
+        with pytest.raises(RecordError, match=r"completions\[\d+\]\.(logprobs|versions): "):
+            rec.validate(g)
+
+
+def test_versions_may_drop_between_completions_but_not_inside_one() -> None:
+    def comp(v: list[int]) -> Completion:
+        n = len(v)
+        return Completion(token_ids=np.zeros(n, np.uint32), logprobs=np.full(n, -1.0, np.float32),
+                          versions=np.array(v, np.uint32), reward=0.0, finish_reason="stop")  # fmt: skip
+
+    assert rec._values_ok([comp([5, 6]), comp([]), comp([1, 2]), comp([0])])
+    assert not rec._values_ok([comp([5, 6]), comp([1, 0])])
+    g = _valid()
+    g.completions = [comp([5, 6]), comp([]), comp([2, 1])]
+    with pytest.raises(RecordError, match=r"completions\[2\]\.versions: decreases at 1"):
+        rec.validate(g)

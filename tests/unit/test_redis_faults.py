@@ -257,6 +257,43 @@ def test_lost_read_reply_below_a_later_cursor_is_claimed_back_after_an_outage(
     buffer.close()
 
 
+def _xreadgroups(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))
+
+
+def test_pending_read_is_skipped_only_while_nothing_can_be_pending(
+    redis_url: str, run_name: str, redis_client: redis.Redis
+) -> None:
+    """A read that follows a normal read of the same consumer, with no failure seen since, issues one
+    XREADGROUP (new entries) instead of two: nothing can be pending above its cursor. The first read
+    in a process, and the first after an outage, still look at the pending entries and return a lost
+    delivery; a plain client (no outage monitor) always looks."""
+    from asyncrl.buffer.cluster import connection_kwargs
+
+    buffer = ReplayBuffer.connect(redis_url, run_name)
+    ids = [buffer.put(small_group()) for _ in range(4)]
+    before = _xreadgroups(redis_client)
+    assert [e.entry_id for e in buffer.read("c", 1, block_ms=0)] == ids[:1]
+    assert _xreadgroups(redis_client) - before == 2  # first read here: pending, then new
+    before = _xreadgroups(redis_client)
+    assert [e.entry_id for e in buffer.read("c", 1, block_ms=0)] == ids[1:2]
+    assert _xreadgroups(redis_client) - before == 1  # the pending read is skipped
+    # A delivery whose reply is lost comes with a failure the client's monitor counts.
+    redis_client.xreadgroup(buffer.group_name, "c", {buffer.keys.rollouts: ">"}, count=1)
+    connection_kwargs(buffer.client)["retry"].monitor.outages += 1
+    before = _xreadgroups(redis_client)
+    assert [e.entry_id for e in buffer.read("c", 5, block_ms=0)] == ids[2:]
+    assert _xreadgroups(redis_client) - before == 4  # pending: ids[2], then none; new: ids[3], then none
+    plain = ReplayBuffer(redis.Redis.from_url(redis_url), run_name)
+    assert plain.read("d", 1, block_ms=0) == [] and plain.read("d", 1, block_ms=0) == []
+    before = _xreadgroups(redis_client)
+    plain.read("d", 1, block_ms=0)
+    assert _xreadgroups(redis_client) - before == 2
+    plain.close()
+    buffer.delete_run()
+    buffer.close()
+
+
 def test_quarantine_after_max_deliveries(redis_server: EmbeddedRedis, run_name: str) -> None:
     """A group whose steps keep crashing the learner (read, never acknowledged, learner restarted) is
     dead-lettered once its delivery count exceeds max_deliveries, and its slot credited."""
