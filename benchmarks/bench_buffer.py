@@ -15,10 +15,10 @@ A ratio near 1 means the contract is close to free. Targets: codec <= 1.5 (valid
 much as building Python lists), transport <= 2.5 (it includes decoding and validating every group, which
 the raw path skips), admission <= 2 (one Lua call vs one INCR). Measured on the 2-core CPU box
 (2026-11-26, paired, after the group-wide value check and the skipped pending re-walk; three runs):
-0.48-0.54 / 2.37-2.61 / 1.92-2.28 (before them: 0.77 / 2.74-3.28 / 1.89). That VM ran everything
-~30% slower than the one of 2026-11-25, where the same code before those changes read
-0.66-0.69 / 1.84-1.95 / 1.33-1.38: the transport ratio, Python-bound against a Redis-bound baseline,
-moves with the machine.
+0.48-0.54 / 2.37-2.61 / 1.92-2.28 (before them, sides timed one after the other: 0.77 / 3.28 / 1.89).
+That VM ran everything ~30-55% slower than the one of 2026-11-25, where the code before those changes
+read 0.66-0.69 / 1.84-1.95 / 1.33-1.38 (in `asyncrl bench`): the transport ratio, Python-bound against
+a Redis-bound baseline, moves with the machine.
 """
 
 from __future__ import annotations
