@@ -109,8 +109,8 @@ def measure(groups: int = 2000, tokens: int = 256, G: int = 8) -> list[tuple[str
         rows.append(("put+read+ack / group", *paired(ours_io, raw_io, groups),
                      "raw XADD/XREADGROUP/XACK/XDEL of the same bytes"))  # fmt: skip
         buf.credit(10**9)
-        rows.append(("admission check / group", *paired(lambda: buf.try_admit(1, 4), lambda: client.incr("raw:n"), groups),
-                     "bare INCR round trip"))  # fmt: skip
+        admit = paired(lambda: buf.try_admit(1, 4), lambda: client.incr("raw:n"), groups)
+        rows.append(("admission check / group", *admit, "bare INCR round trip"))
         client.close()
         buf.close()
     return rows

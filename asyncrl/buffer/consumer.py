@@ -146,8 +146,7 @@ class StreamConsumer:
             # with asyncrl's client, whose retry monitor counts every failure; a plain client may
             # retry a lost reply unseen, so its reads always look.
             clean = self._clean_reads()
-            last = clean.pop(consumer, None)
-            pending_empty = self._monitored() and last == outages
+            pending_empty = clean.pop(consumer, None) == outages and self._monitored()
             complete = True
             if consumer in self._cursor and outages != seen.get(consumer, outages):
                 got, complete = self._recover_lost(consumer, cursor, n)
