@@ -1,0 +1,412 @@
+"""The learner's bf16 path at a real model shape: is the fp32 gradient path right, and how fast is it.
+
+``python -m asyncrl.bench.gpu_learner --shape qwen2.5-0.5b --out gpu.json`` on a CUDA machine (the
+shape ``tiny`` runs the same checks on the CPU in a minute; the test suite does that). A random-init
+model of the shape is built and every engine starts from its bf16-representable weights, so the fp32
+reference and the bf16 engine compute from identical values. What it measures, on one rank:
+
+* **precision path**: the bf16 engine's token logprobs (asyncrl.learner.logprobs) against the fp32
+  model's at equal weights (what a user sees as ``mismatch_kl``), and the fp32 log-softmax of the bf16
+  logits against a float64 one of the same logits;
+* **gradient path**: the full fp32 gradient that DeepSpeed hands the optimizer (``safe_get_full_grad``,
+  just before ``engine.step``) after one ``Trainer.train`` step of the bf16 ZeRO-1 engine, against the
+  fp32 ZeRO-0 engine's on the same batch, with the step cut into 1 and into many micro-batches (the
+  bf16 forward's own rounding); and, for the many-micro-batch step, against the float64 sum of the
+  bf16 micro-batch gradients autograd handed DeepSpeed (hooks): DeepSpeed must accumulate them in
+  fp32 (asyncrl.learner.engine.ds_config). The same gradients summed in bf16 (what ZeRO-0 bf16 does)
+  are the control that shows the check can fail;
+* **non-finite guard**: a NaN loss (NaN behaviour logprobs) and an inf gradient under a finite loss
+  (a hook on one parameter) each skip the step, leaving the fp32 master weights and the bf16 module
+  weights bitwise unchanged; the next clean step applies;
+* **throughput**: step time of ``Trainer.train`` (bf16 ZeRO-1, entropy metric on and off) beside bare
+  DeepSpeed with the same DeepSpeed config and a bare torch bf16-autocast loop, on the same batch and
+  micro-batches, in alternating blocks; tokens/s and the model FLOP utilisation 6 N T / t / peak;
+* **ZeRO-2 / ZeRO-3**: step time, and the full-weight gather + publish (file and shm transports,
+  bf16) against the device-to-host and host-copy floors.
+
+The models, engines and checks live in :mod:`asyncrl.bench.gpu_checks`; this module times things and
+runs the sections. Every check's verdict is in the JSON (``checks``); the process exits 1 when one fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl.bench.gpu_checks import (
+    BATCHES,
+    LIMITS,
+    PEAK_BF16_TFLOPS,
+    SHAPES,
+    Engine,
+    alloc_retries,
+    build_model,
+    compare,
+    config,
+    fill_behaviour_logprobs,
+    free,
+    guard_checks,
+    logprob_precision,
+    make_groups,
+    sync,
+)
+
+__all__ = ["run", "throughput", "zero_row", "publish_breakdown", "floors", "main"]
+
+
+def _minis(eng: Engine, groups: list, micro_tokens: int) -> tuple[list, int]:
+    """The Trainer's own micro-batches of the step, on the device; and the loss-token count."""
+    from asyncrl.learner.batching import collate, plan_mini_batch
+
+    samples, _ = eng.trainer.samples(groups)
+    plan = plan_mini_batch([s.length for s in samples], list(range(len(samples))), 1, micro_tokens)[0]
+    dev = eng.trainer.device
+    return [{k: v.to(dev) for k, v in collate(samples, ix, 0).items()} for ix in plan], sum(
+        s.length for s in samples
+    )
+
+
+def throughput(eng: Engine, model_path: Path, groups: list, micro_tokens: int, steps: int) -> dict[str, Any]:
+    """Trainer step vs bare DeepSpeed (same DeepSpeed config) vs bare torch (bf16 autocast), in blocks."""
+    import deepspeed
+    import torch
+
+    from asyncrl.bench.learner import _bare_loss, _param_groups
+    from asyncrl.learner.engine import ds_config
+    from asyncrl.learner.logprobs import load_hf_model
+
+    lc = eng.cfg.learner
+    adam = dict(lr=lc.lr, betas=(lc.adam_beta1, lc.adam_beta2), eps=lc.adam_eps)
+    mbs, tokens = _minis(eng, groups, micro_tokens)
+    ds_model = load_hf_model(model_path, torch.float32).train()
+    ds_opt = torch.optim.AdamW(_param_groups(ds_model, lc.weight_decay), fused=True, **adam)
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=ds_model, optimizer=ds_opt, config=ds_config(eng.cfg, False)
+    )
+    dev = eng.trainer.device
+    pt_model = load_hf_model(model_path, torch.float32).to(dev).train()
+    pt_opt = torch.optim.AdamW(_param_groups(pt_model, lc.weight_decay), fused=True, **adam)
+    # The Trainer at the same micro-batch budget as the bare loops (the engine's config holds the
+    # gradient section's one-sequence budget: with it the step measured 5x, 32 micro-batches for 4).
+    alone = eng.trainer_with(micro_batch_tokens=micro_tokens)
+    entropy = eng.trainer_with(micro_batch_tokens=micro_tokens, entropy_metric=True)
+
+    def bare_ds() -> None:
+        for k, mb in enumerate(mbs):
+            ds_engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+            ds_engine.backward(_bare_loss(ds_engine, mb), scale_wrt_gas=False)
+        ds_engine.step()
+
+    def bare_torch() -> None:
+        for mb in mbs:
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss = _bare_loss(pt_model, mb)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(pt_model.parameters(), lc.grad_clip)
+        pt_opt.step()
+        pt_opt.zero_grad(set_to_none=True)
+
+    last: dict[str, Any] = {}
+
+    def alone_step() -> None:
+        last["alone"] = alone.train(groups, 0)
+
+    fns = {"alone": alone_step, "alone_entropy_metric": lambda: entropy.train(groups, 0),
+           "bare_deepspeed": bare_ds, "bare_torch_autocast": bare_torch}  # fmt: skip
+    eng.grads = None  # the gradient section's capture: 4 bytes/parameter of device memory
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    retries = dict.fromkeys(fns, 0)  # caching-allocator retries (free everything, malloc again): thrash
+    peak = dict.fromkeys(fns, 0)
+    rounds, warm = 3, 1
+    block = max(1, -(-steps // rounds))
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            for i in range(warm + block):
+                sync()
+                r0 = alloc_retries()
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                t = time.perf_counter()
+                fn()
+                sync()
+                if i >= warm:
+                    times[k].append(time.perf_counter() - t)
+                    retries[k] += alloc_retries() - r0
+                    if torch.cuda.is_available():
+                        peak[k] = max(peak[k], torch.cuda.max_memory_allocated())
+    ds_engine.destroy()
+    free()
+    out: dict[str, Any] = {f"{k}_s": statistics.median(v) for k, v in times.items()}
+    out["times"] = times
+    out["alloc_retries"] = retries
+    out["peak_bytes"] = peak
+    out["tokens"] = tokens
+    out["micro_batches"] = len(mbs)
+    out["alone_micro_batches"] = last["alone"].micro_batches
+    if out["alone_micro_batches"] != len(mbs):  # the sides must do the same work
+        raise AssertionError(
+            f"Trainer ran {out['alone_micro_batches']} micro-batches, the bare loops {len(mbs)}"
+        )
+    out["ratio_alone_vs_deepspeed"] = out["alone_s"] / out["bare_deepspeed_s"]
+    out["ratio_alone_vs_torch_autocast"] = out["alone_s"] / out["bare_torch_autocast_s"]
+    return out
+
+
+def zero_row(cfg: Any, model_path: Path, groups: list, steps: int, root: Path) -> dict[str, Any]:
+    """Step time of one ZeRO stage and its full-weight publish (file and shm) against the floors."""
+    from asyncrl.learner.publisher import FilesystemTransport, ShmTransport
+
+    eng = Engine(cfg, model_path)
+    times = []
+    for i in range(1 + steps):
+        sync()
+        t = time.perf_counter()
+        r = eng.trainer.train(groups, 0)
+        sync()
+        if i:
+            times.append(time.perf_counter() - t)
+    finite = r.skipped == 0 and all(math.isfinite(g) for g in r.grad_norms)
+    row: dict[str, Any] = {
+        "step_s": statistics.median(times),
+        "finite": finite,
+        "grad_norm": r.grad_norms[-1],
+    }
+    for name, cls, where in (("file", FilesystemTransport, root / "weights"),
+                             ("shm", ShmTransport, Path("/dev/shm") / f"asyncrl-gpu-bench-{root.name}")):  # fmt: skip
+        tr = cls(where)
+        try:
+            pub = []
+            for v in range(3):
+                sync()
+                t = time.perf_counter()
+                m = tr.publish(v, eng.le.named_weights, eng.le.dtype_name)
+                pub.append(time.perf_counter() - t)
+                tr.delete(v - 1) if v else None
+            row[f"publish_{name}_s"] = min(pub)
+            row["bytes"] = m.size
+        finally:
+            tr.delete(2)
+            if isinstance(tr, ShmTransport):
+                tr.cleanup()
+    row.update(publish_breakdown(eng, root))
+    row["tokens"] = sum(len(c.token_ids) + len(g.prompt_token_ids) for g in groups for c in g.completions)
+    eng.close()
+    del eng
+    free()
+    return row
+
+
+def publish_breakdown(eng: Engine, root: Path) -> dict[str, float]:
+    """Where a file publish goes: gather to host, write (no hash, no fsync), sha256 alone, fsync."""
+    import hashlib
+    import os
+
+    import torch
+
+    from asyncrl.learner.publisher import write_safetensors
+
+    sync()
+    t = time.perf_counter()
+    tensors = {k: v.contiguous() for k, v in eng.le.named_weights()}
+    out = {"gather_s": time.perf_counter() - t, "tensors": len(tensors)}
+    path = root / "breakdown.safetensors"
+    t = time.perf_counter()
+    write_safetensors(path, tensors, {}, digest=False, fsync=False)
+    out["write_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        h.update(memoryview(tensors[k].reshape(-1).view(torch.uint8).numpy()))
+    out["sha256_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    out["fsync_s"] = time.perf_counter() - t
+    path.unlink()
+    return out
+
+
+def floors(nbytes: int) -> dict[str, float]:
+    """Copy floors for ``nbytes``: host memcpy, and device-to-host into pinned memory (CUDA only)."""
+    import torch
+
+    from asyncrl.bench.weights import copy_bandwidth
+
+    out = {"host_copy_s": nbytes / copy_bandwidth()}
+    if torch.cuda.is_available():
+        n = min(nbytes, 1 << 30)
+        src = torch.empty(n, dtype=torch.uint8, device="cuda")
+        dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        best = float("inf")
+        for _ in range(5):
+            sync()
+            t = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync()
+            best = min(best, time.perf_counter() - t)
+        out["d2h_s"] = nbytes / (n / best)
+        del src, dst
+        free()
+    return out
+
+
+def run(
+    shape: str, steps: int, out: Path, seed: int = 0, skip: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Every section in turn; the JSON is rewritten after each, and a section that raises is recorded in
+    ``errors`` (its checks then fail) while the independent ones still run: device time is scarce."""
+    import traceback
+
+    import deepspeed
+    import torch
+    import transformers
+
+    batch = BATCHES["tiny" if shape == "tiny" else "real"]
+    seq = batch["prompt"] + batch["completion"]
+    whole = seq * batch["groups"] * batch["group_size"]
+    cuda = torch.cuda.is_available()
+    res: dict[str, Any] = {"shape": shape, "batch": batch, "limits": LIMITS, "errors": {},
+                           "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+                           "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                                        "transformers": transformers.__version__}}  # fmt: skip
+    marks: dict[str, float] = res.setdefault("marks_s", {})
+    t0 = time.perf_counter()
+
+    def section(name: str, fn: Any) -> Any:
+        if name in skip:
+            return None
+        try:
+            return fn()
+        except Exception:  # recorded, the run goes on: the JSON says which section failed and why
+            res["errors"][name] = traceback.format_exc()[-4000:]
+            print(res["errors"][name], file=sys.stderr)
+            free()
+            return None
+        finally:
+            free()
+            marks[name] = time.perf_counter() - t0
+            out.write_text(json.dumps(res, indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="asyncrl-gpu-bench-") as d:
+        root = Path(d)
+        model_path = root / "model"
+        res["params"] = build_model(model_path, shape, seed)
+        res["params_no_input_embedding"] = (
+            res["params"] - SHAPES[shape]["vocab_size"] * SHAPES[shape]["hidden_size"]
+        )
+        marks["model_built"] = time.perf_counter() - t0
+        groups = make_groups(shape, batch, seed)
+        tp_batch = {**batch, "groups": batch["tp_groups"]}
+        tp_groups = make_groups(shape, tp_batch, seed + 1)
+        engines: dict[str, Engine] = {}
+
+        def gradient() -> None:
+            fp32 = Engine(config("float32", 0, batch["micro_tokens"], batch), model_path)
+            fill_behaviour_logprobs(fp32, groups, batch["micro_tokens"])
+            res["behaviour_filled"] = "fp32"
+            ref_one = fp32.step_grads_lr0(groups, whole)
+            ref_many = fp32.step_grads_lr0(groups, batch["micro_tokens"])
+            bf16 = engines["bf16"] = Engine(config("bfloat16", 1, batch["micro_tokens"], batch), model_path)
+            res["precision"] = logprob_precision(bf16, fp32, groups, batch["micro_tokens"])
+            fp32.close()
+            g_one = bf16.step_grads_lr0(groups, whole)
+            sums: dict[str, dict] = {}
+            g_many = bf16.step_grads_lr0(groups, batch["micro_tokens"], sums)
+            grad = {"fp32_many_vs_one": compare(ref_many, ref_one), "bf16_one": compare(g_one, ref_one),
+                    "bf16_many": compare(g_many, ref_many), "accumulated": compare(g_many, sums["exact"]),
+                    "summed_in_bf16": compare(sums["bf16"], sums["exact"]),
+                    "micro_batches": {"one": 1, "many": -(-whole // max(batch["micro_tokens"] // seq * seq, seq))}}  # fmt: skip
+            grad["many_over_one"] = grad["bf16_many"]["rel_err"] / max(grad["bf16_one"]["rel_err"], 1e-300)
+            res["gradient"] = grad
+
+        def bf16_engine() -> Engine:
+            if "bf16" not in engines:
+                engines["bf16"] = Engine(config("bfloat16", 1, batch["micro_tokens"], batch), model_path)
+            return engines["bf16"]
+
+        section("gradient", gradient)
+        free()
+        if "behaviour_filled" not in res:  # the gradient section fills them; without it, from the bf16 engine
+            section(
+                "behaviour", lambda: fill_behaviour_logprobs(bf16_engine(), groups, batch["micro_tokens"])
+            )
+            res["behaviour_filled"] = "bf16"
+        res["guard"] = section("guard", lambda: guard_checks(bf16_engine(), groups))
+
+        def tp() -> dict:
+            fill_behaviour_logprobs(bf16_engine(), tp_groups, batch["tp_micro_tokens"])
+            return throughput(bf16_engine(), model_path, tp_groups, batch["tp_micro_tokens"], steps)
+
+        res["throughput"] = section("throughput", tp)
+        if "bf16" in engines:
+            section("close", engines.pop("bf16").close)
+        res["zero"] = {}
+        for stage in (1, 2, 3):
+            cfg = config("bfloat16", stage, batch["tp_micro_tokens"], tp_batch)
+            res["zero"][str(stage)] = section(f"zero{stage}", lambda cfg=cfg: zero_row(
+                cfg, model_path, tp_groups, max(2, steps // 3), root))  # fmt: skip
+        nbytes = next((z["bytes"] for z in res["zero"].values() if z), 2 * res["params"])
+        res["floors"] = section("floors", lambda: floors(nbytes))
+    tp = res["throughput"]
+    if tp:
+        flops = 6.0 * res["params_no_input_embedding"] * tp["tokens"]
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in res["device"]), None)
+        tp["tokens_per_s"] = tp["tokens"] / tp["alone_s"]
+        tp["model_tflops"] = flops / tp["alone_s"] / 1e12
+        tp["mfu"] = tp["model_tflops"] / peak if peak else None
+    p, g, guard = res.get("precision"), res.get("gradient"), res.get("guard")
+    res["checks"] = {
+        "logp_fp32_softmax": bool(p) and p["logp_fp32_vs_fp64_max_abs"] <= LIMITS["logp_fp32_vs_fp64"],
+        "fp32_cut_invariant": bool(g) and g["fp32_many_vs_one"]["rel_err"] <= LIMITS["fp32_cut_rel_err"],
+        "bf16_grad_close": bool(g)
+        and max(g["bf16_one"]["rel_err"], g["bf16_many"]["rel_err"]) <= LIMITS["bf16_grad_rel_err"]
+        and min(g["bf16_one"]["cosine"], g["bf16_many"]["cosine"]) >= LIMITS["bf16_grad_cosine"],
+        "fp32_accumulation": bool(g) and g["accumulated"]["rel_err"] <= LIMITS["accumulation_rel_err"],
+        "accumulation_check_sensitive": bool(g)
+        and g["summed_in_bf16"]["rel_err"] >= 10 * LIMITS["accumulation_rel_err"],
+        "nonfinite_guard": bool(guard) and guard["ok"],
+        "zero_stages_finite": all(z and z["finite"] for z in res["zero"].values()),
+        "no_errors": not res["errors"],
+    }
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m asyncrl.bench.gpu_learner", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    ap.add_argument("--steps", type=int, default=9, help="timed steps per throughput variant (3 rounds)")
+    ap.add_argument("--out", required=True, help="JSON results")
+    ap.add_argument("--skip", default="", help="comma-separated sections to leave out (gradient, guard, "
+                    "throughput, zero1, zero2, zero3, floors): the checks of a skipped section read failed")  # fmt: skip
+    args = ap.parse_args(argv)
+    res = run(args.shape, args.steps, Path(args.out), skip=frozenset(filter(None, args.skip.split(","))))
+    keys = ("device", "params", "precision", "gradient", "guard", "checks", "marks_s")
+    print(json.dumps({k: res.get(k) for k in keys}, indent=1))
+    tp = res["throughput"] or {}
+    if tp:
+        print(f"step: alone {tp['alone_s'] * 1e3:.1f} ms (entropy metric {tp['alone_entropy_metric_s'] * 1e3:.1f}), "
+          f"bare DeepSpeed {tp['bare_deepspeed_s'] * 1e3:.1f}, bare torch autocast {tp['bare_torch_autocast_s'] * 1e3:.1f}; "
+          f"alone/DS {tp['ratio_alone_vs_deepspeed']:.3f}; {tp['tokens_per_s']:.0f} tok/s, {tp['model_tflops']:.1f} TFLOP/s, "
+          f"MFU {tp['mfu']}")  # fmt: skip
+    for st, z in res["zero"].items():
+        if z:
+            print(
+                f"ZeRO-{st}: step {z['step_s'] * 1e3:.1f} ms, publish file {z['publish_file_s'] * 1e3:.1f} ms, "
+                f"shm {z['publish_shm_s'] * 1e3:.1f} ms, gather {z['gather_s'] * 1e3:.1f} ms, {z['bytes'] / 1e6:.0f} MB"
+            )
+    print("floors", res["floors"])
+    return 0 if all(res["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
