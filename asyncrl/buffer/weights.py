@@ -289,6 +289,12 @@ class WeightTransport(abc.ABC):
     same two calls. This ABC is typed loosely so that ``asyncrl.buffer`` stays torch-free.
     """
 
+    #: Where :meth:`publish` wants the tensors: ``"cpu"`` for host copies (a file or shared memory is
+    #: written from them), ``None`` for the learner module's own device (NCCL broadcasts from the GPU).
+    #: ``None`` tensors may be the live parameters: the transport reads them inside ``publish`` (no
+    #: optimizer step runs meanwhile) and keeps no reference afterwards.
+    weights_device: str | None = "cpu"
+
     @abc.abstractmethod
     def publish(self, version: int, state_dict: Any, dtype: str) -> WeightManifest:
         """Write version ``version``'s weights and return their manifest.

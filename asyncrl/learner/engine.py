@@ -191,8 +191,14 @@ class LearnerEngine:
         norm = float("nan") if norm is None else float(norm)
         return StepOutcome(applied=applied, vetoed=vetoed, grad_norm=norm)
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full ``(HF name, CPU tensor)`` pairs of the policy in the module dtype.
+    def named_weights(self, device: str | None = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        """Full ``(HF name, tensor)`` pairs of the policy in the module dtype.
+
+        ``device="cpu"``: host copies (what the file and shm transports write). ``None``: on the
+        module's own device, for a transport that reads them at once (NCCL): ZeRO 0-2 yield the live
+        parameters themselves (no copy; valid until the next optimizer step), ZeRO-3 a device copy of
+        each gathered parameter (its gathered storage is freed when the gather ends). Either way a
+        CUDA policy never makes the GPU -> host -> GPU round trip the NCCL path once paid.
 
         Every rank must iterate it to the end (ZeRO-3 all-gathers one parameter at a time);
         tensors are only materialised on rank 0 (other ranks get empty tensors).
@@ -200,7 +206,9 @@ class LearnerEngine:
         module = self.module
         if self.zero_stage < 3:
             if self.rank == 0:
-                yield from ((k, v.detach().to("cpu").clone()) for k, v in module.state_dict().items())
+                yield from (
+                    (k, _placed(v.detach(), device, live=True)) for k, v in module.state_dict().items()
+                )
             else:
                 yield from ((k, torch.empty(0)) for k in module.state_dict())
             return
@@ -212,8 +220,19 @@ class LearnerEngine:
             if p is None:  # a persistent buffer, or a tied alias of a parameter yielded already
                 continue
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                t = p.detach().to("cpu").clone() if self.rank == 0 else torch.empty(0)
+                t = _placed(p.detach(), device, live=False) if self.rank == 0 else torch.empty(0)
             yield name, t
+
+
+def _placed(t: torch.Tensor, device: str | None, *, live: bool) -> torch.Tensor:
+    """``t`` on ``device`` (None: where it is), never sharing storage with ``t`` unless ``live`` and
+    ``device`` is None. A copy to another device is already a new tensor: no second copy (a CUDA
+    policy's ``.to("cpu").clone()`` copied every byte twice)."""
+    if device is None:
+        return t if live else t.clone()
+    if t.device == torch.device(device):
+        return t.clone()
+    return t.to(device)
 
 
 def build_engine(cfg: Any, model_path: str | Path) -> LearnerEngine:

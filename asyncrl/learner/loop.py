@@ -95,7 +95,8 @@ def _publish(le: LearnerEngine, r0: Rank0 | None, version: int) -> float:
     """Publish the current weights as ``version`` (collective: ZeRO-3 gathers on every rank)."""
     t0 = time.monotonic()
     if r0 is not None:
-        r0.publisher.publish(version, le.named_weights)
+        device = r0.publisher.transport.weights_device  # host copies, or the GPU tensors (NCCL)
+        r0.publisher.publish(version, lambda: le.named_weights(device))
     else:
         for _ in le.named_weights():
             pass

@@ -191,6 +191,9 @@ class NcclTransport(WeightTransport):
 
     digest = "none"
 
+    #: NCCL broadcasts from the GPU: take the policy's tensors where they are (no host round trip).
+    weights_device = None
+
     def __init__(
         self,
         session: BroadcastSession,
@@ -221,7 +224,9 @@ class NcclTransport(WeightTransport):
         """Broadcast ``state_dict`` (mapping, or callable yielding pairs: always consumed) as ``version``."""
         items: Iterable = state_dict.items() if isinstance(state_dict, Mapping) else state_dict()
         device = self.device if self.device is not None else _cuda_device()
-        # LearnerEngine.named_weights hands over CPU copies; NCCL sends from the GPU (one extra copy).
+        # weights_device None: LearnerEngine.named_weights yields the GPU tensors themselves (ZeRO-3:
+        # device copies), so .to() below is a no-op on a CUDA learner; host tensors (a mapping a caller
+        # built, the CPU tests) are moved here.
         tensors = {
             n: t.detach().to(device)
             for n, t in items

@@ -242,6 +242,9 @@ def test_publish_manifest_verify_and_reload(tiny, engine, buffer, tmp_path) -> N
     assert any(not torch.equal(before[k], ours[k]) for k in names)  # the reload changed something
     for k, v in fresh_model.state_dict().items():
         assert torch.equal(v, ours[k]), k
+    # Host copies by default: never the live parameters (the next optimizer step would change them).
+    live = {n: p.data_ptr() for n, p in engine.module.named_parameters()}
+    assert all(v.data_ptr() != live[k] for k, v in engine.named_weights() if k in live)
     m2 = pub.publish(2, engine.named_weights)
     pub.publish(3, engine.named_weights)
     assert buffer.manifest_versions() == [2, 3] and not transport.version_dir(1).exists()
@@ -302,6 +305,12 @@ def test_zero_stages_match_stage0_and_skip_nonfinite(tiny, fresh, stage) -> None
     got = torch.cat([(w1[k] - w0[k]).reshape(-1) for k in fresh.module.state_dict()])
     rel = float((got - want).norm() / want.norm())
     assert rel < 1e-5, rel
+    # On the module's device (the NCCL transport's request): the same values; ZeRO 1-2 hand over the
+    # live parameters themselves, ZeRO-3 copies (its gathered storage is freed after each one).
+    live = {n: p.data_ptr() for n, p in le.module.named_parameters()}
+    for k, v in le.named_weights(None):
+        assert torch.equal(v, w1[k]), k
+        assert (v.data_ptr() == live[k]) == (stage < 3), k
 
     h = le.module.lm_head.register_forward_hook(lambda _m, _i, out: out + float("inf"))
     try:
