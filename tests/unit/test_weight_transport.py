@@ -65,6 +65,44 @@ def test_no_digest_mode_writes_identical_bytes(tmp_path: Path) -> None:
     assert empty == "" and a.read_bytes() == b.read_bytes() and size == b.stat().st_size
 
 
+@pytest.mark.parametrize(
+    ("min_bytes", "cpus", "threaded"), [(0, {0, 1}, True), (0, {0}, False), (1 << 40, {0, 1}, False)]
+)
+def test_threaded_hash_is_the_same_digest_and_used_only_with_a_spare_cpu(
+    tmp_path: Path, monkeypatch, min_bytes: int, cpus: set, threaded: bool
+) -> None:
+    import asyncrl.learner.publisher as publisher
+
+    seen: list[bool] = []
+
+    class Spy(publisher._Sha256):
+        def __init__(self, threaded: bool) -> None:
+            seen.append(threaded)
+            super().__init__(threaded)
+
+    monkeypatch.setattr(publisher, "_HASH_THREAD_MIN", min_bytes)
+    monkeypatch.setattr(publisher, "_Sha256", Spy)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
+    monkeypatch.setattr(publisher, "_CHUNK", 64)  # many queued chunks per tensor
+    ts = _tensors(2)
+    sha, _ = write_safetensors(tmp_path / "x", ts, {"k": "v"})
+    assert seen == [threaded]
+    assert sha == hashlib.sha256((tmp_path / "x").read_bytes()).hexdigest()
+
+
+def test_threaded_sha256_matches_hashlib_on_random_chunks() -> None:
+    from asyncrl.learner.publisher import _Sha256
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    cuts = sorted(torch.randint(0, len(data), (200,), generator=g).tolist())
+    h = _Sha256(threaded=True)
+    for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
+        h.update(memoryview(data)[a:b])
+    assert h.hexdigest() == hashlib.sha256(data).hexdigest()
+    h.close()  # idempotent after hexdigest
+
+
 def test_unsupported_dtype_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="complex64"):
         write_safetensors(tmp_path / "c", {"z": torch.zeros(2, dtype=torch.complex64)}, {})
