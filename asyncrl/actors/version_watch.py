@@ -33,26 +33,31 @@ class VersionWatching:
     counters: dict[str, Any]
     timeline: Any
 
-    async def _newest_valid_manifest(self) -> WeightManifest | None:
+    async def _newest_valid_manifest(self, defer: bool = False) -> WeightManifest | None:
         """The newest published manifest newer than the served version whose weights verify.
 
         Manifests that fail verification (tampered, half-written) are refused once, logged and
         remembered; an older valid one is used instead only if it is still newer than what the
         engine serves (a restarted actor thus falls back to the newest good version). The registry
         reads and the verification run in one worker thread (one hop on the swap's path, not three).
+        ``defer``: the newest candidate is returned confined but *unverified*: the caller verifies it
+        inside the swap, beside the stage build (``swap_weights(verify=...)``), and refuses it there.
         """
         assert self.engine is not None
         current = -1 if self.engine.version is None else self.engine.version
         rejected = set(self._rejected)
-        found, refused = await asyncio.to_thread(self._scan_manifests, current, rejected)
+        found, refused = await asyncio.to_thread(self._scan_manifests, current, rejected, defer)
         for m, e in refused:  # counters and the refusal set belong to the loop thread
-            self._rejected.add((m.version, m.sha256))
-            self.counters["weight_rejects"] += 1
-            log.error("%s: refusing weights v%d: %s", self.actor_id, m.version, e)
+            self._refuse(m, e)
         return found
 
+    def _refuse(self, m: WeightManifest, e: Exception) -> None:
+        self._rejected.add((m.version, m.sha256))
+        self.counters["weight_rejects"] += 1
+        log.error("%s: refusing weights v%d: %s", self.actor_id, m.version, e)
+
     def _scan_manifests(
-        self, current: int, rejected: set[tuple[int, str]]
+        self, current: int, rejected: set[tuple[int, str]], defer: bool = False
     ) -> tuple[WeightManifest | None, list[tuple[WeightManifest, WeightIntegrityError]]]:
         refused: list[tuple[WeightManifest, WeightIntegrityError]] = []
         for v in sorted((v for v in self.buffer.manifest_versions() if v > current), reverse=True):
@@ -61,7 +66,8 @@ class VersionWatching:
                 continue
             try:
                 confine(m.path, self.weight_roots)  # a manifest path from Redis: never outside the run
-                verify(m)
+                if not defer:
+                    verify(m)
             except WeightIntegrityError as e:
                 refused.append((m, e))
                 continue
@@ -77,10 +83,17 @@ class VersionWatching:
             if res is None:
                 return False
         else:
-            m = await self._newest_valid_manifest()
-            if m is None:
-                return False
-            res = await self.engine.swap_weights(m.path, m.version, mode)
+            while True:  # the newest candidate; refused (it did not verify): the next older one
+                m = await self._newest_valid_manifest(defer=True)
+                if m is None:
+                    return False
+                try:
+                    res = await self.engine.swap_weights(
+                        m.path, m.version, mode, verify=lambda m=m: asyncio.to_thread(verify, m)
+                    )
+                    break
+                except WeightIntegrityError as e:  # nothing paused: the old weights keep serving
+                    self._refuse(m, e)
         self.counters["version"] = res.version
         if not first:
             self.counters["swaps"] += 1

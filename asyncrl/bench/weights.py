@@ -13,6 +13,8 @@ Swaps are timed with generation idle, so a pause is the swap itself (a swap duri
 waits for the engine step in progress, which is not a pause of sampling). Both swap paths are
 measured, interleaved swap by swap: vLLM's in-place reload inside the pause, and the staged swap
 (``actors.swap_staging``: load + processing before the pause, ``prepare_s``; a pointer switch in it).
+The manifest check (``verify_s``: sha256 for the file transport) runs as the actor runs it, inside
+``swap_weights`` beside the stage build, so ``prepare_s`` includes it where it is the longer of the two.
 """
 
 from __future__ import annotations
@@ -90,10 +92,20 @@ async def _weight_path(
                     t0 = time.perf_counter()
                     m = tr.publish(version, state, "float32")
                     t1 = time.perf_counter()
-                    verify(m)  # what the actor does before it swaps
-                    t2 = time.perf_counter()
-                    res = await engine.swap_weights(m.path, version, "in_flight")
+                    took: list[float] = []
+
+                    def check(
+                        m: Any = m, took: list[float] = took
+                    ) -> None:  # the actor's check, beside the stage build
+                        t = time.perf_counter()
+                        verify(m)
+                        took.append(time.perf_counter() - t)
+
+                    res = await engine.swap_weights(
+                        m.path, version, "in_flight", verify=lambda: asyncio.to_thread(check)
+                    )
                     t3 = time.perf_counter()
+                    t2 = t1 + took[0]
                     staged_ok &= res.staged == staging
                     tr.delete(version - 1)
                     version += 1

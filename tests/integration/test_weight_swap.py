@@ -147,6 +147,49 @@ def test_bad_files_are_refused_and_the_old_weights_keep_serving(rig, tmp_path: P
     assert all(set(x.versions) == {2} for x in s2) and _max_err(rig["hf"](w2), s2) < TOL
 
 
+def test_a_file_that_fails_its_sha256_is_refused_beside_the_stage_build(rig, tmp_path: Path) -> None:
+    """The actor's check runs inside swap_weights, concurrently with the stage build: a damaged file
+    raises WeightIntegrityError before any pause, its built stage is dropped, the old weights serve."""
+    from asyncrl.buffer import WeightIntegrityError, verify
+    from asyncrl.learner.publisher import FilesystemTransport
+
+    eng, run = rig["engine"], rig["loop"].run_until_complete
+    served = eng.version
+    ref = rig["hf"](rig["weights"](served))
+    ft = FilesystemTransport(tmp_path / "w")
+    v = served + 1
+    staging, eng.staging = eng.staging, True
+    try:
+        for damage in ("data", "truncate"):
+            m = ft.publish(v, rig["weights"](v), "float32")
+            with open(m.path, "r+b") as f:
+                if damage == "data":  # a flipped byte in the tensor data: the stage builds, sha256 fails
+                    f.seek(m.size - 5)
+                    b = f.read(1)
+                    f.seek(m.size - 5)
+                    f.write(bytes([b[0] ^ 0xFF]))
+                else:  # half the file: the build fails too, and the integrity error is the one raised
+                    f.truncate(m.size // 2)
+
+            async def check(m=m) -> None:
+                await asyncio.to_thread(verify, m)
+
+            with pytest.raises(WeightIntegrityError):
+                run(eng.swap_weights(m.path, v, "in_flight", verify=check))
+            assert eng.version == served
+            s = _sample(rig, f"dmg-{damage}")
+            assert all(set(x.versions) == {served} for x in s) and _max_err(ref, s) < TOL
+            ft.delete(v)
+        # The dropped stage left nothing behind: the intact file stages and serves exactly.
+        m = ft.publish(v, rig["weights"](v), "float32")
+        res = run(eng.swap_weights(m.path, v, "in_flight", verify=lambda: asyncio.to_thread(verify, m)))
+        assert res.staged and eng.version == v
+        s = _sample(rig, "intact")
+        assert all(set(x.versions) == {v} for x in s) and _max_err(rig["hf"](rig["weights"](v)), s) < TOL
+    finally:
+        eng.staging = staging
+
+
 def _seeded(rig, rid: str, max_tokens: int = 12):
     eng = rig["engine"]
     return rig["loop"].run_until_complete(
