@@ -73,8 +73,19 @@ def _minis(eng: Engine, groups: list, micro_tokens: int) -> tuple[list, int]:
     )
 
 
-def throughput(eng: Engine, model_path: Path, groups: list, micro_tokens: int, steps: int) -> dict[str, Any]:
-    """Trainer step vs bare DeepSpeed (same DeepSpeed config) vs bare torch (bf16 autocast), in blocks."""
+def throughput(
+    eng: Engine,
+    model_path: Path,
+    groups: list,
+    micro_tokens: int,
+    steps: int,
+    small_tokens: int | None = None,
+) -> dict[str, Any]:
+    """Trainer step vs bare DeepSpeed (same DeepSpeed config) vs bare torch (bf16 autocast), in blocks.
+
+    ``small_tokens``: also the Trainer and bare DeepSpeed at that micro-batch budget (one sequence):
+    the same tokens in many more micro-batches, which measures the cost per micro-batch on each side.
+    """
     import deepspeed
     import torch
 
@@ -98,9 +109,10 @@ def throughput(eng: Engine, model_path: Path, groups: list, micro_tokens: int, s
     alone = eng.trainer_with(micro_batch_tokens=micro_tokens)
     entropy = eng.trainer_with(micro_batch_tokens=micro_tokens, entropy_metric=True)
 
-    def bare_ds() -> None:
-        for k, mb in enumerate(mbs):
-            ds_engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+    def bare_ds(cut: list | None = None) -> None:
+        cut = mbs if cut is None else cut
+        for k, mb in enumerate(cut):
+            ds_engine.set_gradient_accumulation_boundary(k == len(cut) - 1)
             ds_engine.backward(_bare_loss(ds_engine, mb), scale_wrt_gas=False)
         ds_engine.step()
 
@@ -120,6 +132,15 @@ def throughput(eng: Engine, model_path: Path, groups: list, micro_tokens: int, s
 
     fns = {"alone": alone_step, "alone_entropy_metric": lambda: entropy.train(groups, 0),
            "bare_deepspeed": bare_ds, "bare_torch_autocast": bare_torch}  # fmt: skip
+    small_mbs: list = []
+    if small_tokens:
+        small_mbs = _minis(eng, groups, small_tokens)[0]
+        small = eng.trainer_with(micro_batch_tokens=small_tokens)
+
+        def alone_small() -> None:
+            last["alone_small"] = small.train(groups, 0)
+
+        fns.update(alone_small_micro=alone_small, bare_deepspeed_small_micro=lambda: bare_ds(small_mbs))
     eng.grads = None  # the gradient section's capture: 4 bytes/parameter of device memory
     times: dict[str, list[float]] = {k: [] for k in fns}
     retries = dict.fromkeys(fns, 0)  # caching-allocator retries (free everything, malloc again): thrash
@@ -156,6 +177,19 @@ def throughput(eng: Engine, model_path: Path, groups: list, micro_tokens: int, s
         )
     out["ratio_alone_vs_deepspeed"] = out["alone_s"] / out["bare_deepspeed_s"]
     out["ratio_alone_vs_torch_autocast"] = out["alone_s"] / out["bare_torch_autocast_s"]
+    if small_mbs:
+        out["small_micro_batches"] = len(small_mbs)
+        if last["alone_small"].micro_batches != len(small_mbs):
+            raise AssertionError("the small-cut Trainer and bare loops ran different micro-batches")
+        out["ratio_alone_vs_deepspeed_small_micro"] = (
+            out["alone_small_micro_s"] / out["bare_deepspeed_small_micro_s"]
+        )
+        # Seconds per extra micro-batch on each side (same tokens, more micro-batches).
+        extra = len(small_mbs) - len(mbs)
+        for side, big in (("alone", "alone"), ("bare_deepspeed", "bare_deepspeed")):
+            out[f"{side}_per_extra_micro_batch_s"] = (out[f"{side}_small_micro_s"] - out[f"{big}_s"]) / max(
+                extra, 1
+            )
     return out
 
 
@@ -342,7 +376,9 @@ def run(
 
         def tp() -> dict:
             fill_behaviour_logprobs(bf16_engine(), tp_groups, batch["tp_micro_tokens"])
-            return throughput(bf16_engine(), model_path, tp_groups, batch["tp_micro_tokens"], steps)
+            return throughput(
+                bf16_engine(), model_path, tp_groups, batch["tp_micro_tokens"], steps, small_tokens=seq
+            )
 
         res["throughput"] = section("throughput", tp)
         if "bf16" in engines:
@@ -398,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
           f"bare DeepSpeed {tp['bare_deepspeed_s'] * 1e3:.1f}, bare torch autocast {tp['bare_torch_autocast_s'] * 1e3:.1f}; "
           f"alone/DS {tp['ratio_alone_vs_deepspeed']:.3f}; {tp['tokens_per_s']:.0f} tok/s, {tp['model_tflops']:.1f} TFLOP/s, "
           f"MFU {tp['mfu']}")  # fmt: skip
+    if tp.get("small_micro_batches"):
+        print(f"one-sequence micro-batches ({tp['small_micro_batches']} vs {tp['micro_batches']}): Trainer "
+              f"{tp['alone_small_micro_s'] * 1e3:.1f} ms, bare DeepSpeed {tp['bare_deepspeed_small_micro_s'] * 1e3:.1f}; "
+              f"per extra micro-batch {tp['alone_per_extra_micro_batch_s'] * 1e3:.1f} / "
+              f"{tp['bare_deepspeed_per_extra_micro_batch_s'] * 1e3:.1f} ms")  # fmt: skip
     for st, z in res["zero"].items():
         if z:
             print(

@@ -16,9 +16,22 @@ ROOT = Path(__file__).resolve().parents[2]
 MARKER = "ASYNCRL_E2E_MARKER"
 
 
+#: torch.distributed launcher variables. An in-process learner test of this pytest process sets them
+#: (asyncrl.learner.engine.init_distributed) and keeps MASTER_PORT bound: a command under test that
+#: inherited them would join that address and fail EADDRINUSE, depending on test order.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the launcher variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(extra)
+    return env
+
+
 def marked_env(marker: str, **extra: str) -> dict[str, str]:
     """The environment of a command under test: every descendant inherits ``marker``."""
-    env = dict(os.environ)
+    env = clean_env()
     env[MARKER] = marker
     env.update(extra)
     return env

@@ -16,14 +16,16 @@ from pathlib import Path
 import pytest
 
 from asyncrl.bench.gpu_checks import LIMITS
+from tests.e2e.procs import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path: Path, *args: str, timeout: int) -> dict:
     out = tmp_path / "gpu_learner.json"
+    env = clean_env()  # a single rank of its own, not this pytest process's rendezvous
     r = subprocess.run([sys.executable, "-m", "asyncrl.bench.gpu_learner", "--out", str(out), *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     res = json.loads(out.read_text())
     assert r.returncode == 0, (res.get("errors"), res.get("checks"), r.stderr[-3000:])
     return res
@@ -48,6 +50,11 @@ def test_tiny_bf16_learner_path_checks_hold_on_cpu(tmp_path: Path) -> None:
     assert guard["clean"] == {"skipped": 0, "applied": 1, "changed": True, "finite": True}
     tp = res["throughput"]
     assert tp["alone_micro_batches"] == tp["micro_batches"] == 4  # the sides did the same work
+    assert (
+        tp["small_micro_batches"] == 8
+        and tp["alone_small_micro_s"] > 0
+        and tp["bare_deepspeed_small_micro_s"] > 0
+    )
     for stage in ("1", "2", "3"):
         z = res["zero"][stage]
         assert z["finite"] and z["tensors"] == 27
