@@ -71,6 +71,11 @@ from asyncrl.learner.objectives import (
 __all__ = ["Trainer", "StepResult", "objective_config", "MicroBatchResult", "advantage_lists", "loss_tokens"]
 
 
+#: Micro-batch key of the token versions under the loss mask, a CPU tensor kept on the host (see
+#: Trainer.prepare): padding micro-batches copy it like every key; their buckets then count no token.
+VERSIONS_PRESENT = "token_versions_present"
+
+
 def objective_config(cfg: Any) -> ObjectiveConfig:
     """The objectives' config from ``learner.loss`` (+ the staleness bound from ``buffer``)."""
     return ObjectiveConfig.from_loss_config(cfg.learner.loss, cfg.buffer.max_staleness)
@@ -220,7 +225,12 @@ class Trainer:
 
         Call before any update of the step (the logprobs must come from the step-start weights).
         """
-        mb = {k: v.to(self.device) for k, v in mb.items()}
+        # The token versions under the loss mask, read here on the host: the drift sums need them and
+        # would otherwise sync with the device to find them (a CPU tensor, never moved).
+        present = torch.unique(mb["token_versions"][mb[LOSS_MASK]]) if VERSIONS_PRESENT not in mb else None
+        mb = {k: v if k == VERSIONS_PRESENT else v.to(self.device) for k, v in mb.items()}
+        if present is not None:
+            mb[VERSIONS_PRESENT] = present
         if self.cfg.learner.exact_prox:
             mb["logp_prox"], _ = token_logprobs(self.le.engine, mb, entropy=False)
         if self.ref is not None:
@@ -267,7 +277,9 @@ class Trainer:
             if plan.measure and start is not None:
                 # At update 0 the step-start logprob IS logp: the objective's log-ratio to mu is d.
                 d = obj.log_ratio_behav if plan.source == "current" else None
-                sums.update(drift_sums(start, mb["logp_behav"], loss_mask, mb["token_versions"], version, d))
+                present = mb[VERSIONS_PRESENT].tolist() if VERSIONS_PRESENT in mb else None
+                sums.update(drift_sums(start, mb["logp_behav"], loss_mask, mb["token_versions"], version, d,
+                                       versions_present=present))  # fmt: skip
         return MicroBatchResult(loss.detach(), terms, metrics, sums)
 
     # ------------------------------------------------------------------ the step
@@ -325,9 +337,15 @@ class Trainer:
                     epoch, mi, len(minis), lc.epochs, lc.exact_prox, since_publish, lc.publish_every
                 )
                 nonfinite = False
+                # The results stay on the device until the mini-batch's last backward: no host sync
+                # inside the loop, so a GPU learner's host queues micro-batch k+1 while the device
+                # runs k. The values, and the order they are accumulated in, are unchanged.
+                pending = []
                 for k, mb in enumerate(mbs):
                     le.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
-                    loss, metrics, mb_terms, mb_sums = self.micro_batch(mb, version, dens, plan).to_host()
+                    pending.append(self.micro_batch(mb, version, dens, plan))
+                for r in pending:
+                    loss, metrics, mb_terms, mb_sums = r.to_host()
                     nonfinite |= not math.isfinite(loss)
                     acc.update(metrics)
                     for key, v in mb_terms.items():
@@ -399,6 +417,8 @@ def _drift_split(m: dict[str, float], since_publish: int) -> dict[str, float]:
     for key in [k for k in m if k.startswith("drift_n/")]:
         s = key.split("/", 1)[1]
         n, total = m.pop(key), m.pop(f"drift_kl_sum/{s}", 0.0)
+        if n == 0:  # a bucket of a version present in the batch but with no token under the loss mask
+            continue
         counts[s] = n
         by_s[s] = total / max(n, 1.0)
         if int(s) > 0:

@@ -152,3 +152,30 @@ def test_policy_metrics_reused_intermediates_equal_recomputed(seed) -> None:
     a = drift_sums(logp, behav, lm, versions, VERSION)
     b = drift_sums(logp, behav, lm, versions, VERSION, t.log_ratio_behav)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("edge", EDGES)
+@pytest.mark.parametrize("seed", range(4))
+def test_drift_buckets_from_host_versions_give_the_same_metrics(seed: int, edge: str) -> None:
+    """``versions_present`` (the host's token versions, a superset of those under the objective's mask,
+    so no device sync picks the buckets) changes nothing the learner reports: the same non-empty
+    buckets bit for bit, extra buckets with zero tokens, which ``_drift_split`` drops."""
+    from asyncrl.learner.step import _drift_split
+
+    logits, behav, _prox, _adv, mask, versions = _batch(seed, edge)
+    logp = _logp(logits, mask)
+    lm = mask & (
+        torch.rand(mask.shape, generator=torch.Generator().manual_seed(seed)) < 0.6
+    )  # the objective drops some
+    host = torch.unique(versions[mask]).tolist() + [VERSION - 9]  # plus a version with no token at all
+    plain = drift_sums(logp, behav, lm, versions, VERSION)
+    ours = drift_sums(logp, behav, lm, versions, VERSION, versions_present=host)
+    for k, v in plain.items():
+        _same(ours[k], v, k)
+    extra = set(ours) - set(plain)
+    assert f"drift_n/{9}" in extra or not mask.any()
+    assert all(float(ours[k]) == 0.0 for k in extra)
+    for since in (0, 1):
+        a = {k: float(v) for k, v in plain.items()}
+        b = {k: float(v) for k, v in ours.items()}
+        assert _drift_split(a, since) == _drift_split(b, since) and a == b

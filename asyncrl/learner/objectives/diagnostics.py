@@ -7,6 +7,8 @@ sequence means by ``num_seqs``), never by averaging the dicts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -117,6 +119,7 @@ def drift_sums(
     token_versions: Tensor,
     version: int,
     log_ratio_behav: Tensor | None = None,
+    versions_present: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
     """Sums for the split of sampler drift at the step start, by token staleness s = V - v_t.
 
@@ -126,6 +129,9 @@ def drift_sums(
     (mean = train minus rollout log-perplexity). s = 0 is the engine/learner mismatch alone (same
     weights); s >= 1 adds staleness. ``log_ratio_behav``: d already formed (clamped, exactly 0 off
     ``mask``), e.g. by the objective when ``logp_start`` is the current logprob; else computed here.
+    ``versions_present``: every token version that can occur under ``mask``, known on the host (the
+    collated batch's), so that no device-to-host sync picks the buckets; a bucket with no token
+    under ``mask`` then sums to zero tokens, and the caller drops it (asyncrl.learner.step).
     """
     d = log_ratio_behav
     if d is None:
@@ -134,7 +140,12 @@ def drift_sums(
     s = version - token_versions
     # d is exactly 0 off the mask: plain sums; -sum(d) == sum(-d) bit for bit (negation is exact).
     out: dict[str, Tensor] = {"log_ppl_gap_sum": -d.sum()}
-    for v in torch.unique(s[mask]).tolist():
+    present = (
+        torch.unique(s[mask]).tolist()  # a device sync
+        if versions_present is None
+        else sorted({version - int(tv) for tv in versions_present})
+    )
+    for v in present:
         m = mask & (s == v)
         out[f"drift_kl_sum/{v}"] = torch.where(m, k3, 0.0).sum()
         out[f"drift_n/{v}"] = m.sum().to(logp_start.dtype)
