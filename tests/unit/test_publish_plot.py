@@ -26,8 +26,8 @@ def test_projection_is_the_marginal_rate_from_the_largest_measurement():
 
 def test_readme_table_numbers(tmp_path):
     text = pts.table(DATA)
-    # 7B bf16 = 15.23 GB: 4.9 s + (15.23 - 1.209) GB / 0.2374 GB/s = ~64 s (file); shm ~29 s
-    assert "| Qwen2.5-7B bf16 (15 GB, **projected**) | ~64 s | ~29 s |" in text
-    assert "| Qwen2.5-32B bf16 (66 GB, **projected**) | ~276 s | ~126 s |" in text
+    # 7B bf16 = 15.23 GB: 3.244 s + (15.23 - 1.209) GB / 0.356 GB/s = ~43 s (file); shm ~12 s
+    assert "| Qwen2.5-7B bf16 (15 GB, **projected**) | ~43 s | ~12 s |" in text
+    assert "| Qwen2.5-32B bf16 (66 GB, **projected**) | ~184 s | ~54 s |" in text
     out = pts.plot(DATA, tmp_path / "p.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
