@@ -153,9 +153,12 @@ class GroupProduction:
             try:  # off the event loop, within task.reward_timeout_s (asyncrl.actors.rewards)
                 rewards = await self.rewards.score(prompt, [s.text for s in seqs])
             except RewardFailure as e:
-                self.counters["groups_reward_failed"] += 1
                 log.warning("%s: group %s dropped: %s", self.actor_id, group_id, e)
                 await self._write(self.buffer.abandon, group_id, self.actor_id, str(e))
+                # Counted once its dead letter is written: a write that fails past the Redis retry
+                # budget fails the loop (the restart reclaims the group's credit), and the counter
+                # must keep matching the dead-letter stream.
+                self.counters["groups_reward_failed"] += 1
                 continue
             group = build_group(group_id, rewards, prompt, prompt_ids, seqs, self.actor_id, meta)
             await self._write(self.buffer.put, group, self.actor_id, written=True)
