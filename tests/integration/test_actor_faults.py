@@ -81,7 +81,14 @@ def test_actor_survives_reward_faults_and_a_redis_freeze_past_its_budget(tmp_pat
         inflight = sum(int(v) for v in buf.client.hvals(buf.keys.inflight))
         assert inflight == 0 and s["admitted"] == s["depth"] + s["credits"]
         reasons = [d["reason"] for d in buf.dead_letters(count=1000)]
-        assert len(reasons) == c["groups_reward_failed"] >= 2
+        # Likewise a dead-letter write: counted once confirmed, but one that timed out in the freeze may
+        # have run on thaw (at most one per group worker), with its restart reclaiming the credit.
+        assert (
+            2
+            <= c["groups_reward_failed"]
+            <= len(reasons)
+            <= c["groups_reward_failed"] + cfg.actors.groups_in_flight
+        )
         assert all(r.startswith("reward: InjectedRewardFault: injected reward fault") for r in reasons)
         assert c["engine_errors"] >= 1 and c["loop_restarts"] >= 1
     finally:
