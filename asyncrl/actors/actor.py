@@ -108,6 +108,7 @@ class RolloutActor(GroupProduction, VersionWatching):
         self._rejected: set[tuple[int, str]] = set()
         self._writes: set[asyncio.Future] = set()  # buffer writes in flight (see _write)
         self._waker: AdmissionWaker | None = None  # admission hints (actors.admission_events)
+        self._swap_hint: asyncio.Event | None = None  # a worker started waiting (actors.swap_min_lag > 1)
         # Per-group and per-swap timestamps for `asyncrl plan`'s calibration (asyncrl.actors.timeline).
         self.timeline = Timeline(self.run_dir, self.actor_id)
         # /metrics of this actor ("host:port"), advertised in heartbeats for Prometheus file_sd.

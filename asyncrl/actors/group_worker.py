@@ -36,6 +36,7 @@ class GroupProduction:
     buffer: Any
     counters: dict[str, Any]
     timeline: Any
+    _swap_hint: asyncio.Event | None
 
     async def _admit(self, info: dict[str, Any] | None = None) -> bool:
         """Take one admission slot, waiting while the staleness bound is reached; False on stop.
@@ -67,6 +68,9 @@ class GroupProduction:
                 if not blocked:
                     blocked = True
                     self.counters["admission_blocked"] += 1
+                    swap_hint = self._swap_hint
+                    if swap_hint is not None:  # actors.swap_min_lag > 1: a waiting worker makes a swap due
+                        swap_hint.set()
                 await self._sleep(self.cfg.actors.admission_poll_s, hint)
                 now = time.monotonic()
                 self.counters["admission_wait_s"] += now - last

@@ -85,7 +85,7 @@ class VersionWatching:
         else:
             while True:  # the newest candidate; refused (it did not verify): the next older one
                 m = await self._newest_valid_manifest(defer=True)
-                if m is None:
+                if m is None or not (first or self._swap_due(m.version)):
                     return False
                 try:
                     res = await self.engine.swap_weights(
@@ -110,17 +110,46 @@ class VersionWatching:
         await self._heartbeat_async()
         return True
 
+    def _swap_due(self, newest: int) -> bool:
+        """``actors.swap_min_lag``: swap once ``newest`` is that many versions ahead of the served one,
+        or at once while a group worker waits on admission. Invariant: a worker refused for stale weights
+        counts as waiting (``admission_blocked``) until it is admitted, so it is never left waiting for a
+        swap that the lag alone would not trigger (no deadlock when the learner needs its group)."""
+        lag = self.cfg.actors.swap_min_lag
+        served = self.engine.version
+        return lag <= 1 or served is None or newest - served >= lag or self.counters["admission_blocked"] > 0
+
     async def _watch_versions(self) -> None:
-        """Swap on every newer manifest. Pub/sub only wakes us early; the registry is authoritative."""
+        """Swap on newer manifests (see :meth:`_swap_due`). Pub/sub only wakes us early; the registry is
+        authoritative. A group worker that starts waiting on admission wakes us too (``_swap_hint``)."""
         sub = await asyncio.to_thread(self.buffer.subscribe_versions)
+        hint = asyncio.Event()  # never set at swap_min_lag 1: every new version is due anyway
+        if self.cfg.actors.swap_min_lag > 1:
+            self._swap_hint = hint
+        poll: asyncio.Future | None = None
         try:
             while not self._stop_requested:
                 await self._maybe_eval()  # before looking for newer weights: eval pins the version
                 # nccl: the learner waits for every actor to start a round, so look often.
-                await asyncio.to_thread(sub.latest, MANIFEST_POLL_S if self.receiver is None else NCCL_POLL_S)
+                if poll is None:
+                    timeout = MANIFEST_POLL_S if self.receiver is None else NCCL_POLL_S
+                    poll = asyncio.ensure_future(asyncio.to_thread(sub.latest, timeout))
+                woke = asyncio.ensure_future(hint.wait())
+                try:
+                    await asyncio.wait((poll, woke), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    woke.cancel()
+                hint.clear()
+                if poll.done():  # else it keeps reading in its thread; the next turn waits on it again
+                    poll, done = None, poll
+                    done.result()
                 await self._maybe_swap()
         finally:
-            sub.close()
+            self._swap_hint = None
+            if poll is None:
+                sub.close()
+            else:  # never close the subscription under the thread reading it
+                poll.add_done_callback(lambda _: sub.close())
 
     async def _maybe_eval(self) -> None:
         """Periodic eval (actor 0, every eval.every versions) on the served weights; see asyncrl.evaluate."""

@@ -133,6 +133,17 @@ def table(result: dict) -> list[str]:
                     row(
                         f"pipeline eta={eta}: steps/s / the default eta=0 run's", r["speedup_vs_default_sync"]
                     )
+        lz = p.get("lazy_swaps")
+        if lz:
+            eta = lz["max_staleness"]
+            row(f"pipeline eta={eta}, actors.swap_min_lag={lz['swap_min_lag']}: steps/s (context)", lz["steps_per_s"],
+                fmt="{:.2f}")  # fmt: skip
+            if "over_back_to_back" in lz:
+                row(f"pipeline eta={eta}, actors.swap_min_lag={lz['swap_min_lag']}: steps/s / back-to-back limit",
+                    lz["over_back_to_back"])  # fmt: skip
+            if "speedup_vs_default" in lz:
+                row(f"pipeline eta={eta}: swap_min_lag={lz['swap_min_lag']} / 1, steps/s (staleness "
+                    f"{lz['staleness_mean']:.2f} / {lz['default_staleness_mean']:.2f})", lz["speedup_vs_default"])  # fmt: skip
         ref = p["runs"].get("1") or next(iter(p["runs"].values()))
         s = ref["startup"]
         for key, label in PHASES:

@@ -47,6 +47,17 @@ class ActorsConfig:
         "staged. Models it cannot stage exactly (quantized/MoE layers, tied weights, CUDA graphs) reload "
         "in place, with a warning. False = always vLLM's in-place layerwise reload inside the pause.",
     )
+    swap_min_lag: int = F(
+        1,
+        "Swap in a newer published version once it is at least this many versions ahead of the served "
+        "one, or at once while a group worker waits on admission (the engine has room then, and weights "
+        "refused as too stale for the next slot can only be replaced by a swap). 1 = every new version. "
+        "Larger values stage fewer versions (each stage costs the engine time beside generation) for "
+        "staler rollouts; staleness still never exceeds buffer.max_staleness (admission refuses, the "
+        "learner drops). At most max(1, buffer.max_staleness); file/shm transports with "
+        "learner.publish_policy='steps' (nccl and taken: the learner drives the swaps).",
+        ge=1,
+    )
     enforce_eager: bool = F(True, "Disable CUDA graphs / compilation (faster start, fine for tiny models).")
     num_cpus_per_actor: float = F(1.0, "Ray CPUs reserved per actor.", gt=0)
     num_gpus_per_actor: float = F(

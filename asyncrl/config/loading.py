@@ -86,6 +86,18 @@ def _validate(obj: Any, prefix: str) -> None:
             "learner.weight_transport='nccl' needs CUDA actors (actors.num_gpus_per_actor > 0); "
             "for CPU actors the allowed values are 'auto', 'file', 'shm'"
         )
+    if isinstance(obj, Config) and obj.actors.swap_min_lag > 1:
+        lag, eta = obj.actors.swap_min_lag, obj.buffer.max_staleness
+        if lag > max(1, eta):
+            raise ConfigError(
+                f"actors.swap_min_lag={lag} must be <= max(1, buffer.max_staleness={eta}): weights that far "
+                "behind could start no group the bound lets through"
+            )
+        if obj.learner.weight_transport == "nccl" or obj.learner.publish_policy == "taken":
+            raise ConfigError(
+                f"actors.swap_min_lag={lag} needs learner.publish_policy='steps' and learner.weight_transport "
+                "in 'auto', 'file', 'shm' (with nccl or taken the learner drives the swaps); use 1"
+            )
     if isinstance(obj, LearnerConfig) and obj.publish_policy == "taken":
         if obj.publish_every != 1:
             raise ConfigError(

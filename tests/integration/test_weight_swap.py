@@ -368,6 +368,34 @@ def test_multiproc_engine_swaps_exactly_and_bounds_its_busy_wait(rig, tmp_path: 
         eng.shutdown()
 
 
+def _actor_rig(rig, redis_url: str, run_dir: Path, run_name: str, overrides: list[str]):
+    """A RolloutActor (no group workers running) on the module's engine, serving a fresh base version
+    published over shm; returns (transport, buffer, actor, base)."""
+    from asyncrl.actors.actor import RolloutActor
+    from asyncrl.buffer import ReplayBuffer
+    from asyncrl.config import load_config
+
+    cfg = load_config(overrides=[f"run.name={run_name}", f"run.dir={run_dir}", f"redis.url={redis_url}",
+                                 "buffer.groups_per_step=1", "metrics.enabled=false", *overrides])  # fmt: skip
+    eng, loop = rig["engine"], rig["loop"]
+    tr = ShmTransport(shm_root(run_dir, run_name), rig["transport"].expected_names)
+    buf = ReplayBuffer.from_config(cfg)
+    actor = RolloutActor(cfg, run_dir, 0, redis_url=redis_url, model_path=eng.model_path)
+    actor.engine = eng
+    base = (eng.version or 0) + 100  # above whatever the module's other tests left serving
+    buf.publish_weights(tr.publish(base, rig["weights"](0), "float32"))
+    loop.run_until_complete(eng.load_weights(tr.version_dir(base) / "model.safetensors", base))
+    return tr, buf, actor, base
+
+
+def _close_actor_rig(buf, actor, tr) -> None:
+    buf.delete_run()
+    buf.close()
+    actor.buffer.close()
+    actor.timeline.close()
+    tr.cleanup()
+
+
 def test_worker_refused_for_stale_weights_starts_as_soon_as_its_engine_swapped(
     rig, redis_server, tmp_path: Path, run_name: str
 ) -> None:
@@ -375,26 +403,13 @@ def test_worker_refused_for_stale_weights_starts_as_soon_as_its_engine_swapped(
     serves the new version, and no Redis hint announces that moment. The actor pulses its own admission
     waker when the swap returns, so the refused worker starts within milliseconds; before, it waited for
     its next poll (``actors.admission_poll_s``, 5 s here: the wait below would time out)."""
-    from asyncrl.actors.actor import RolloutActor
     from asyncrl.actors.admission_wake import AdmissionWaker
-    from asyncrl.buffer import ReplayBuffer
-    from asyncrl.config import load_config
 
     poll_s = 5.0
-    run_dir = tmp_path / "run"
-    cfg = load_config(overrides=[
-        f"run.name={run_name}", f"run.dir={run_dir}", f"redis.url={redis_server.url}",
-        "buffer.max_staleness=0", "buffer.groups_per_step=1", f"actors.admission_poll_s={poll_s}",
-        "actors.refuse_stale_weights=true", "metrics.enabled=false",
-    ])  # fmt: skip
     eng, loop = rig["engine"], rig["loop"]
-    tr = ShmTransport(shm_root(run_dir, run_name), rig["transport"].expected_names)
-    buf = ReplayBuffer.from_config(cfg)
-    actor = RolloutActor(cfg, run_dir, 0, redis_url=redis_server.url, model_path=eng.model_path)
-    actor.engine = eng
-    base = (eng.version or 0) + 100  # above whatever the module's other tests left serving
-    buf.publish_weights(tr.publish(base, rig["weights"](0), "float32"))
-    loop.run_until_complete(eng.load_weights(tr.version_dir(base) / "model.safetensors", base))
+    tr, buf, actor, base = _actor_rig(rig, redis_server.url, tmp_path / "run", run_name, [
+        "buffer.max_staleness=0", f"actors.admission_poll_s={poll_s}", "actors.refuse_stale_weights=true",
+    ])  # fmt: skip
     while buf.try_admit():  # use up the window of V = base (no version: not refused for staleness)
         pass
     waited: dict[str, float] = {}
@@ -418,12 +433,67 @@ def test_worker_refused_for_stale_weights_starts_as_soon_as_its_engine_swapped(
     try:
         loop.run_until_complete(main())
     finally:
-        buf.delete_run()
-        buf.close()
-        actor.buffer.close()
-        actor.timeline.close()
-        tr.cleanup()
+        _close_actor_rig(buf, actor, tr)
     assert waited["after_swap"] < 0.5, waited  # typically 1-3 ms: one admission round trip
+
+
+def test_swap_min_lag_skips_versions_until_due_and_a_waiting_worker_makes_a_swap_due_at_once(
+    rig, redis_server, tmp_path: Path, run_name: str, monkeypatch
+) -> None:
+    """actors.swap_min_lag=2 at max_staleness 4: one version ahead is not swapped in, two are (straight
+    to the newest); one ahead is swapped in as soon as a group worker waits on admission: the waiting
+    worker wakes the watcher (its registry poll is 5 s here, so a swap within a second was woken)."""
+    from asyncrl.actors import version_watch
+
+    monkeypatch.setattr(version_watch, "MANIFEST_POLL_S", 5.0)
+    eng, loop = rig["engine"], rig["loop"]
+    tr, buf, actor, base = _actor_rig(rig, redis_server.url, tmp_path / "run", run_name, [
+        "buffer.max_staleness=4", "actors.admission_poll_s=5.0", "actors.admission_events=false",
+        "actors.swap_min_lag=2",
+    ])  # fmt: skip
+
+    def publish(v: int) -> None:
+        buf.publish_weights(tr.publish(v, rig["weights"](v - base), "float32"))
+
+    seen: dict[str, object] = {}
+
+    async def main() -> None:
+        actor._wake = asyncio.Event()
+        await asyncio.to_thread(publish, base + 1)
+        seen["lag1"] = (await actor._maybe_swap(), eng.version)
+        await asyncio.to_thread(publish, base + 2)
+        seen["lag2"] = (await actor._maybe_swap(), eng.version, actor.counters["swaps"])
+        watcher = asyncio.create_task(actor._watch_versions())
+        try:
+            await asyncio.to_thread(publish, base + 3)
+            await asyncio.sleep(1.0)  # the publish hint woke the watcher: one ahead, nobody waiting
+            seen["lag1_watched"] = eng.version
+            while await asyncio.to_thread(buf.try_admit):  # fill the window: the next worker waits
+                pass
+            task = asyncio.create_task(actor._admit())
+            t0 = time.perf_counter()
+            while eng.version != base + 3:
+                assert time.perf_counter() - t0 < 4.0, "the waiting worker did not wake the watcher"
+                await asyncio.sleep(0.005)
+            seen["woken_s"] = time.perf_counter() - t0
+            seen["blocked"] = actor.counters["admission_blocked"]
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            actor._stop_requested = True
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        _close_actor_rig(buf, actor, tr)
+    assert seen["lag1"] == (False, base)
+    assert seen["lag2"] == (True, base + 2, 1)  # v(base+1) was never staged
+    assert seen["lag1_watched"] == base + 2
+    assert seen["blocked"] == 1 and seen["woken_s"] < 1.0, seen
+    out = _sample(rig, "lag")  # the served weights are exactly v(base+3)
+    assert _max_err(rig["hf"](rig["weights"](3)), out) < TOL
 
 
 def test_idle_engine_builds_the_stage_inside_one_rpc_and_a_busy_one_in_a_thread(rig) -> None:

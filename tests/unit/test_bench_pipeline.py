@@ -141,9 +141,9 @@ def _fake_runs(monkeypatch, placements):
                         "samples_per_s": 512.0, "max_staleness": 1}}  # fmt: skip
     calls = []
 
-    def run_demo(config, eta, steps, root, frontend=None):
-        calls.append((eta, frontend))
-        return (eta, frontend)
+    def run_demo(config, eta, steps, root, frontend=None, swap_min_lag=None):
+        calls.append((eta, frontend) if swap_min_lag is None else (eta, frontend, swap_min_lag))
+        return (eta, frontend) if swap_min_lag is None else (eta, frontend, swap_min_lag)
 
     monkeypatch.setattr(pipeline, "run_demo", run_demo)
     monkeypatch.setattr(pipeline, "steady", lambda key: dict(fake[key]))
@@ -182,3 +182,38 @@ def test_overlap_bound_holds_the_front_end_placement_fixed(tmp_path: Path, monke
     assert any("front end on the engine's cores" in ln and ln.split()[-1] == "12.00" for ln in lines)
     assert any("front end as async" in ln for ln in lines)
     assert any(ln.startswith("pipeline eta=1: steps/s / the default eta=0 run's") for ln in lines)
+
+
+def test_largest_eta_runs_once_more_with_lazy_swaps_as_a_context_row(tmp_path: Path, monkeypatch) -> None:
+    """At eta 4 one more run with actors.swap_min_lag=4: steps/s over the limit and over the default eta-4
+    run, with both runs' mean token staleness; rows without a target. Not at eta <= 1 (nothing to skip)."""
+    pipeline, calls = _fake_runs(monkeypatch, (None, None))
+    monkeypatch.setattr(pipeline, "steady", lambda key: {
+        (0, None): {"steps_per_s": 8.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.028, "wait_s_mean": 0.08,
+                    "train_s_median": 0.03, "window_steps": 135, "window_s": 16.9, "samples_per_s": 256.0,
+                    "max_staleness": 0, "staleness_mean": 0.0},
+        (4, None): {"steps_per_s": 10.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.028, "wait_s_mean": 0.04,
+                    "train_s_median": 0.033, "window_steps": 135, "window_s": 13.5, "samples_per_s": 320.0,
+                    "max_staleness": 4, "staleness_mean": 2.0},
+        (1, None): {"steps_per_s": 9.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.028, "wait_s_mean": 0.04,
+                    "train_s_median": 0.033, "window_steps": 135, "window_s": 15.0, "samples_per_s": 288.0,
+                    "max_staleness": 1, "staleness_mean": 0.9},
+        (4, None, 4): {"steps_per_s": 14.0, "learner_s_mean": 0.03, "train_publish_s_mean": 0.028,
+                       "wait_s_mean": 0.02, "train_s_median": 0.03, "window_steps": 135, "window_s": 9.6,
+                       "samples_per_s": 448.0, "max_staleness": 4, "staleness_mean": 2.5},
+    }[key])  # fmt: skip
+    b2b = {"steps_per_s": 10.0, "gen_s": 0.045, "train_s": 0.03, "publish_s": 0.004, "reload_s": 0.021}
+    res = pipeline.pipeline_rows(None, (0, 4), 10, tmp_path, b2b, 0.03)
+    assert calls == [(0, None), (4, None), (4, None, 4)]
+    lz = res["lazy_swaps"]
+    assert (lz["swap_min_lag"], lz["over_back_to_back"], lz["speedup_vs_default"]) == (4, 1.4, 1.4)
+    assert lz["default_staleness_mean"] == 2.0
+    lines = {
+        ln[:78].rstrip(): ln[78:].split() for ln in table({"weights": [], "buffer": [], "pipeline": res})
+    }
+    assert lines["pipeline eta=4, actors.swap_min_lag=4: steps/s (context)"] == ["14.00"]
+    assert lines["pipeline eta=4, actors.swap_min_lag=4: steps/s / back-to-back limit"] == ["1.40x"]
+    assert lines["pipeline eta=4: swap_min_lag=4 / 1, steps/s (staleness 2.50 / 2.00)"] == ["1.40x"]
+    calls.clear()
+    assert "lazy_swaps" not in pipeline.pipeline_rows(None, (0, 1), 10, tmp_path, b2b, 0.03)
+    assert calls == [(0, None), (1, None)]

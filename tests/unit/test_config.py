@@ -109,6 +109,33 @@ def test_shipped_configs_load(name):
         assert cfg.model.dtype == "bfloat16" and cfg.learner.zero_stage >= 2 and cfg.task.name == "gsm8k"
 
 
+def test_swap_min_lag_is_checked_against_the_bound_and_the_transport():
+    with pytest.raises(ConfigError, match=r"actors.swap_min_lag=0 is out of range; must be >= 1"):
+        load_config(overrides=["actors.swap_min_lag=0"])
+    with pytest.raises(
+        ConfigError, match=r"actors.swap_min_lag=2 must be <= max\(1, buffer.max_staleness=1\)"
+    ):
+        load_config(overrides=["actors.swap_min_lag=2", "buffer.max_staleness=1"])
+    with pytest.raises(
+        ConfigError, match=r"actors.swap_min_lag=5 must be <= max\(1, buffer.max_staleness=4\)"
+    ):
+        load_config(overrides=["actors.swap_min_lag=5", "buffer.max_staleness=4"])
+    with pytest.raises(ConfigError, match="learner.publish_policy='steps'"):
+        load_config(
+            overrides=["actors.swap_min_lag=2", "buffer.max_staleness=4", "learner.publish_policy=taken"]
+        )
+    with pytest.raises(ConfigError, match="weight_transport in 'auto', 'file', 'shm'"):
+        load_config(overrides=["actors.swap_min_lag=2", "buffer.max_staleness=4", "learner.weight_transport=nccl",
+                               "actors.num_gpus_per_actor=1"])  # fmt: skip
+    cfg = load_config(overrides=["actors.swap_min_lag=4", "buffer.max_staleness=4"])
+    assert cfg.actors.swap_min_lag == 4
+    # 1 (every version) is always allowed, also synchronous and with taken; it is the default.
+    assert (
+        load_config(overrides=["buffer.max_staleness=0", "learner.publish_policy=taken"]).actors.swap_min_lag
+        == 1
+    )
+
+
 def test_publish_policy_taken_is_checked_against_the_keys_it_depends_on():
     with pytest.raises(ConfigError, match="allowed values: 'steps', 'taken'"):
         load_config(overrides=["learner.publish_policy=lazy"])
