@@ -98,20 +98,88 @@ def _spec_dict(spec: Any, seed: int) -> dict:
     return d
 
 
-def build_tiny_model(out_dir: str | os.PathLike, spec: Any, seed: int) -> Path:
+def _holds(d: Path, want: dict) -> bool:
+    """``d`` is a complete model built from ``want`` (the spec file is written last, in a temp dir)."""
+    marker = d / SPEC_FILE
+    return marker.exists() and json.loads(marker.read_text()) == want and (d / "model.safetensors").exists()
+
+
+def _cached(entry: Path, want: dict) -> bool:
+    """A cache entry is served only if its bytes still hash to the digest stored beside it when it was
+    built (a truncated or edited file there is rebuilt, never copied into a run)."""
+    digest = entry.with_name(entry.name + ".sha256")
+    return _holds(entry, want) and digest.exists() and digest.read_text().strip() == tree_digest(entry)
+
+
+def cache_entry(cache_dir: str | os.PathLike, want: dict) -> Path:
+    """Where the machine-wide cache keeps the model of ``want``: keyed by the spec and seed, the torch and
+    transformers versions that would build it, and this builder's source, so that any of them changing
+    builds anew instead of serving bytes a fresh build would not give."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256(json.dumps(want, sort_keys=True).encode())
+    for dist in ("torch", "transformers"):
+        h.update(f"{dist}={version(dist)}".encode())
+    h.update(Path(__file__).read_bytes())
+    return Path(cache_dir).expanduser() / h.hexdigest()[:24]
+
+
+def _copy_in(src: Path, out: Path) -> None:
+    """Copy a complete model dir to ``out`` through a temp dir and one rename (no half-copied ``out``)."""
+    import shutil
+
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def _store(built: Path, entry: Path, want: dict) -> None:
+    """Put a fresh build in the cache. The cache only saves time, so a cache that cannot be written (a
+    read-only home, a full disk) is logged and the run goes on; two runs storing at once: one wins."""
+    import logging
+    import shutil
+
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(built, tmp)
+        if entry.exists() and not _cached(entry, want):  # a damaged entry: replace it
+            shutil.rmtree(entry, ignore_errors=True)
+        entry.with_name(entry.name + ".sha256").write_text(tree_digest(tmp) + "\n")
+        try:
+            tmp.rename(entry)
+        except OSError:  # another process stored the same bytes first (rename onto a non-empty dir fails)
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        logging.getLogger(__name__).warning("tiny-model cache %s not written: %s", entry.parent, e)
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike, spec: Any, seed: int, cache_dir: str | os.PathLike | None = None
+) -> Path:
     """Write a randomly initialised tiny Qwen2 model + tokenizer to ``out_dir`` and return it.
 
     Deterministic: the same (spec, seed) gives byte-identical files. If ``out_dir`` already holds a
     model built from the same spec and seed it is reused (a restarted run must not re-initialise).
+    ``cache_dir`` (``model.tiny_cache_dir``): a machine-wide cache of built models; a hit is copied in
+    without importing torch or transformers (the build is ~4.5 s of the 2-core box's start-up, on the
+    path to Redis, the learner and the actors), a miss is built and stored there.
     """
+    out = Path(out_dir)
+    want = _spec_dict(spec, seed)
+    if _holds(out, want):
+        return out
+    entry = cache_entry(cache_dir, want) if cache_dir else None
+    if entry is not None and _cached(entry, want):
+        _copy_in(entry, out)
+        return out
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    out = Path(out_dir)
-    want = _spec_dict(spec, seed)
-    marker = out / SPEC_FILE
-    if marker.exists() and json.loads(marker.read_text()) == want and (out / "model.safetensors").exists():
-        return out
     tok = build_tokenizer()
     v = vocab()
     config = Qwen2Config(
@@ -148,6 +216,8 @@ def build_tiny_model(out_dir: str | os.PathLike, spec: Any, seed: int) -> Path:
     tok.save_pretrained(tmp)
     # generation_config.json carries a transformers version string only; keep it, it is deterministic.
     (tmp / SPEC_FILE).write_text(json.dumps(want, sort_keys=True))
+    if entry is not None:
+        _store(tmp, entry, want)
     if out.exists():
         import shutil
 
@@ -176,4 +246,4 @@ def resolve_model_path(cfg: Any, run_dir: str | os.PathLike) -> Path:
                 f"(expected {p / 'config.json'}); models are never downloaded at run time"
             )
         return p
-    return build_tiny_model(Path(run_dir) / "model", cfg.model.tiny, cfg.run.seed)
+    return build_tiny_model(Path(run_dir) / "model", cfg.model.tiny, cfg.run.seed, cfg.model.tiny_cache_dir)

@@ -112,6 +112,12 @@ class ModelConfig:
         "", "Local Hugging Face model directory. Empty = build the tiny model into <run_dir>/model."
     )
     tiny: TinyModelConfig = F(TinyModelConfig(), "Spec of the built-in tiny model (used when path is empty).")
+    tiny_cache_dir: str = F(
+        "~/.cache/asyncrl/tiny-models",
+        "Machine-wide cache of built tiny models (keyed by spec, seed, torch/transformers versions and the "
+        "builder's source): a run copies its model from there instead of importing torch and building it "
+        "(~4.5 s of start-up on a 2-core box). Empty = build every time.",
+    )
     dtype: str = F(
         "float32",
         "Weights/compute dtype for actors and learner. bfloat16 keeps fp32 master weights in the learner.",
