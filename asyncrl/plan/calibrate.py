@@ -154,6 +154,7 @@ def inputs_from_run_config(run_dir: str | Path, base: PlanInputs | None = None) 
         admission_poll_s=float(a.admission_poll_s),
         admission_events=bool(a.get("admission_events", False)),  # run dirs from before the events: polled
         refuse_stale_weights=bool(a.refuse_stale_weights),
+        swap_min_lag=int(a.get("swap_min_lag", 1)),  # run dirs from before the option: every version
         groups_per_step=int(b.groups_per_step),
         max_staleness=int(b.max_staleness),
         publish_every=int(lrn.publish_every),
@@ -185,7 +186,7 @@ def _measured_run(m: Measured, base: PlanInputs | None) -> tuple[PlanInputs, dic
     sources = {k: "config" for k in ("num_actors", "groups_in_flight", "group_size", "groups_per_step",
                                       "max_staleness", "publish_every", "publish_policy",
                                       "publish_max_steps", "checkpoint_every",
-                                      "refuse_stale_weights", "admission_poll_s", "admission_events",
+                                      "refuse_stale_weights", "swap_min_lag", "admission_poll_s", "admission_events",
                                       "lengths.max_tokens")}  # fmt: skip
     law = p.lengths
     if law.kind == "lognormal" and not law.min_tokens < m.mean_length < law.max_tokens:

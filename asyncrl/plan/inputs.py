@@ -127,6 +127,12 @@ class PlanInputs:
         0.0, "Extra pause seconds of a swap while sequences are running (their KV cache is recomputed).", ge=0
     )
     refuse_stale_weights: bool = F(True, "actors.refuse_stale_weights (admission also checks the sampler).")
+    swap_min_lag: int = F(
+        1,
+        "actors.swap_min_lag: an engine takes a hand-off only once V is this many versions ahead of what it "
+        "serves, or at once while it has a worker refused by admission (1 = every version).",
+        ge=1,
+    )
     # staleness control
     groups_per_step: int = F(4, "Groups per learner step (buffer.groups_per_step).", ge=1)
     max_staleness: int = F(1, "eta (buffer.max_staleness).", ge=0)
@@ -227,6 +233,11 @@ def check_publish_policy(p: PlanInputs) -> None:
     if p.publish_policy not in PUBLISH_POLICIES:
         allowed = ", ".join(repr(c) for c in PUBLISH_POLICIES)
         raise ConfigError(f"publish_policy={p.publish_policy!r} is not allowed; allowed values: {allowed}")
+    if p.swap_min_lag > 1 and (p.publish_policy == "taken" or p.swap_min_lag > max(1, p.max_staleness)):
+        raise ConfigError(
+            f"swap_min_lag={p.swap_min_lag} needs publish_policy='steps' and swap_min_lag <= "
+            f"max(1, max_staleness={p.max_staleness}) (as actors.swap_min_lag)"
+        )
     if p.publish_policy == "taken" and p.publish_every != 1:
         raise ConfigError(
             f"publish_policy='taken' decides every step itself: publish_every must be 1 "

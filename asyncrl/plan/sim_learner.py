@@ -117,7 +117,7 @@ class LearnerEvents:
         if kind == "publish":
             self.V += 1
             for e in self.engines:
-                if e.staging is None and not e.swapping:  # else: at the end of its current hand-off
+                if e.staging is None and not e.swapping and self.swap_due(e):  # else: at its hand-off's end
                     self.start_handoff(e)
             self.wake(self.engines)
         if self.phases:

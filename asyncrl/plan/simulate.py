@@ -38,7 +38,9 @@ The model follows the real roles step by step (DESIGN.md):
   end and then takes its own hand-off (``swap_latency_s`` from then: the latency is measured from
   when the actor was free, :func:`asyncrl.plan.handoff.swap_latencies`), so an actor whose hand-off
   outlasts a learner step lags V by a version or more, swapping every version or skipping to the
-  newest at each swap's end, as the real one does.
+  newest at each swap's end, as the real one does. With ``swap_min_lag`` > 1 (actors.swap_min_lag) an
+  engine starts a hand-off only once V is that many versions ahead, or at once when admission refuses
+  one of its workers (a full window: the real actor's waiting worker wakes its version watcher).
 * **Learner.** Reads groups in arrival order, drops those staler than eta at the version the step
   starts with (returning their credit), trains ``groups_per_step`` groups for ``learner_step_s +
   learner_token_s * tokens`` (times the step's factor: ``learner_work`` replayed in order, or a
@@ -188,6 +190,9 @@ class _Sim(LearnerEvents):
             self.submit(e, g)
             for _ in range(self.p.group_size):
                 e.waiting.append((self.draw(), g))
+        if (self.p.swap_min_lag > 1 and e.in_flight < self.p.groups_in_flight and e.version < self.V
+                and e.staging is None and not e.swapping):  # fmt: skip
+            self.start_handoff(e)  # a refused worker makes the lazy actor's swap due (actors.swap_min_lag)
         if e.in_flight < self.p.groups_in_flight and self.p.admission_events and self.p.admission_poll_s > 0:
             # Refused: besides the hints, the real worker retries admission_poll_s after this attempt.
             # That poll is what admits it after its own engine's swap (unless swap_wakes_admission).
@@ -286,6 +291,12 @@ class _Sim(LearnerEvents):
         if self.learner_waiting:
             self.gather()
 
+    def swap_due(self, e: SimEngine) -> bool:
+        """swap_min_lag (actors.swap_min_lag): V is that far ahead of ``e``, or ``e`` has a worker refused
+        by admission (an engine below groups_in_flight after an attempt was refused)."""
+        lag = self.p.swap_min_lag
+        return lag <= 1 or self.V - e.version >= lag or e.in_flight < self.p.groups_in_flight
+
     def start_handoff(self, e: SimEngine) -> None:
         """The actor starts handing V to ``e`` (noticed now; staged; then the pause)."""
         e.staging = self.V
@@ -322,7 +333,7 @@ class _Sim(LearnerEvents):
             self.wake(
                 [e], self.p.swap_wake_s
             )  # its next poll, half a period later on average; with events: its poll timer
-        if e.version < self.V:  # published meanwhile: the actor now hands over the newest version
+        if e.version < self.V and self.swap_due(e):  # published meanwhile: it hands over the newest
             self.start_handoff(e)
 
 
