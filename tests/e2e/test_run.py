@@ -107,9 +107,14 @@ def _threads_cpus(pid: int) -> set[int]:
     """Union of Cpus_allowed_list over every thread of ``pid`` (the kernel's view, not our intent)."""
     cpus: set[int] = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
-        for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended after the listing
+            continue
+        for line in status.splitlines():
             if line.startswith("Cpus_allowed_list"):
                 cpus |= _parse_cpulist(line.split()[1])
+    assert cpus, f"pid {pid}: no thread left to read"
     return cpus
 
 
