@@ -108,7 +108,10 @@ def _cached(entry: Path, want: dict) -> bool:
     """A cache entry is served only if its bytes still hash to the digest stored beside it when it was
     built (a truncated or edited file there is rebuilt, never copied into a run)."""
     digest = entry.with_name(entry.name + ".sha256")
-    return _holds(entry, want) and digest.exists() and digest.read_text().strip() == tree_digest(entry)
+    try:
+        return _holds(entry, want) and digest.exists() and digest.read_text().strip() == tree_digest(entry)
+    except (OSError, ValueError):  # unreadable, vanishing (another run replacing it) or a bad spec file
+        return False
 
 
 def cache_entry(cache_dir: str | os.PathLike, want: dict) -> Path:
@@ -175,8 +178,13 @@ def build_tiny_model(
         return out
     entry = cache_entry(cache_dir, want) if cache_dir else None
     if entry is not None and _cached(entry, want):
-        _copy_in(entry, out)
-        return out
+        try:
+            _copy_in(entry, out)
+            return out
+        except OSError as e:  # e.g. another run replacing a damaged entry under us: build instead
+            import logging
+
+            logging.getLogger(__name__).warning("tiny-model cache entry %s not copied: %s", entry, e)
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
