@@ -314,6 +314,17 @@ def test_load_spec_checks_cell_configs(tmp_path: Path):
         load_spec(p, ["learner.nope=1"])  # a non-sweep CLI override joins every cell
     spec = load_spec(p, ["run.max_steps=5", "sweep.name=u"])
     assert spec.name == "u" and spec.overrides == ["run.max_steps=3", "run.max_steps=5"]
+    # Lazy swaps as an objective: fine at eta 4 (an extra cell), refused at start in a grid cell whose
+    # bound it exceeds, naming the cell and the key.
+    lazy = {"naive": [], "lazy": ["actors.swap_min_lag=4"]}
+    grid = {"max_staleness": [0, 4], "objective": ["naive"]}
+    p.write_text(yaml.safe_dump(_raw(objectives=lazy, grid=grid, extra_cells=[[4, "lazy"]])))
+    assert [c.name for c in load_spec(p).cells()] == ["s0-naive", "s4-naive", "s4-lazy"]
+    p.write_text(yaml.safe_dump(_raw(objectives=lazy, grid={**grid, "objective": ["naive", "lazy"]})))
+    with pytest.raises(
+        ConfigError, match=r"sweep cell s0-lazy: actors.swap_min_lag=4 must be <= max\(1, buffer"
+    ):
+        load_spec(p)
 
 
 SHIPPED = [
