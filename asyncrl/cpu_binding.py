@@ -159,11 +159,11 @@ def bind_from_env(var: str = ENV_CPUS) -> tuple[int, ...] | None:
     return cpus
 
 
-def bind_process(cpus: Sequence[int]) -> None:
-    """Bind every thread of this process to ``cpus``. ``sched_setaffinity(0)`` binds only the calling
-    thread, and a Ray actor's constructor does not run on the main thread: its other threads (the
-    event loop that starts the engine, Ray's own) would stay unbound."""
-    for tid in os.listdir("/proc/self/task"):
+def bind_process(cpus: Sequence[int], pid: int | None = None) -> None:
+    """Bind every thread of this process (or of process ``pid``) to ``cpus``. ``sched_setaffinity(0)``
+    binds only the calling thread, and a Ray actor's constructor does not run on the main thread: its
+    other threads (the event loop that starts the engine, Ray's own) would stay unbound."""
+    for tid in os.listdir(f"/proc/{pid or 'self'}/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:  # a thread that ended meanwhile

@@ -77,6 +77,11 @@ class RolloutActor(GroupProduction, VersionWatching):
         from asyncrl.cpu_binding import bind_from_env
         from asyncrl.tinymodel import resolve_model_path
 
+        from . import engine_fork
+
+        # First, before this process binds itself or imports vLLM: the engine core's imports start now, on
+        # every core this process may use, in parallel with ours (asyncrl.actors.engine_fork).
+        self.forkserver = engine_fork.start_for(cfg)
         # Before the engine exists: its engine-core and worker processes inherit this process's cores.
         self.cpus = bind_from_env()
         self.cfg = cfg
@@ -301,10 +306,16 @@ class RolloutActor(GroupProduction, VersionWatching):
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         # The start-up takes ~25 s on CPU: build in a thread so that stats/stop stay responsive.
         # AsyncLLM binds its output handler to the loop lazily, on first use from this loop.
-        from asyncrl.cpu_binding import ENV_FRONTEND_CPUS, bind_from_env
+        from asyncrl.cpu_binding import ENV_FRONTEND_CPUS, bind_from_env, bind_process
+
+        from . import engine_fork
 
         self.cpus = bind_from_env()  # a restarted engine inherits the engine's cores, not the front end's
         self.engine = await asyncio.to_thread(Engine.from_config, self.cfg, self.model_path)
+        if self.forkserver is not None and self.cpus and engine_fork.server_pid() == self.forkserver:
+            bind_process(
+                self.cpus, self.forkserver
+            )  # its import is done: idle on the engine's cores from now
         # Its processes are up on the engine's cores: this process (the front end) may move now.
         self.cpus = bind_from_env(ENV_FRONTEND_CPUS) or self.cpus
         if self.cfg.learner.weight_transport == "nccl":  # a new engine joins the learner's next group

@@ -40,6 +40,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from . import eager_ranks
+
 __all__ = ["WeightReloadExtension", "FileWeightTransferEngine", "EXTENSION_CLS", "FILE_BACKEND"]
 
 EXTENSION_CLS = f"{__name__}.WeightReloadExtension"
@@ -58,6 +60,7 @@ def _mark_computed_buffers() -> None:
 
 
 _mark_computed_buffers()  # this module is imported in the worker process, before any reload
+eager_ranks.install()  # before the first sampling; see asyncrl.actors.eager_ranks
 
 
 def _checkpoint_names(model_dir: Path) -> set[str]:

@@ -34,7 +34,9 @@ def test_kill9_of_asyncrl_run_leaves_no_process_behind(tmp_path, faults):
     tree: list[psutil.Process] = []
     try:
         run.wait_progress(1, 600, "the first learner step")
-        named = {"learner": run.learner_pid(), "redis": run.redis_pid(), "actor": run.actor_pid(0)}
+        # The first step can come before the actor's first "running" heartbeat (2 s apart): wait for it.
+        apid = run.wait(run.actor_pid, 60, "the actor's heartbeat")
+        named = {"learner": run.learner_pid(), "redis": run.redis_pid(), "actor": apid}
         assert all(named.values()), named
         tree = psutil.Process(run.proc.pid).children(recursive=True)
         assert {p.pid for p in tree} >= set(named.values())
