@@ -15,18 +15,20 @@ What must stay as with ``spawn`` (the invariants):
 * The environment: a forked child has the *server's* environment, frozen when the server started, while
   vLLM sets variables in the front end before it starts the engine core (its CPU platform's, and the
   OpenMP binding of the in-process worker, asyncrl.actors.inproc_executor). The child therefore
-  replaces its environment with the parent's as of ``start()`` before the engine core runs; and its
-  CPU affinity with the parent's (the engine's cores: the server runs on every core the actor had
-  before it bound itself, so that its import does not share the actor's core).
-* What is read once, when a library loads (libgomp's ``OMP_*``, ``LD_PRELOAD``, glibc's ``MALLOC_*``,
-  the interpreter's ``PYTHON*``): that cannot be replaced after the fact. The server is started with
-  the OpenMP variables vLLM will set for the in-process worker (:func:`predicted_env`: vLLM's
-  ``LD_PRELOAD`` of torch's libgomp and ``OMPProcessManager``'s rule for one rank), and a start whose load-time variables differ from the
-  server's in any way (or whose multiprocessing executable was replaced, vLLM's ``--numa-bind``) is
-  spawned as before instead, with the reason logged.
+  replaces its environment with the parent's as of ``start()`` before the engine core runs.
+* The CPUs: a spawned engine core starts on its parent's cores (the engine's) and libgomp, preloaded,
+  binds it to the first CPU of its OpenMP list as it loads. The server went through the same load, then
+  widened itself to every core the actor had before it bound itself, so that its imports do not share
+  the actor's core (asyncrl.actors.forkserver_init); a forked child takes the binding libgomp gave.
+* What is read once, when a library loads (``LD_PRELOAD``, libgomp's ``OMP_*``/``GOMP_*``, glibc's
+  ``MALLOC_*``, the interpreter's ``PYTHON*``) cannot be replaced after the fact. The server is started
+  with the values vLLM will give the engine core (:func:`predicted_env`), and a start whose load-time
+  variables differ from the server's in any way (or whose multiprocessing executable was replaced,
+  vLLM's ``--numa-bind``) is spawned instead, with the reason logged.
+* The name: ``/proc/<pid>/comm`` is set as vLLM's process title would set it (:func:`_set_comm`).
 
 The server lives as long as the actor (it exits when its parent does) and serves an engine restart as
-well; it holds the imported modules (~0.5 GB resident, shared copy-on-write with the engine core).
+well; it holds the imported modules (~0.6 GB resident, shared copy-on-write with the engine core).
 This module is stdlib only: it runs before the actor imports anything heavy.
 """
 
@@ -49,6 +51,8 @@ from .forkserver_init import ENV_CPUS as ENV_SERVER_CPUS
 
 __all__ = [
     "PRELOAD",
+    "EngineProcess",
+    "start_for",
     "start_server",
     "predicted_env",
     "forked_engine_core",

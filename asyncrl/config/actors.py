@@ -112,8 +112,9 @@ class ActorsConfig:
         "(engine_executor=auto, one rank): start the engine core from a forkserver that imports vLLM while "
         "the actor imports its own copy, on another core, instead of spawning it after (asyncrl.actors."
         "engine_fork: one ~8-10 s import fewer on the path to the first step on 2 cores; the server keeps "
-        "~0.5 GB resident for the actor's life). Any start it cannot make equivalent to a spawn is spawned, "
-        "with the reason logged. false: always spawn, as vLLM does inside a Ray actor.",
+        "~0.6 GB resident, shared copy-on-write with the engine core, for the actor's life). Any start it "
+        "cannot make equivalent to a spawn is spawned, with the reason logged. false: always spawn, as vLLM "
+        "does inside a Ray actor.",
     )
     tensor_parallel_size: int = F(
         1, "GPUs one vLLM engine shards each layer over (vLLM tensor_parallel_size; one node).", ge=1
