@@ -313,9 +313,8 @@ class RolloutActor(GroupProduction, VersionWatching):
         self.cpus = bind_from_env()  # a restarted engine inherits the engine's cores, not the front end's
         self.engine = await asyncio.to_thread(Engine.from_config, self.cfg, self.model_path)
         if self.forkserver is not None and self.cpus and engine_fork.server_pid() == self.forkserver:
-            bind_process(
-                self.cpus, self.forkserver
-            )  # its import is done: idle on the engine's cores from now
+            # The engine core is forked: its server's imports are done, it idles on the engine's cores.
+            bind_process(self.cpus, self.forkserver)
         # Its processes are up on the engine's cores: this process (the front end) may move now.
         self.cpus = bind_from_env(ENV_FRONTEND_CPUS) or self.cpus
         if self.cfg.learner.weight_transport == "nccl":  # a new engine joins the learner's next group

@@ -48,6 +48,7 @@ from multiprocessing.context import ForkServerProcess
 from typing import Any
 
 from .forkserver_init import ENV_CPUS as ENV_SERVER_CPUS
+from .forkserver_init import ENV_PARENT as ENV_SERVER_PARENT
 
 __all__ = [
     "PRELOAD",
@@ -162,7 +163,11 @@ def start_server(extra_env: dict[str, str], preload: tuple[str, ...] = PRELOAD) 
     multiprocessing.set_forkserver_preload(list(preload))
     # The server may use every core this thread may (asyncrl.actors.forkserver_init widens it back to
     # them once libgomp has bound it at load).
-    extra_env = {**extra_env, ENV_SERVER_CPUS: ",".join(map(str, sorted(os.sched_getaffinity(0))))}
+    extra_env = {
+        **extra_env,
+        ENV_SERVER_CPUS: ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+        ENV_SERVER_PARENT: str(os.getpid()),  # the server dies with this process (forkserver_init)
+    }
     env = {**os.environ, **extra_env}
     saved = {k: os.environ.get(k) for k in extra_env}
     try:  # the server is started with this process's environment at the time (util.spawnv_passfds)
@@ -218,6 +223,7 @@ class EngineProcess(ForkServerProcess):
 
     _start_env: dict[str, str] | None = None
     _start_cpus: list[int] | None = None
+    _server_pid: int | None = None
 
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
@@ -226,6 +232,7 @@ class EngineProcess(ForkServerProcess):
         if why is None:
             process_obj._start_env = env
             process_obj._start_cpus = sorted(os.sched_getaffinity(0))
+            process_obj._server_pid = server_pid()
             from multiprocessing.popen_forkserver import Popen
         else:
             log.info("%s: spawned, not forked from the preloaded server (%s)", process_obj.name, why)
@@ -243,6 +250,9 @@ class EngineProcess(ForkServerProcess):
             if cpus:
                 os.sched_setaffinity(0, cpus)
             _set_comm(f"{os.environ.get('VLLM_PROCESS_NAME_PREFIX', 'VLLM')}::{self.name}")
+            # Dies with the server, which dies with the actor: no engine outlives its actor (and if the
+            # server is already gone, this exits now instead of running orphaned).
+            forkserver_init.die_with_parent(self._server_pid)
         super().run()
 
 

@@ -29,9 +29,20 @@ _SCRIPT = textwrap.dedent(
                "json_loaded": "json.decoder" in sys.modules, "comm": open("/proc/self/comm").read().strip(),
                "proc_environ_token": b"ASYNCRL_TEST_TOKEN=t0" in open("/proc/self/environ", "rb").read()})
 
+    def sleeper():
+        import time
+        time.sleep(600)
+
     if __name__ == "__main__":
         import multiprocessing
         mode, gomp = sys.argv[1], json.loads(sys.argv[2])
+        if mode == "orphan":  # report the pids, then wait to be killed
+            server = engine_fork.start_server({}, preload=("asyncrl.actors.forkserver_init", "json"))
+            p = engine_fork.EngineProcess(target=sleeper, name="EngineCore")
+            p.start()
+            print(json.dumps({"server": server, "child": p.pid}), flush=True)
+            import time
+            time.sleep(600)
         all_cpus = sorted(os.sched_getaffinity(0))
         os.environ["ASYNCRL_TEST_TOKEN"] = "t0"  # as asyncrl.lifetime's reaper token: set before the server
         load = {"OMP_NUM_THREADS": "3", **gomp}
@@ -101,6 +112,37 @@ def test_a_server_bound_by_libgomp_at_load_imports_on_every_cpu_and_its_children
     assert got["cpus"] == [last] != got["parent_cpus"]
     lo, hi = got["all_cpus"][0], got["all_cpus"][-1]
     assert got["server_cpus"] in (f"{lo}-{hi}", ",".join(map(str, got["all_cpus"])))  # widened after load
+
+
+def test_a_kill_9_of_the_actor_takes_its_server_and_the_forked_engine_with_it(tmp_path):
+    """The server dies with the process that started it, and a forked engine core with its server
+    (PR_SET_PDEATHSIG): nothing outlives a killed actor, whatever holds the server's pipes."""
+    import signal
+    import time
+
+    script = tmp_path / "fork_check.py"
+    script.write_text(_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), "orphan", "{}"], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert all(os.path.exists(f"/proc/{p}") for p in pids.values())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while (alive := [p for p in pids.values() if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive, pids
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def test_load_time_diff_compares_load_time_variables_and_existing_search_path_entries(tmp_path):
