@@ -157,30 +157,6 @@ def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
     assert f"OMP_NUM_THREADS={len(plan.learner)}" in learner_env
 
 
-def _ppid(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
-@BINDS
-def test_the_engine_core_is_forked_from_the_actors_preloaded_server(live_run):
-    """actors.engine_forkserver=true (the default) on a CPU-bound run: the engine core's parent is the
-    actor's forkserver, which imported vLLM while the actor did (spawned, its parent would be the actor);
-    the server idles on the engine's cores; the actor's log has no fallback line, i.e. the load-time
-    environment asyncrl predicted for the server is the one vLLM gave the engine core."""
-    from asyncrl.cpu_binding import plan_cpus
-
-    rdir, proc = live_run["dir"], live_run["proc"]
-    wait_for(lambda: read_jsonl(rdir / "metrics.jsonl"), 420, "the first learner step", proc, live_run["log"])
-    roles = _roles(live_run["marker"])
-    actor, core = roles["actor"][0], roles["engine_core"][0]
-    server = _ppid(core)
-    assert server != actor and _ppid(server) == actor
-    assert _threads_cpus(server) == set(plan_cpus(sorted(os.sched_getaffinity(0)), 1).engine(0))
-    log = "".join(p.read_text(errors="replace") for p in (rdir / "logs").glob("actor-*.log"))
-    assert "spawned, not forked" not in log
-
-
 @BINDS
 def test_the_actor_front_end_moves_to_the_learners_cores_and_its_engine_stays(tmp_path):
     """run.actor_frontend_cpus=learner: once the engine is up, every thread of the actor process (vLLM's
