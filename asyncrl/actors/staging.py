@@ -48,6 +48,7 @@ from __future__ import annotations
 import mmap
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from types import MethodType
 from typing import Any
@@ -261,6 +262,17 @@ class _Shadow:
         counted._asyncrl_restore = (had, loader)  # type: ignore[attr-defined]
         t.weight_loader = counted  # type: ignore[attr-defined]
 
+    def release(self) -> None:
+        """Drop the tree and the bookkeeping. ``complete`` (the build's ``process``) refers back to
+        this object, so without this a whole shadow tree, the previous version's attribute dicts and
+        oneDNN handles included, lived in a reference cycle until a full garbage collection: +1.1 GB
+        of RSS every third 300M swap in a row, freed only when Python's oldest generation was collected."""
+        self.complete = None
+        self.root = None
+        for d in (self.of, self.live, self.expected, self.loaded, self.made):
+            d.clear()
+        self.processed.clear()
+
     def uncount(self) -> None:
         for sh in self.of.values():
             for t in list(sh._parameters.values()) + list(sh._buffers.values()):
@@ -275,6 +287,12 @@ class _Shadow:
 
 
 RETIRE_DELAY_S = 0.05  # the pause (label, KV reset, resume) ends within a few ms of the commit
+
+
+def _tensors(attrs: dict) -> Iterator[torch.Tensor]:
+    """The parameters and buffers in a layer's attribute dict."""
+    for key in ("_parameters", "_buffers"):
+        yield from (t for t in attrs.get(key, {}).values() if t is not None)
 
 
 def _free_later(retired: list[dict]) -> None:
@@ -299,6 +317,7 @@ class Stager:
         self._error: str | None = None
         self._seconds = 0.0
         self._scratch = _Scratch()
+        self._retired: list[weakref.ref] = []  # the tensors the last commit replaced (freed after it)
 
     def begin(self, path: str, version: int, wait: bool = False) -> dict:
         """Start building the stage of ``path``; ``wait``: build it in this call (the caller's thread)
@@ -321,7 +340,8 @@ class Stager:
     def poll(self) -> dict:
         busy = self._thread is not None and self._thread.is_alive()
         return {"done": not busy and self._layers is not None, "busy": busy, "error": self._error,
-                "seconds": self._seconds, "recycled_bytes": self._scratch.reused}  # fmt: skip
+                "seconds": self._seconds, "recycled_bytes": self._scratch.reused,
+                "retired_alive": sum(r() is not None for r in self._retired)}  # fmt: skip
 
     def discard(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -342,6 +362,8 @@ class Stager:
             retired.append({k: live.__dict__[k] for k in state if k in live.__dict__})
             live.__dict__.update(state)
         self._thread, self._version = None, None
+        kept = {id(t) for _, state in layers for t in _tensors(state)}  # e.g. rotary caches: not loaded
+        self._retired = [weakref.ref(t) for d in retired for t in _tensors(d) if id(t) not in kept]
         # The old weights and handles are freed after the pause, in a thread: freeing is munmap-bound
         # (measured ~30 ms per GB inside the pause when the old dicts were dropped here).
         threading.Thread(target=_free_later, args=(retired,), name="asyncrl-retire", daemon=True).start()
@@ -405,4 +427,5 @@ class Stager:
                 if t is not None:
                     _rebind(t, sh, live)
             layers.append((live, {k: v for k, v in sh.__dict__.items() if k != "_modules"}))
+        shadow.release()
         return layers

@@ -211,7 +211,9 @@ class WeightReloadExtension:
         return self._asyncrl_stager().begin(path, int(version), bool(wait))
 
     def asyncrl_stage_poll(self) -> dict:
-        """``{"done", "busy", "error", "seconds"}`` of the stage being built."""
+        """``{"done", "busy", "error", "seconds", "recycled_bytes", "retired_alive"}`` of the stage being
+        built; ``retired_alive``: tensors the last commit replaced that are not freed yet (0 shortly after
+        the pause)."""
         return self._asyncrl_stager().poll()
 
     def asyncrl_stage_commit(self, version: int) -> dict:

@@ -303,6 +303,31 @@ def test_staged_swaps_in_a_row_recycle_scratch_and_serve_what_in_place_reloads_s
     assert [s.logprobs for s in st_a] != [s.logprobs for s in st_b]  # the versions really differ
 
 
+def test_a_staged_swap_frees_the_version_it_replaced_without_waiting_for_the_garbage_collector(rig) -> None:
+    """Every tensor a commit replaced is freed by the retire thread shortly after the pause. The stage's
+    bookkeeping once held the whole shadow tree in a reference cycle (the build's ``process`` callback
+    and the tree referring to each other), so the replaced version, oneDNN handles included, lived until
+    Python's oldest generation was collected: +1.1 GB of RSS every third 300M swap in a row."""
+    eng, tr, run = rig["engine"], rig["transport"], rig["loop"].run_until_complete
+    base = (eng.version or 0) + 400
+    try:
+        eng.staging = True
+        for i in range(2):  # the second commit replaces tensors that the first stage built
+            v = base + i
+            res = run(eng.swap_weights(tr.publish(v, rig["weights"](20 + i), "float32").path, v, "in_flight"))
+            assert res.staged and eng.version == v
+            tr.delete(v)
+        deadline = time.monotonic() + 3.0
+        while True:
+            (poll,) = run(eng.llm.collective_rpc("asyncrl_stage_poll"))
+            if poll["retired_alive"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        eng.staging = False
+    assert poll["error"] is None and poll["retired_alive"] == 0, poll
+
+
 def _idle_cpu_s(procs) -> float:
     """CPU-s ``procs`` use over 0.4-1.2 s from now (the engine has just finished a request)."""
     time.sleep(0.4)
