@@ -57,7 +57,7 @@ from asyncrl.launch import (
     stop_process,
     write_private,
 )
-from asyncrl.learner.records import read_jsonl  # stdlib only: a torn last line is skipped
+from asyncrl.learner.records import JsonlTail, read_jsonl  # stdlib only: a torn last line is skipped
 from asyncrl.lifetime import arm_reaper
 
 
@@ -238,7 +238,7 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
         # A short socket timeout: a frozen Redis must not freeze the supervision loop with it.
         buf = ReplayBuffer.from_config(cfg, url, socket_timeout=5.0)
         sup.actors = ActorSupervisor(pool, buf, cfg.actors.heartbeat_timeout_s, cfg.run.max_restarts)
-        metrics_path = rdir / "metrics.jsonl"
+        metrics = JsonlTail(rdir / "metrics.jsonl")  # the display's window, read as it is appended
         while not stop.is_set():
             try:
                 if sup.check():
@@ -250,7 +250,8 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
             if cfg.run.max_wall_s and time.time() - start > cfg.run.max_wall_s:
                 status = "wall_budget"
                 break
-            progress.update(read_jsonl(metrics_path), time.time() - start)
+            metrics.poll()
+            progress.update(list(metrics.recent), time.time() - start)
             try:
                 write_targets(rdir, cfg.run.name, buf.learner_status(), buf.actors())
             except Exception as e:  # Redis away (being restarted): the next pass catches up

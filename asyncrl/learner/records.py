@@ -22,11 +22,14 @@ import dataclasses
 import json
 import math
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepRecord", "MetricsWriter", "LEDGER_FILE", "DISCARDED_FILE", "METRICS_FILE", "read_jsonl"]
+__all__ = [
+    "StepRecord", "MetricsWriter", "LEDGER_FILE", "DISCARDED_FILE", "METRICS_FILE", "read_jsonl", "JsonlTail",
+]  # fmt: skip
 
 #: StepRecord fields copied as is from the trainer's step metrics (asyncrl.learner.step).
 OBJECTIVE_FIELDS = ("staleness_kl", "log_ppl_gap", "kl_mu_pi_k1", "kl_mu_pi_k2", "kl_mu_pi_k3", "kl_pi_mu_is",
@@ -202,3 +205,57 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+class JsonlTail:
+    """The recent records of a JSON-lines file another process appends to, read incrementally.
+
+    Each :meth:`poll` reads only the bytes appended since the previous one. A run's supervision loop
+    polls metrics.jsonl every second for the live display; it used to re-read and re-parse the whole
+    file each time, which grows ~1.7 KB per step: 6.9 MB after 4,000 demo steps (and the run process's
+    RSS grew ~2 MB a minute with it), hundreds of MB in a run of days, i.e. more than a second of
+    parsing per one-second pass. Invariants: a line is parsed once, when its newline has arrived (a line
+    still being written waits for the next poll; an unparsable one is skipped, as :func:`read_jsonl`
+    skips a torn line); a file that was replaced (``MetricsWriter.truncate_after`` on a resume) or
+    shortened is read again from its start, and the records before it are dropped. ``recent`` keeps
+    the records of the last ``window_s`` seconds of their ``time`` field (at least the last one, at
+    most ``max_records``).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], window_s: float = 60.0, max_records: int = 10_000
+    ) -> None:
+        self.path = Path(path)
+        self.window_s = window_s
+        self.recent: deque[dict[str, Any]] = deque(maxlen=max_records)
+        self.bytes_read = 0  # since the file was (re)opened at its start
+        self._file: tuple[int, int] | None = None  # (st_dev, st_ino) being followed
+        self._partial = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The records appended since the last poll (all of them on the first poll)."""
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return []
+        with f:
+            st = os.fstat(f.fileno())
+            if self._file != (st.st_dev, st.st_ino) or st.st_size < self.bytes_read:
+                self._file, self.bytes_read, self._partial = (st.st_dev, st.st_ino), 0, b""
+                self.recent.clear()
+            f.seek(self.bytes_read)
+            data = f.read()
+        self.bytes_read += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        new = []
+        for line in lines:
+            try:
+                new.append(json.loads(line))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+        self.recent.extend(new)
+        if self.recent:
+            end = self.recent[-1].get("time", 0.0)
+            while len(self.recent) > 1 and self.recent[0].get("time", end) < end - self.window_s:
+                self.recent.popleft()
+        return new
