@@ -115,7 +115,9 @@ class ActorsConfig:
         "~0.6 GB resident, shared copy-on-write with the engine core, for the actor's life). Any start it "
         "cannot make equivalent to a spawn is spawned, with the reason logged. Off by default for now: on the "
         "CI machine a forked engine core twice took over 5 s to exit at shutdown (vLLM then kills it) and "
-        "left a process behind for >30 s; not seen on the development VM. false: spawn, as vLLM does.",
+        "left a process behind for >30 s (reproduced on the development VM, 2 runs in 5, with another run on the "
+        "engine's core: the shutdown's full garbage collection, slower in a forked child, at Ray's nice 15). "
+        "false: spawn, as vLLM does.",
     )
     tensor_parallel_size: int = F(
         1, "GPUs one vLLM engine shards each layer over (vLLM tensor_parallel_size; one node).", ge=1
