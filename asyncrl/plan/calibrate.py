@@ -35,7 +35,16 @@ from omegaconf import OmegaConf
 
 from asyncrl.learner.records import METRICS_FILE, read_jsonl
 
-from .handoff import Handoff, cv, handoff, handoff_samples
+from .handoff import (
+    Handoff,
+    cv,
+    handoff,
+    handoff_samples,
+    latency_factors,
+    latency_trace,
+    publish_ends,
+    read_timeline,
+)
 from .inputs import Lengths, PlanInputs
 from .simulate import simulate
 
@@ -316,7 +325,8 @@ def calibrate_run(
     staleness. Those (and the learner's idle and the drops) are then the simulator's prediction.
     With ``replay`` the learner's per-step work is the run's own, step by step
     (:func:`learner_work`), over the run's steps and window: a learner slowed for part of the run
-    (another process on the machine) makes the simulated pipeline learner-bound over that part too.
+    (another process on the machine) makes the simulated pipeline learner-bound over that part too;
+    and so are the actors' hand-offs, version by version (:func:`_replay_handoffs`).
     On this box identical runs differ by up to 30% in engine and learner speed (the 2 cores are
     shared), so a run is predicted from its own component costs rather than another run's.
     """
@@ -332,6 +342,8 @@ def calibrate_run(
     if h.group_decode_s is None:
         raise ValueError(f"{run_dir}: no actor timeline (logs/*.timeline.jsonl) to measure the engine from")
     p = apply_handoffs(p, h, sources)
+    if replay:
+        p = _replay_handoffs(p, run_dir, sources)
     p = replace(p, gen_token_s=_fit(lambda x: replace(p, gen_token_s=x), h.group_decode_s, 1e-7, 10.0,
                                     decreasing=False, key="group_decode_s"))  # fmt: skip
     sources.update({
@@ -344,6 +356,24 @@ def calibrate_run(
         "gen_token_s": f"fitted to the measured group decode time {h.group_decode_s * 1e3:.1f} ms",
     })  # fmt: skip
     return p, sources
+
+
+def _replay_handoffs(p: PlanInputs, run_dir: str | Path, sources: dict[str, str]) -> PlanInputs:
+    """``p`` with the run's own hand-offs replayed by version (``swap_latency_work``), the whole run
+    as the learner's work is, cycling with it: the list has one entry per version the run's steps
+    published, so version v of the k-th pass takes the run's version v's factor."""
+    steps = read_jsonl(Path(run_dir) / METRICS_FILE)
+    groups, swaps = read_timeline(run_dir)
+    factors = latency_factors(latency_trace(swaps, publish_ends(steps), groups), p.swap_latency_s,
+                              p.swap_latency_running_extra_s)  # fmt: skip
+    last = int(steps[-1]["version"]) if steps else 0
+    if not factors or last < 1:
+        return p
+    factors = (factors + [None] * last)[:last]  # versions 0..last-1; version last cycles to 0
+    sources["swap_latency_work"] = (
+        f"measured ({sum(f is not None for f in factors)} hand-offs replayed by version, with the learner's work)"
+    )
+    return replace(p, swap_latency_work=factors)
 
 
 def lengths_for(mean: float, max_tokens: float, sigma: float = 1.0) -> Lengths:

@@ -48,6 +48,8 @@ __all__ = [
     "publish_ends",
     "swap_pauses",
     "swap_latencies",
+    "latency_trace",
+    "latency_factors",
     "group_overheads",
     "group_decodes",
     "group_starts",
@@ -145,29 +147,52 @@ def swap_pauses(swaps: list[dict], groups: list[dict]) -> tuple[list[float], lis
     return idle, busy
 
 
-def swap_latencies(
+def latency_trace(
     swaps: list[dict], publish: dict[int, float], groups: list[dict]
-) -> tuple[list[float], list[float]]:
-    """Seconds of each actor's hand-off of version v: from the moment it could start on v (the end of
-    v's publish, or the end of its previous swap if that came later: an actor hands over one version
-    at a time, the one it noticed) to the start of its pause for v; for the hand-offs that started
-    with the actor's engine idle, and for those that started while it had a group generating.
+) -> list[tuple[int, float, bool]]:
+    """(version, seconds, busy) of each actor's hand-off of a version, in the order the swaps started:
+    from the moment the actor could start on it (the end of its publish, or the end of the actor's
+    previous swap if that came later: an actor hands over one version at a time, the one it noticed)
+    to the start of its pause for it; ``busy``: the actor's engine had a group generating when the
+    hand-off started. Versions without a publish end (checkpointed steps) are left out.
 
     Measured from the publish alone, a version published while the actor still swapped the previous
     one would count that wait too, and the simulator, which queues such a version itself, would pay
     it twice (at max_staleness 4 in the demo the hand-off is about as long as a learner step: almost
     every version waits)."""
     running = _Generating(groups)
-    idle: list[float] = []
-    busy: list[float] = []
+    out: list[tuple[int, float, bool]] = []
     free: dict[str, float] = {}  # actor -> end of its last swap
     for s in sorted(swaps, key=lambda s: s["t_start"]):
         t = publish.get(int(s["version"]))
         start = t if t is None else max(t, free.get(s["actor"], float("-inf")))
         free[s["actor"]] = s["t_start"] + s["pause_s"]
         if start is not None:
-            (busy if running(s["actor"], start) else idle).append(s["t_start"] - start)
-    return idle, busy
+            out.append((int(s["version"]), s["t_start"] - start, running(s["actor"], start)))
+    return out
+
+
+def swap_latencies(
+    swaps: list[dict], publish: dict[int, float], groups: list[dict]
+) -> tuple[list[float], list[float]]:
+    """The seconds of each hand-off (:func:`latency_trace`) that started with the actor's engine idle,
+    and of those that started while it had a group generating."""
+    trace = latency_trace(swaps, publish, groups)
+    return [x for _, x, busy in trace if not busy], [x for _, x, busy in trace if busy]
+
+
+def latency_factors(
+    trace: list[tuple[int, float, bool]], base_s: float, extra_s: float | None
+) -> list[float | None]:
+    """The simulator's ``swap_latency_work``: per version (the list's index), its hand-off over the
+    mean of its kind (``base_s``, plus ``extra_s`` when busy); None for a version nothing measured.
+    With several actors, a version's factor is the mean of theirs. Empty when the base is not > 0."""
+    if base_s <= 0 or not trace:
+        return []
+    by: dict[int, list[float]] = {}
+    for v, x, busy in trace:
+        by.setdefault(v, []).append(max(x, 0.0) / (base_s + ((extra_s or 0.0) if busy else 0.0)))
+    return [sum(by[v]) / len(by[v]) if v in by else None for v in range(max(by) + 1)]
 
 
 def group_overheads(groups: list[dict]) -> list[float]:

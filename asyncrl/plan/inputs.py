@@ -116,6 +116,14 @@ class PlanInputs:
         "version, half the next) that the real one's jitter breaks.",
         ge=0,
     )
+    swap_latency_work: list[float | None] = F(
+        [],
+        "Per-version factors on the hand-off, replayed by version (the hand-off of version v takes "
+        "factor v modulo the list's length) instead of the lognormal swap_latency_cv; null = not "
+        "measured (drawn). A measured run's trace (calibrate_run): a run's hand-offs drift with what "
+        "shares the engine's core (60 -> 150 ms over one eta-4 demo run), and staleness is not linear in "
+        "the hand-off (a pipeline locks into phases), so the mean and spread alone mispredict it.",
+    )
     swap_latency_running_extra_s: float = F(
         0.0,
         "Extra swap latency when the engine is decoding at the publish (the actor stages the new weights "
@@ -256,6 +264,8 @@ def _check(p: PlanInputs) -> PlanInputs:
         lognormal_mu_for_mean(law.mean, law.sigma, law.min_tokens, law.max_tokens)
     if any(not (math.isfinite(w) and w >= 0) for w in p.learner_work):
         raise ConfigError("learner_work: every factor must be a finite number >= 0")
+    if any(w is not None and not (math.isfinite(w) and w >= 0) for w in p.swap_latency_work):
+        raise ConfigError("swap_latency_work: every factor must be null or a finite number >= 0")
     if p.warmup_steps >= p.steps:
         raise ConfigError(f"warmup_steps={p.warmup_steps} must be < steps={p.steps}")
     check_publish_policy(p)

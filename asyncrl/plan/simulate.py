@@ -31,7 +31,8 @@ The model follows the real roles step by step (DESIGN.md):
   real actor does (it verifies and stages the manifest it read, then pauses for that version): at a
   publish, an actor that is not already handing over a version starts on V; ``swap_latency_s``
   later (plus ``swap_latency_running_extra_s`` if the engine is decoding then: the actor stages the
-  weights on the engine's cores; times a lognormal factor with mean 1 and ``swap_latency_cv``) the
+  weights on the engine's cores; times the version's factor in ``swap_latency_work``, a measured run's
+  hand-offs replayed, or else a lognormal factor with mean 1 and ``swap_latency_cv``) the
   engine pauses for ``swap_s`` (reload; plus
   ``swap_running_extra_s`` when sequences are running: their KV is recomputed, in-flight requests
   survive) and then samples with that version. A version published meanwhile waits for the swap's
@@ -301,7 +302,10 @@ class _Sim(LearnerEvents):
         """The actor starts handing V to ``e`` (noticed now; staged; then the pause)."""
         e.staging = self.V
         extra = self.p.swap_latency_running_extra_s if e.running or e.waiting else 0.0
-        f = self.handoff_jitter.lognormvariate(self.ho_mu, self.ho_sigma) if self.ho_sigma > 0 else 1.0
+        work = self.p.swap_latency_work
+        f = work[self.V % len(work)] if work else None  # the measured run's hand-off of this version
+        if f is None:
+            f = self.handoff_jitter.lognormvariate(self.ho_mu, self.ho_sigma) if self.ho_sigma > 0 else 1.0
         self.at(self.t + (self.p.swap_latency_s + extra) * f, "notice", e)
 
     def on_notice(self, e: SimEngine) -> None:

@@ -9,7 +9,9 @@ this shared 2-core box identical runs differ by up to 30% in engine and learner 
   completion length;
 * measured from the actors' timelines (logs/<actor>.timeline.jsonl): the hand-offs (swap pause
   and latency, idle and while decoding; a group's start and write; the admission wake-ups, by a
-  publish's hint or by the engine's swap);
+  publish's hint or by the engine's swap), and each version's hand-off replayed by version as the
+  learner's steps are (they drift within a run: 60 -> 150 ms over the eta-4 run of a failed CI
+  attempt, whose staleness the mean and a lognormal spread put at +17.6%);
 * fitted, the one fit: the engine's per-sequence step cost, to the measured mean decode time of a
   group (submission to last token, less swap pauses): a component's latency, not an output;
 * from config.yaml: the pipeline's shape (actors, concurrency, G, groups per step, eta, policies).

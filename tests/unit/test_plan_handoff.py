@@ -20,6 +20,8 @@ from asyncrl.plan.handoff import (
     group_starts,
     handoff,
     handoff_samples,
+    latency_factors,
+    latency_trace,
     publish_ends,
     read_timeline,
     swap_admit_waits,
@@ -120,6 +122,46 @@ def test_a_version_published_during_the_previous_swap_is_measured_from_that_swap
     idle, busy = swap_latencies(swaps, publish, groups)
     assert idle == pytest.approx([0.03, 0.03], abs=1e-12) and busy == pytest.approx([0.03], abs=1e-12)
     # The old measure (from the publish alone) would have read 0.05 for a's v2.
+
+
+def test_latency_trace_keeps_each_versions_hand_off_in_order_and_factors_are_over_their_kinds_mean() -> None:
+    """The trace behind swap_latencies, per version in swap order; the factors the simulator replays:
+    each hand-off over its kind's mean (idle: the base; busy: base + extra), averaged over actors,
+    None where no hand-off of the version was measured (v0, v3: checkpointed, no publish end)."""
+    publish = {1: 10.0, 2: 20.0, 4: 40.0}
+    groups = [group("b", 19.9, 19.95, 20.05, 20.06)]  # b decodes across the publish of v2
+    swaps = [swap("a", 10.004, 0.03, 1), swap("b", 20.010, 0.03, 2), swap("a", 20.002, 0.03, 2),
+             swap("a", 30.0, 0.03, 3), swap("a", 40.008, 0.03, 4), swap("b", 10.002, 0.03, 1)]  # fmt: skip
+    trace = latency_trace(swaps, publish, groups)
+    assert [(v, busy) for v, _, busy in trace] == [(1, False), (1, False), (2, False), (2, True), (4, False)]
+    assert [x for _, x, _ in trace] == pytest.approx([0.002, 0.004, 0.002, 0.010, 0.008], abs=1e-12)
+    assert swap_latencies(swaps, publish, groups) == ([x for _, x, b in trace if not b], [trace[3][1]])
+    f = latency_factors(trace, 0.004, 0.006)
+    assert len(f) == 5 and f[0] is None and f[3] is None
+    # v1: (0.002 + 0.004) / 2 / 0.004; v2: a idle 0.002 / 0.004, b busy 0.010 / (0.004 + 0.006); v4: 2.
+    assert (
+        f[1] == pytest.approx(0.75) and f[2] == pytest.approx((0.5 + 1.0) / 2) and f[4] == pytest.approx(2.0)
+    )
+    assert latency_factors(trace, 0.004, None)[2] == pytest.approx((0.5 + 2.5) / 2)  # no extra measured
+    assert latency_factors(trace, 0.0, 0.006) == [] and latency_factors([], 0.004, None) == []
+    # A latency read slightly negative (the record is written a moment after the publish returns) is 0.
+    assert latency_factors([(1, -0.001, False)], 0.004, None) == [None, 0.0]
+
+
+def test_replayed_hand_offs_time_each_version_by_its_own_factor() -> None:
+    """swap_latency_work replaces the lognormal draw version by version: every factor 2 is the
+    hand-off twice as long (identical result); None falls back to the draw (spread 0: factor 1)."""
+    base = PlanInputs(num_actors=1, groups_in_flight=1, group_size=1, lengths=_fixed(10.0), gen_token_s=1e-2,
+                      admission_events=True, admission_wake_s=0.0, swap_latency_s=0.015, swap_s=0.0,
+                      groups_per_step=1, max_staleness=4, learner_step_s=0.0, learner_token_s=0.0, publish_s=0.0,
+                      steps=60, warmup_steps=5)  # fmt: skip
+    doubled = simulate(replace(base, swap_latency_s=0.03))
+    replayed = simulate(replace(base, swap_latency_work=[2.0] * 7))
+    assert replayed.staleness_mean == pytest.approx(doubled.staleness_mean, rel=1e-12)
+    assert replayed.tokens_per_s == pytest.approx(doubled.tokens_per_s, rel=1e-12)
+    assert doubled.staleness_mean != pytest.approx(simulate(base).staleness_mean)  # the factor matters here
+    same = simulate(replace(base, swap_latency_work=[None, 1.0, None]))
+    assert same.staleness_mean == pytest.approx(simulate(base).staleness_mean, rel=1e-12)
 
 
 def test_group_overhead_and_start_are_the_times_around_the_decode_loop() -> None:
@@ -269,6 +311,12 @@ def test_calibrate_run_measures_every_component_of_its_own_run(tmp_path: Path) -
     assert p.publish_s == pytest.approx(0.01) and p.learner_slowdown == p.gen_slowdown == 1.0
     assert p.swap_s == pytest.approx(0.03) and p.swap_running_extra_s == pytest.approx(0.02)
     assert p.swap_latency_s == pytest.approx(0.005) and p.admission_wake_s == pytest.approx(0.002)
+    # Every hand-off is its kind's mean (5 ms idle, 12 = 5 + 7 ms busy), replayed by version; the
+    # checkpointed versions 10 and 20 (and v0) have no publish end: drawn. Version 20 cycles to 0.
+    want = [None if v % 10 == 0 else 1.0 for v in range(20)]
+    assert p.swap_latency_work == pytest.approx(want)
+    assert sources["swap_latency_work"].startswith("measured (18 hand-offs replayed by version")
+    assert calibrate_run(tmp_path / "s1", replay=False)[0].swap_latency_work == []
     # Groups admitted from step 3's end on: actor-0's odd ones of steps 3..19 and even ones of 4..20
     # (9 each), actor-1's of steps 3..20 (18).
     decode = (9 * 0.014 + 9 * 0.049 + 18 * 0.047) / 36
