@@ -129,7 +129,7 @@ class _Scratch:
     def reclaim(self, layer: torch.nn.Module, made: list[torch.Tensor]) -> None:
         """Pool the storages of ``made`` (the tensors the stage built for ``layer``) that processing
         dropped: referenced by nothing but their own tensor (whose loaders refuse from now on)."""
-        kept = {id(t) for t in (*layer._parameters.values(), *layer._buffers.values()) if t is not None}
+        kept = {id(t) for t in _tensors(layer.__dict__)}
         kept |= {id(v) for v in layer.__dict__.values() if isinstance(v, torch.Tensor)}
         for t in made:
             if id(t) in kept or t.device.type != "cpu":
@@ -275,7 +275,7 @@ class _Shadow:
 
     def uncount(self) -> None:
         for sh in self.of.values():
-            for t in list(sh._parameters.values()) + list(sh._buffers.values()):
+            for t in list(_tensors(sh.__dict__)):
                 restore = getattr(getattr(t, "weight_loader", None), "_asyncrl_restore", None)
                 if restore is None:
                     continue
@@ -423,9 +423,8 @@ class Stager:
             sh = shadow.of[id(live)]
             # Prepared here, off the pause: the loaders of the new tensors act on the live layer from
             # now on (later in-place reloads), and the attribute dict the commit moves in.
-            for t in list(sh._parameters.values()) + list(sh._buffers.values()):
-                if t is not None:
-                    _rebind(t, sh, live)
+            for t in list(_tensors(sh.__dict__)):
+                _rebind(t, sh, live)
             layers.append((live, {k: v for k, v in sh.__dict__.items() if k != "_modules"}))
         shadow.release()
         return layers
