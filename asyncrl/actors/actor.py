@@ -82,6 +82,8 @@ class RolloutActor(GroupProduction, VersionWatching):
         # First, before this process binds itself or imports vLLM: the engine core's imports start now, on
         # every core this process may use, in parallel with ours (asyncrl.actors.engine_fork).
         self.forkserver = engine_fork.start_for(cfg)
+        # Or, the forkserver off, a spawned engine-core process that imports beside us (engine_standby).
+        self.standby = engine_fork.start_standby_for(cfg)
         # Before the engine exists: its engine-core and worker processes inherit this process's cores.
         self.cpus = bind_from_env()
         self.cfg = cfg
@@ -312,6 +314,11 @@ class RolloutActor(GroupProduction, VersionWatching):
 
         self.cpus = bind_from_env()  # a restarted engine inherits the engine's cores, not the front end's
         self.engine = await asyncio.to_thread(Engine.from_config, self.cfg, self.model_path)
+        if self.standby is not None:  # adopted as the engine core, or not needed any more
+            from . import engine_standby
+
+            await asyncio.to_thread(engine_standby.discard)  # an unadopted one may still be importing
+            self.standby = None
         if self.forkserver is not None and self.cpus and engine_fork.server_pid() == self.forkserver:
             # The engine core is forked: its server's imports are done, it idles on the engine's cores.
             bind_process(self.cpus, self.forkserver)

@@ -54,6 +54,7 @@ __all__ = [
     "PRELOAD",
     "EngineProcess",
     "start_for",
+    "start_standby_for",
     "start_server",
     "predicted_env",
     "forked_engine_core",
@@ -152,6 +153,22 @@ def _existing_dirs(path: str | None) -> list[str] | None:
     return dirs or None
 
 
+@contextlib.contextmanager
+def environ_with(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` while the block runs (a spawned process copies the environment at
+    its start: util.spawnv_passfds)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def start_server(extra_env: dict[str, str], preload: tuple[str, ...] = PRELOAD) -> int | None:
     """Start this process's forkserver with ``extra_env`` added to its environment, importing
     ``preload``; returns its pid (None if a forkserver was already running here: its environment is
@@ -169,16 +186,8 @@ def start_server(extra_env: dict[str, str], preload: tuple[str, ...] = PRELOAD) 
         ENV_SERVER_PARENT: str(os.getpid()),  # the server dies with this process (forkserver_init)
     }
     env = {**os.environ, **extra_env}
-    saved = {k: os.environ.get(k) for k in extra_env}
-    try:  # the server is started with this process's environment at the time (util.spawnv_passfds)
-        os.environ.update(extra_env)
+    with environ_with(extra_env):  # the server is started with this process's environment at the time
         forkserver.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     _server = (fs._forkserver_pid, env, multiprocessing.spawn.get_executable())
     return _server[0]
 
@@ -198,6 +207,27 @@ def start_for(cfg: Any) -> int | None:
         return None
     env = predicted_env(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), os.environ.get("LD_PRELOAD", ""))
     return None if env is None else start_server(env)
+
+
+def start_standby_for(cfg: Any) -> int | None:
+    """Start the spawned standby engine core (asyncrl.actors.engine_standby) for an actor of ``cfg``
+    where it applies (``actors.engine_standby``, and the forkserver's conditions, the forkserver off);
+    its pid."""
+    from asyncrl.cpu_binding import ENV_CPUS
+
+    from . import engine_standby
+
+    a = cfg.actors
+    if not (
+        a.engine_standby
+        and not a.engine_forkserver
+        and a.engine_executor == "auto"
+        and a.tensor_parallel_size * a.pipeline_parallel_size == 1
+        and os.environ.get(ENV_CPUS)
+    ):
+        return None
+    env = predicted_env(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), os.environ.get("LD_PRELOAD", ""))
+    return None if env is None else engine_standby.start_standby(env, PRELOAD)
 
 
 def server_pid() -> int | None:
@@ -227,20 +257,29 @@ class EngineProcess(ForkServerProcess):
 
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
+        from . import engine_standby
+
         env = dict(os.environ)
+        process_obj._start_env = env
+        process_obj._start_cpus = sorted(os.sched_getaffinity(0))
+        if engine_standby.standby_pid() is not None:  # a spawned process that imported vLLM beside us
+            process_obj._server_pid = os.getpid()  # its parent: this process
+            popen = engine_standby.adopt(process_obj, env)
+            if popen is not None:
+                return popen
         why = _why_not_forked(env)
         if why is None:
-            process_obj._start_env = env
-            process_obj._start_cpus = sorted(os.sched_getaffinity(0))
             process_obj._server_pid = server_pid()
             from multiprocessing.popen_forkserver import Popen
         else:
-            log.info("%s: spawned, not forked from the preloaded server (%s)", process_obj.name, why)
+            if _server is not None:
+                log.info("%s: spawned, not forked from the preloaded server (%s)", process_obj.name, why)
+            process_obj._start_env = process_obj._start_cpus = process_obj._server_pid = None
             from multiprocessing.popen_spawn_posix import Popen
         return Popen(process_obj)
 
     def run(self) -> None:
-        if self._start_env is not None:  # forked: become what a spawn at start() would have made
+        if self._start_env is not None:  # forked or adopted: become what a spawn at start() would have made
             os.environ.clear()
             os.environ.update(self._start_env)
             from . import forkserver_init
@@ -248,12 +287,22 @@ class EngineProcess(ForkServerProcess):
             # A spawned engine core inherits the parent's CPUs, then libgomp binds it as it loads.
             cpus = forkserver_init.LOAD_CPUS if forkserver_init.BOUND_AT_LOAD else self._start_cpus
             if cpus:
-                os.sched_setaffinity(0, cpus)
+                _set_affinity_all_threads(cpus)
             _set_comm(f"{os.environ.get('VLLM_PROCESS_NAME_PREFIX', 'VLLM')}::{self.name}")
             # Dies with the server, which dies with the actor: no engine outlives its actor (and if the
             # server is already gone, this exits now instead of running orphaned).
             forkserver_init.die_with_parent(self._server_pid)
         super().run()
+
+
+def _set_affinity_all_threads(cpus: list[int]) -> None:
+    """Every thread of this process on ``cpus``: a forked child has one thread, but the standby
+    (asyncrl.actors.engine_standby) may have started some while it imported on every core."""
+    os.sched_setaffinity(0, cpus)
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended after the listing
+                os.sched_setaffinity(int(tid), cpus)
 
 
 def _set_comm(title: str) -> None:
@@ -283,7 +332,9 @@ def forked_engine_core() -> Iterator[None]:
     """While the block runs, vLLM starts engine-core processes as :class:`EngineProcess` (no-op when no
     preloaded server was started in this process). vLLM's own ``get_mp_context`` still runs, for its
     side effects on the environment (``RAY_ADDRESS``, the worker start method) that the child inherits."""
-    if _server is None:
+    from . import engine_standby
+
+    if _server is None and engine_standby.standby_pid() is None:
         yield
         return
     import vllm.v1.engine.utils as engine_utils

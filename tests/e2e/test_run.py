@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -152,6 +153,12 @@ def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
     for role in ("actor", "engine_core"):
         for pid in roles[role]:
             assert _threads_cpus(pid) == set(plan.engine(0)), (role, pid)
+    # actors.engine_standby (the default here): the engine core is the spawned process that imported vLLM
+    # beside the actor, not a second one spawned after the actor's imports (asyncrl.actors.engine_standby).
+    adopted = re.search(
+        r"EngineCore: run by the standby \(pid (\d+)\)", (rdir / "logs" / "actor-0.log").read_text()
+    )
+    assert adopted and roles["engine_core"] == [int(adopted.group(1))], roles
     # (The engine core's /proc environ is not read: vLLM's process title overwrites it.)
     learner_env = Path(f"/proc/{roles['learner'][0]}/environ").read_text().split("\0")
     assert f"OMP_NUM_THREADS={len(plan.learner)}" in learner_env
