@@ -153,12 +153,6 @@ def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
     for role in ("actor", "engine_core"):
         for pid in roles[role]:
             assert _threads_cpus(pid) == set(plan.engine(0)), (role, pid)
-    # actors.engine_standby (the default here): the engine core is the spawned process that imported vLLM
-    # beside the actor, not a second one spawned after the actor's imports (asyncrl.actors.engine_standby).
-    adopted = re.search(
-        r"EngineCore: run by the standby \(pid (\d+)\)", (rdir / "logs" / "actor-0.log").read_text()
-    )
-    assert adopted and roles["engine_core"] == [int(adopted.group(1))], roles
     # (The engine core's /proc environ is not read: vLLM's process title overwrites it.)
     learner_env = Path(f"/proc/{roles['learner'][0]}/environ").read_text().split("\0")
     assert f"OMP_NUM_THREADS={len(plan.learner)}" in learner_env
@@ -167,13 +161,14 @@ def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
 @BINDS
 def test_the_actor_front_end_moves_to_the_learners_cores_and_its_engine_stays(tmp_path):
     """run.actor_frontend_cpus=learner: once the engine is up, every thread of the actor process (vLLM's
-    front end) runs on the learner's cores, the engine core keeps the engine's, and the run trains."""
+    front end) runs on the learner's cores, the engine core keeps the engine's, and the run trains. With
+    actors.engine_standby (opt-in), whose engine core this run checks, every thread of it included."""
     from asyncrl.cpu_binding import plan_cpus
 
     rdir, marker, log = tmp_path / "run", uuid.uuid4().hex, tmp_path / "run.log"
     cmd = asyncrl_cmd("run", "--config", str(ROOT / "configs" / "default.yaml"), f"run.dir={rdir}",
                       "run.max_steps=3", "run.max_wall_s=300", "run.progress=false",
-                      "run.actor_frontend_cpus=learner")  # fmt: skip
+                      "run.actor_frontend_cpus=learner", "actors.engine_standby=true")  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=marked_env(marker), stdout=log.open("wb"), stderr=subprocess.STDOUT
     )
@@ -184,6 +179,12 @@ def test_the_actor_front_end_moves_to_the_learners_cores_and_its_engine_stays(tm
         assert _threads_cpus(roles["learner"][0]) == set(plan.learner)
         assert _threads_cpus(roles["actor"][0]) == set(plan.learner)
         assert _threads_cpus(roles["engine_core"][0]) == set(plan.engine(0))
+        # actors.engine_standby: the engine core is the spawned process that imported vLLM beside the actor,
+        # not a second one spawned after the actor's imports (asyncrl.actors.engine_standby).
+        adopted = re.search(
+            r"EngineCore: run by the standby \(pid (\d+)\)", (rdir / "logs" / "actor-0.log").read_text()
+        )
+        assert adopted and roles["engine_core"] == [int(adopted.group(1))], roles
         assert proc.wait(300) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
