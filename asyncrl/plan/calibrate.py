@@ -333,9 +333,10 @@ def calibrate_run(
     m = measure(run_dir)
     p, sources = _measured_run(m, base)
     p = replace(p, learner_slowdown=1.0, gen_slowdown=1.0)
+    steps = read_jsonl(Path(run_dir) / METRICS_FILE) if replay else []
     if replay:
         # The run's own steps, in order, over the same window.
-        work = learner_work(read_jsonl(Path(run_dir) / METRICS_FILE), p)
+        work = learner_work(steps, p)
         p = replace(p, learner_work=work, steps=REPLAY_CYCLES * len(work), warmup_steps=m.warmup)
         sources["learner_work"] = f"measured ({len(work)} steps replayed in order, {REPLAY_CYCLES} times)"
     h = measure_handoffs([m])
@@ -343,7 +344,7 @@ def calibrate_run(
         raise ValueError(f"{run_dir}: no actor timeline (logs/*.timeline.jsonl) to measure the engine from")
     p = apply_handoffs(p, h, sources)
     if replay:
-        p = _replay_handoffs(p, run_dir, sources)
+        p = _replay_handoffs(p, run_dir, steps, sources)
     p = replace(p, gen_token_s=_fit(lambda x: replace(p, gen_token_s=x), h.group_decode_s, 1e-7, 10.0,
                                     decreasing=False, key="group_decode_s"))  # fmt: skip
     sources.update({
@@ -358,11 +359,13 @@ def calibrate_run(
     return p, sources
 
 
-def _replay_handoffs(p: PlanInputs, run_dir: str | Path, sources: dict[str, str]) -> PlanInputs:
+def _replay_handoffs(
+    p: PlanInputs, run_dir: str | Path, steps: list[dict[str, Any]], sources: dict[str, str]
+) -> PlanInputs:
     """``p`` with the run's own hand-offs replayed by version (``swap_latency_work``), the whole run
     as the learner's work is, cycling with it: the list has one entry per version the run's steps
-    published, so version v of the k-th pass takes the run's version v's factor."""
-    steps = read_jsonl(Path(run_dir) / METRICS_FILE)
+    (its metrics.jsonl records) published, so version v of the k-th pass takes the run's version v's
+    factor."""
     groups, swaps = read_timeline(run_dir)
     factors = latency_factors(latency_trace(swaps, publish_ends(steps), groups), p.swap_latency_s,
                               p.swap_latency_running_extra_s)  # fmt: skip
