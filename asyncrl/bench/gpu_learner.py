@@ -21,8 +21,10 @@ reference and the bf16 engine compute from identical values. What it measures, o
 * **throughput**: step time of ``Trainer.train`` (bf16 ZeRO-1, entropy metric on and off) beside bare
   DeepSpeed with the same DeepSpeed config and a bare torch bf16-autocast loop, on the same batch and
   micro-batches, in alternating blocks; tokens/s and the model FLOP utilisation 6 N T / t / peak;
-* **ZeRO-2 / ZeRO-3**: step time, and the full-weight gather + publish (file and shm transports,
-  bf16) against the device-to-host and host-copy floors.
+* **ZeRO-1 / 2 / 3**: step time, and the full-weight gather + publish (file and shm transports,
+  bf16) against the device-to-host and host-copy floors; the gather as a publish makes it (a CUDA
+  policy's host stage, :mod:`asyncrl.learner.host_stage`) beside a pageable ``.to("cpu")`` per
+  tensor, and each published file checked bitwise against the policy's weights.
 
 The models, engines and checks live in :mod:`asyncrl.bench.gpu_checks`, the timings in
 :mod:`asyncrl.bench.gpu_timings`; this module runs the sections. Every check's verdict is in the JSON
@@ -177,6 +179,9 @@ def run(
         and g["summed_in_bf16"]["rel_err"] >= 10 * LIMITS["accumulation_rel_err"],
         "nonfinite_guard": bool(guard) and guard["ok"],
         "zero_stages_finite": all(z and z["finite"] for z in res["zero"].values()),
+        "publish_bitwise": all(
+            z and z["publish_file_bitwise"] and z["publish_shm_bitwise"] for z in res["zero"].values()
+        ),
         "no_errors": not res["errors"],
     }
     out.write_text(json.dumps(res, indent=1) + "\n")
@@ -211,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         if z:
             print(
                 f"ZeRO-{st}: step {z['step_s'] * 1e3:.1f} ms, publish file {z['publish_file_s'] * 1e3:.1f} ms, "
-                f"shm {z['publish_shm_s'] * 1e3:.1f} ms, gather {z['gather_s'] * 1e3:.1f} ms, {z['bytes'] / 1e6:.0f} MB"
+                f"shm {z['publish_shm_s'] * 1e3:.1f} ms, gather {z['gather_s'] * 1e3:.1f} ms (pageable "
+                f"{z['gather_pageable_s'] * 1e3:.1f}), write {z['write_s'] * 1e3:.1f}, sha256 {z['sha256_s'] * 1e3:.1f}, "
+                f"fsync {z['fsync_s'] * 1e3:.1f} ms, {z['bytes'] / 1e6:.0f} MB, bitwise {z['publish_file_bitwise']}/{z['publish_shm_bitwise']}"
             )
     print("floors", res["floors"])
     return 0 if all(res["checks"].values()) else 1

@@ -181,6 +181,7 @@ def zero_row(cfg: Any, model_path: Path, groups: list, steps: int, root: Path) -
                 tr.delete(v - 1) if v else None
             row[f"publish_{name}_s"] = min(pub)
             row["bytes"] = m.size
+            row[f"publish_{name}_bitwise"] = _file_matches(m.path, eng)
         finally:
             tr.delete(2)
             if isinstance(tr, ShmTransport):
@@ -204,8 +205,13 @@ def publish_breakdown(eng: Engine, root: Path) -> dict[str, float]:
 
     sync()
     t = time.perf_counter()
-    tensors = {k: v.contiguous() for k, v in eng.le.named_weights()}
-    out = {"gather_s": time.perf_counter() - t, "tensors": len(tensors)}
+    pageable = {k: v.to("cpu") for k, v in eng.le.named_weights(None)}  # a .to("cpu") per tensor
+    out = {"gather_pageable_s": time.perf_counter() - t}
+    del pageable
+    sync()
+    t = time.perf_counter()
+    tensors = {k: v.contiguous() for k, v in eng.le.named_weights()}  # what a publish gathers
+    out.update(gather_s=time.perf_counter() - t, tensors=len(tensors), staged_pinned=eng.le.host_stage.pinned)
     path = root / "breakdown.safetensors"
     t = time.perf_counter()
     write_safetensors(path, tensors, {}, digest=False, fsync=False)
@@ -221,6 +227,19 @@ def publish_breakdown(eng: Engine, root: Path) -> dict[str, float]:
     out["fsync_s"] = time.perf_counter() - t
     path.unlink()
     return out
+
+
+def _file_matches(path: str, eng: Engine) -> bool:
+    """Is the published file bitwise the policy's weights (every name, shape, dtype and byte)?"""
+    import torch
+    from safetensors.torch import load_file
+
+    on_file = load_file(path)
+    live = {k: v.to("cpu") for k, v in eng.le.named_weights(None) if k in on_file}
+    return on_file.keys() == live.keys() and all(
+        on_file[k].dtype == v.dtype and on_file[k].shape == v.shape and torch.equal(on_file[k], v)
+        for k, v in live.items()
+    )
 
 
 def floors(nbytes: int) -> dict[str, float]:

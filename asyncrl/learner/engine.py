@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncrl.learner.host_stage import HostStage
 from asyncrl.learner.logprobs import DTYPES, load_hf_model
 
 __all__ = ["init_distributed", "GuardedAdamW", "LearnerEngine", "build_engine", "ds_config", "StepOutcome"]
@@ -156,6 +157,8 @@ class LearnerEngine:
         self.world_size = dist.get_world_size()
         self.dtype = next(engine.module.parameters()).dtype
         self.dtype_name = {v: k for k, v in DTYPES.items()}[self.dtype]
+        #: Rank 0's host buffer for a CUDA policy's published weights (allocated on first publish).
+        self.host_stage = HostStage(pin=True)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -194,33 +197,53 @@ class LearnerEngine:
     def named_weights(self, device: str | None = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
         """Full ``(HF name, tensor)`` pairs of the policy in the module dtype.
 
-        ``device="cpu"``: host copies (what the file and shm transports write). ``None``: on the
-        module's own device, for a transport that reads them at once (NCCL): ZeRO 0-2 yield the live
-        parameters themselves (no copy; valid until the next optimizer step), ZeRO-3 a device copy of
-        each gathered parameter (its gathered storage is freed when the gather ends). Either way a
-        CUDA policy never makes the GPU -> host -> GPU round trip the NCCL path once paid.
+        ``device="cpu"``: host copies (what the file and shm transports write). A CUDA policy's are
+        views of :attr:`host_stage`, one pinned buffer reused by every publish: valid until the next
+        call (the transports write them out before they return). ``None``: on the module's own
+        device, for a transport that reads them at once (NCCL): ZeRO 0-2 yield the live parameters
+        themselves (no copy; valid until the next optimizer step), ZeRO-3 a device copy of each
+        gathered parameter (its gathered storage is freed when the gather ends). Either way a CUDA
+        policy never makes the GPU -> host -> GPU round trip the NCCL path once paid.
 
         Every rank must iterate it to the end (ZeRO-3 all-gathers one parameter at a time);
         tensors are only materialised on rank 0 (other ranks get empty tensors).
         """
         module = self.module
+        staged = device == "cpu" and next(module.parameters()).device.type == "cuda"
         if self.zero_stage < 3:
-            if self.rank == 0:
+            if self.rank != 0:
+                yield from ((k, torch.empty(0)) for k in module.state_dict())
+            elif staged:
+                sd = module.state_dict()
+                views = self.host_stage.views([(k, v.shape, v.dtype) for k, v in sd.items()])
+                for k, v in sd.items():  # queued on the stream; the host waits once, below
+                    views[k].copy_(v.detach(), non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+                yield from views.items()
+            else:
                 yield from (
                     (k, _placed(v.detach(), device, live=True)) for k, v in module.state_dict().items()
                 )
-            else:
-                yield from ((k, torch.empty(0)) for k in module.state_dict())
             return
         import deepspeed
 
         params = dict(module.named_parameters())
-        for name in module.state_dict():
-            p = params.get(name)
-            if p is None:  # a persistent buffer, or a tied alias of a parameter yielded already
-                continue
+        # A persistent buffer, or a tied alias of a parameter yielded already, is left out.
+        names = [n for n in module.state_dict() if n in params]
+        if staged and self.rank == 0:
+            views = self.host_stage.views([(n, params[n].ds_shape, params[n].dtype) for n in names])
+        for name in names:
+            p = params[name]
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                t = _placed(p.detach(), device, live=False) if self.rank == 0 else torch.empty(0)
+                if self.rank != 0:
+                    t = torch.empty(0)
+                elif staged:
+                    # Synchronous: the gathered storage is freed when the gather ends, and ZeRO-3's
+                    # next all-gather may reuse it from another stream. Pinned, the copy is DMA.
+                    t = views[name]
+                    t.copy_(p.detach())
+                else:
+                    t = _placed(p.detach(), device, live=False)
             yield name, t
 
 
