@@ -162,7 +162,7 @@ def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
 def test_the_actor_front_end_moves_to_the_learners_cores_and_its_engine_stays(tmp_path):
     """run.actor_frontend_cpus=learner: once the engine is up, every thread of the actor process (vLLM's
     front end) runs on the learner's cores, the engine core keeps the engine's, and the run trains. With
-    actors.engine_standby (opt-in), whose engine core this run checks, every thread of it included."""
+    actors.engine_standby (the default), whose engine core this run checks, every thread of it included."""
     from asyncrl.cpu_binding import plan_cpus
 
     rdir, marker, log = tmp_path / "run", uuid.uuid4().hex, tmp_path / "run.log"
@@ -260,13 +260,14 @@ def test_publish_policy_taken_in_a_real_run(tmp_path):
     """learner.publish_policy=taken with real actors: the learner reads their heartbeats (written after
     each swap), so with swaps shorter than a step it publishes far more often than the cap alone would,
     never more than publish_max_steps apart; staleness stays within the bound, and the run's version skew
-    is exactly its unpublished steps."""
+    is exactly its unpublished steps. With actors.engine_standby=false: vLLM spawns the engine core (the
+    path the default standby replaces) and the run still trains and cleans up."""
     steps, cap = 30, 3
     rdir, marker, log = tmp_path / "run", uuid.uuid4().hex, tmp_path / "run.log"
     cmd = asyncrl_cmd("run", "--config", str(ROOT / "configs" / "default.yaml"), f"run.dir={rdir}",
                       f"run.max_steps={steps}", "run.max_wall_s=300", "run.progress=false",
                       "buffer.max_staleness=1", "learner.publish_policy=taken",
-                      f"learner.publish_max_steps={cap}")  # fmt: skip
+                      f"learner.publish_max_steps={cap}", "actors.engine_standby=false")  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=marked_env(marker), stdout=log.open("wb"), stderr=subprocess.STDOUT
     )
@@ -284,4 +285,5 @@ def test_publish_policy_taken_in_a_real_run(tmp_path):
     assert all(r["staleness_max"] <= 1 for r in recs)
     summary = json.loads((rdir / "summary.json").read_text())
     assert summary["finished"] and summary["buffer"]["version_skew"] == len(published) - steps
+    assert "run by the standby" not in (rdir / "logs" / "actor-0.log").read_text()
     assert not wait_no_orphans(marker)
