@@ -77,13 +77,11 @@ class RolloutActor(GroupProduction, VersionWatching):
         from asyncrl.cpu_binding import bind_from_env
         from asyncrl.tinymodel import resolve_model_path
 
-        from . import engine_fork
+        from . import engine_start
 
-        # First, before this process binds itself or imports vLLM: the engine core's imports start now, on
-        # every core this process may use, in parallel with ours (asyncrl.actors.engine_fork).
-        self.forkserver = engine_fork.start_for(cfg)
-        # Or, the forkserver off, a spawned engine-core process that imports beside us (engine_standby).
-        self.standby = engine_fork.start_standby_for(cfg)
+        # First, before this process binds itself or imports vLLM: a spawned engine-core process whose
+        # imports start now, on every core this process may use, in parallel with ours (engine_standby).
+        self.standby = engine_start.start_standby_for(cfg)
         # Before the engine exists: its engine-core and worker processes inherit this process's cores.
         self.cpus = bind_from_env()
         self.cfg = cfg
@@ -308,9 +306,7 @@ class RolloutActor(GroupProduction, VersionWatching):
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         # The start-up takes ~25 s on CPU: build in a thread so that stats/stop stay responsive.
         # AsyncLLM binds its output handler to the loop lazily, on first use from this loop.
-        from asyncrl.cpu_binding import ENV_FRONTEND_CPUS, bind_from_env, bind_process
-
-        from . import engine_fork
+        from asyncrl.cpu_binding import ENV_FRONTEND_CPUS, bind_from_env
 
         self.cpus = bind_from_env()  # a restarted engine inherits the engine's cores, not the front end's
         self.engine = await asyncio.to_thread(Engine.from_config, self.cfg, self.model_path)
@@ -319,9 +315,6 @@ class RolloutActor(GroupProduction, VersionWatching):
 
             await asyncio.to_thread(engine_standby.discard)  # an unadopted one may still be importing
             self.standby = None
-        if self.forkserver is not None and self.cpus and engine_fork.server_pid() == self.forkserver:
-            # The engine core is forked: its server's imports are done, it idles on the engine's cores.
-            bind_process(self.cpus, self.forkserver)
         # Its processes are up on the engine's cores: this process (the front end) may move now.
         self.cpus = bind_from_env(ENV_FRONTEND_CPUS) or self.cpus
         if self.cfg.learner.weight_transport == "nccl":  # a new engine joins the learner's next group

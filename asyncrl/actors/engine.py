@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engine_fork import forked_engine_core
+from .engine_start import standby_engine_core
 from .weight_swaps import SWAP_MODES, EngineError, SwapResult, WeightSwaps
 
 __all__ = ["Engine", "EngineError", "SampledCompletion", "SwapResult", "LOGPROBS_MODE", "SWAP_MODES"]
@@ -125,9 +125,9 @@ class Engine(WeightSwaps):
             from asyncrl.actors.inproc_executor import omp_env
 
             spawn_env = omp_env(vllm_config)
-        # The engine core is forked from the actor's preloaded server where one runs and a fork is
-        # equivalent to a spawn (asyncrl.actors.engine_fork); spawned otherwise.
-        with spawn_env, forked_engine_core():
+        # The engine core is run by the actor's standby where one waits and that is equivalent to a
+        # spawn (asyncrl.actors.engine_start); spawned otherwise.
+        with spawn_env, standby_engine_core():
             self.llm: Any = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
         self.version: int | None = None
         # request_id -> tokens received so far over all G sequences (progress, for tests/metrics).

@@ -3,27 +3,25 @@ import, and adopted as the engine core once vLLM starts one.
 
 Why: on a CPU actor the path to the first step ran two ~6-10 s imports of torch + vLLM one after the
 other: the actor's own (the front end), then, once it had built the engine config, the engine core's,
-which vLLM spawns (always ``spawn`` inside a Ray actor). The forkserver (asyncrl.actors.engine_fork)
-overlaps them by forking the engine core from a preloaded server, but a forked child is not what a
-spawn makes (its heap is the server's, copy-on-write: vLLM's shutdown collection ran ~1.7x slower in
-it, and vLLM force-kills an engine core that takes over 5 s to exit). The standby is a *spawned*
-process, a direct child of the actor like the engine core vLLM would spawn: it imports the engine
-core's modules (asyncrl.actors.engine_fork.PRELOAD) right away and then waits on a pipe. When vLLM
-starts its engine core (asyncrl.actors.engine_fork.EngineProcess), the process object, target and
+which vLLM spawns (always ``spawn`` inside a Ray actor). The standby is a *spawned* process, a direct
+child of the actor like the engine core vLLM would spawn (not a fork, whose heap would be its
+server's: see asyncrl.actors.engine_start): it imports the engine core's modules
+(asyncrl.actors.engine_start.PRELOAD) right away and then waits on a pipe. When vLLM starts its engine
+core (asyncrl.actors.engine_start.EngineProcess), the process object, target and
 arguments included, is pickled as a spawn would pickle it and sent to the standby, which runs it as
 its own: vLLM's process manager gets the standby's pid and sentinel, signals it and waits for it as
 it would a spawned one.
 
-What must stay as with a spawn (the invariants, the forkserver's):
+What must stay as with a spawn (the invariants):
 
 * The environment: the standby's is the actor's at *its* start plus the load-time variables vLLM will
-  give the engine core (:func:`asyncrl.actors.engine_fork.predicted_env`); the engine core replaces it
+  give the engine core (:func:`asyncrl.actors.engine_start.predicted_env`); the engine core replaces it
   with the actor's as of vLLM's ``start()`` before it runs (``EngineProcess.run``). A start whose
   load-time variables differ from the standby's, or whose arguments hold a file descriptor (a spawn
   passes those at exec; the standby is already running), is spawned instead, with the reason logged.
-* The CPUs: as with the forkserver (asyncrl.actors.forkserver_init): the standby imports on every core
-  the actor had, and the engine core takes the binding libgomp gave the standby at load.
-* The lifetime: the standby dies with the actor (``PR_SET_PDEATHSIG``, set by forkserver_init); one
+* The CPUs (asyncrl.actors.standby_init): the standby imports on every core the actor had, and the
+  engine core takes the binding libgomp gave the standby at load.
+* The lifetime: the standby dies with the actor (``PR_SET_PDEATHSIG``, set by standby_init); one
   that is never adopted (a start spawned instead) is terminated once the engine is up (:func:`discard`).
 
 One standby per actor process, used once: an engine restart in the same actor spawns (the standby's
@@ -40,7 +38,7 @@ from multiprocessing import process as mp_process
 from multiprocessing import reduction
 from typing import Any
 
-from .engine_fork import environ_with, load_time_diff
+from .engine_start import environ_with, load_time_diff
 
 __all__ = ["start_standby", "adopt", "discard", "standby_pid"]
 
@@ -60,17 +58,17 @@ _standby: _Standby | None = None
 
 def start_standby(extra_env: dict[str, str], preload: tuple[str, ...]) -> int | None:
     """Spawn this process's standby with ``extra_env`` added to its environment, importing ``preload``
-    (the first: asyncrl.actors.forkserver_init); its pid. Returns at once (None: one was started here
+    (the first: asyncrl.actors.standby_init); its pid. Returns at once (None: one was started here
     already)."""
     global _standby
-    from .forkserver_init import ENV_CPUS, ENV_PARENT
+    from .standby_init import ENV_CPUS, ENV_PARENT
 
     if _standby is not None:
         return None
     extra_env = {
         **extra_env,
         ENV_CPUS: ",".join(map(str, sorted(os.sched_getaffinity(0)))),
-        ENV_PARENT: str(os.getpid()),  # the standby dies with this process (forkserver_init)
+        ENV_PARENT: str(os.getpid()),  # the standby dies with this process (standby_init)
     }
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)

@@ -106,28 +106,14 @@ class ActorsConfig:
         "multiprocess executor (the worker in its own process), as before.",
         choices=("auto", "multiproc"),
     )
-    engine_forkserver: bool = F(
-        False,
-        "Where asyncrl binds a CPU engine's cores (run.cpu_binding) and its worker runs in the engine core "
-        "(engine_executor=auto, one rank): start the engine core from a forkserver that imports vLLM while "
-        "the actor imports its own copy, on another core, instead of spawning it after (asyncrl.actors."
-        "engine_fork: one ~8-10 s import fewer on the path to the first step on 2 cores; the server keeps "
-        "~0.6 GB resident, shared copy-on-write with the engine core, for the actor's life). Any start it "
-        "cannot make equivalent to a spawn is spawned, with the reason logged. Off by default for now: on the "
-        "CI machine a forked engine core twice took over 5 s to exit at shutdown (vLLM then kills it) and "
-        "left a process behind for >30 s (reproduced on the development VM, 2 runs in 5, with another run on the "
-        "engine's core: the shutdown's full garbage collection, slower in a forked child, at Ray's nice 15). "
-        "engine_standby overlaps the same two imports with a spawned engine core instead. "
-        "false: engine_standby decides.",
-    )
     engine_standby: bool = F(
         True,
         "Where asyncrl binds a CPU engine's cores (run.cpu_binding) and its worker runs in the engine core "
-        "(engine_executor=auto, one rank), and engine_forkserver is off: spawn the engine-core process when "
-        "the actor starts, importing vLLM on another core while the actor imports its own, and hand it "
-        "vLLM's engine core to run once the engine config is built (asyncrl.actors.engine_standby: the "
-        "two imports overlap instead of running one after the other; unlike the forkserver, the engine "
-        "core is a spawned process, a child of the actor, as vLLM's own). Any start it cannot make "
+        "(engine_executor=auto, one rank): spawn the engine-core process when the actor starts, importing "
+        "vLLM on another core while the actor imports its own, and hand it vLLM's engine core to run once "
+        "the engine config is built (asyncrl.actors.engine_standby: the two imports overlap instead of "
+        "running one after the other; the engine core is a spawned process, a child of the actor, as "
+        "vLLM's own). Any start it cannot make "
         "equivalent to a spawn is spawned, with the reason logged; used once per actor process (an "
         "engine restart spawns). On 2 cores the first step comes 3-5.5 s sooner (medians 19.9 vs 25.4 s, and "
         "24.8 vs 27.7 s on a slower day), and the steady state is the same: in 22 pairs of 300-step demo runs "

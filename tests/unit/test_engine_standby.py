@@ -1,6 +1,7 @@
 """asyncrl.actors.engine_standby: the engine process vLLM starts is run by a spawned standby that
 imported beside its parent, and is then what a spawn at start() would have made (environment, CPUs of
-every thread, exit code, signals); a start the standby cannot make equivalent is spawned, saying why.
+every thread, libgomp's binding at load, name, exit code, signals); a start the standby cannot make
+equivalent is spawned, saying why.
 
 Real processes throughout, in a fresh interpreter (the standby is per process): a standby preloading a
 stdlib module and a module that starts a thread while it is imported (as torch's import may). The
@@ -23,9 +24,9 @@ _SCRIPT = textwrap.dedent(
     """
     import json, logging, multiprocessing, os, sys, time
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    from asyncrl.actors import engine_fork, engine_standby
+    from asyncrl.actors import engine_standby, engine_start, standby_init
 
-    PRELOAD = ("asyncrl.actors.forkserver_init", "json", "threaded_import")
+    PRELOAD = ("asyncrl.actors.standby_init", "json", "threaded_import")
 
     def report(path):
         cpus = set()
@@ -35,9 +36,12 @@ _SCRIPT = textwrap.dedent(
         with open(path, "w") as f:
             json.dump({"pid": os.getpid(), "ppid": os.getppid(), "late": os.environ.get("ASYNCRL_TEST_LATE"),
                        "omp": os.environ.get("OMP_NUM_THREADS"), "threads": len(os.listdir("/proc/self/task")),
-                       "widen": os.environ.get("ASYNCRL_FORKSERVER_CPUS"), "cpus": sorted(cpus),
+                       "widen": os.environ.get("ASYNCRL_STANDBY_CPUS"), "cpus": sorted(cpus),
                        "preloaded": "threaded_import" in sys.modules,
-                       "name": multiprocessing.current_process().name}, f)
+                       "name": multiprocessing.current_process().name,
+                       "comm": open("/proc/self/comm").read().strip(),
+                       "proc_environ_token": b"ASYNCRL_TEST_TOKEN=t0" in open("/proc/self/environ", "rb").read(),
+                       "bound_at_load": standby_init.BOUND_AT_LOAD, "load_cpus": standby_init.LOAD_CPUS}, f)
 
     def exit_with(code, *_):
         sys.exit(code)
@@ -52,9 +56,10 @@ _SCRIPT = textwrap.dedent(
         time.sleep(600)
 
     if __name__ == "__main__":
-        mode, out = sys.argv[1], sys.argv[2]
+        mode, out, gomp = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
         all_cpus = sorted(os.sched_getaffinity(0))
-        load = {"OMP_NUM_THREADS": "3"}
+        os.environ["ASYNCRL_TEST_TOKEN"] = "t0"  # as asyncrl.lifetime's reaper token: set before the standby
+        load = {"OMP_NUM_THREADS": "3", **gomp}
         standby = engine_standby.start_standby(load, PRELOAD)
         if mode == "orphan":  # report the standby's pid, then wait to be killed
             print(json.dumps({"standby": standby}), flush=True)
@@ -72,7 +77,7 @@ _SCRIPT = textwrap.dedent(
             target, args = exit_with, (0, multiprocessing.get_context("spawn").Queue())
         else:
             target, args = report, (out,)
-        p = engine_fork.EngineProcess(target=target, args=args, name="EngineCore")
+        p = engine_start.EngineProcess(target=target, args=args, name="EngineCore")
         p.start()
         got = {"parent": os.getpid(), "standby": standby, "child": p.pid, "all_cpus": all_cpus}
         if mode == "term":
@@ -101,11 +106,11 @@ def _files(tmp_path):
     return script, env
 
 
-def _run(tmp_path, mode: str) -> tuple[dict, dict | None, str]:
+def _run(tmp_path, mode: str, gomp: dict | None = None) -> tuple[dict, dict | None, str]:
     script, env = _files(tmp_path)
     out = tmp_path / "child.json"
-    proc = subprocess.run([sys.executable, str(script), mode, str(out)], capture_output=True, text=True,
-                          timeout=120, env=env)  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script), mode, str(out), json.dumps(gomp or {})],
+                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     child = json.loads(out.read_text()) if out.exists() else None
     return json.loads(proc.stdout.strip().splitlines()[-1]), child, proc.stderr
@@ -117,12 +122,32 @@ def test_the_standby_runs_the_engine_process_as_a_spawn_at_start_would_have(tmp_
     assert got["child"] == got["standby"] == child["pid"]  # no new process: the standby ran it
     assert child["ppid"] == got["parent"] and got["exitcode"] == 0
     assert child["preloaded"] and child["name"] == "EngineCore"
+    assert child["comm"] == "VLLM::EngineCor"  # named as vLLM names its engine core (ps, the e2e tests)
+    assert child["proc_environ_token"]  # the reaper still finds it by its token
     # The parent's environment as of start(), not the standby's own (its widening variable is gone).
     assert child["late"] == "set-after-the-standby-started" and child["omp"] == "3" and child["widen"] is None
     # Every thread on the parent's CPUs at start(), the one its import started included.
     assert child["threads"] >= 2 and child["cpus"] == [str(got["all_cpus"][0])], child
     assert "run by the standby" in log
     assert got["waiting"] is None and not got["standby_alive_after_discard"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell the bindings apart")
+def test_a_standby_bound_by_libgomp_at_load_imports_on_every_cpu_and_its_engine_gets_libgomps_binding(
+    tmp_path,
+):
+    """libgomp (preloaded, as vLLM does for an engine core) binds the standby to the OpenMP list's first
+    CPU as it loads: the standby widens itself back for its imports, and the engine process it runs is
+    bound as a spawned engine core would be (libgomp's CPU, not its parent's), every thread of it."""
+    from asyncrl.actors.engine_start import predicted_env
+
+    last = sorted(os.sched_getaffinity(0))[-1]
+    libgomp = predicted_env(str(last))["LD_PRELOAD"]
+    got, child, log = _run(tmp_path, "adopt", {"LD_PRELOAD": libgomp, "GOMP_CPU_AFFINITY": str(last)})
+    assert got["child"] == got["standby"] == child["pid"], log[-2000:]
+    assert child["bound_at_load"] and child["load_cpus"] == [last]
+    assert child["cpus"] == [str(last)] and last != got["all_cpus"][0], child
+    assert child["threads"] >= 2
 
 
 def test_the_exit_code_and_the_signals_reach_the_process_object(tmp_path):
@@ -155,7 +180,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_kill_9_of_the_parent_takes_the_standby_with_it(tmp_path):
     script, env = _files(tmp_path)
-    proc = subprocess.Popen([sys.executable, str(script), "orphan", str(tmp_path / "x.json")],
+    proc = subprocess.Popen([sys.executable, str(script), "orphan", str(tmp_path / "x.json"), "{}"],
                             stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
     try:
         standby = json.loads(proc.stdout.readline())["standby"]
