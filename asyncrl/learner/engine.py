@@ -209,7 +209,8 @@ class LearnerEngine:
         tensors are only materialised on rank 0 (other ranks get empty tensors).
         """
         module = self.module
-        staged = device == "cpu" and next(module.parameters()).device.type == "cuda"
+        where = next(module.parameters()).device
+        staged = device == "cpu" and where.type == "cuda"
         if self.zero_stage < 3:
             if self.rank != 0:
                 yield from ((k, torch.empty(0)) for k in module.state_dict())
@@ -218,7 +219,7 @@ class LearnerEngine:
                 views = self.host_stage.views([(k, v.shape, v.dtype) for k, v in sd.items()])
                 for k, v in sd.items():  # queued on the stream; the host waits once, below
                     views[k].copy_(v.detach(), non_blocking=True)
-                torch.cuda.current_stream().synchronize()
+                torch.cuda.current_stream(where).synchronize()  # the policy's device, whichever is current
                 yield from views.items()
             else:
                 yield from (
