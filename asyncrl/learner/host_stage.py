@@ -15,6 +15,7 @@ does exactly that; it returns only after the bytes are in the file.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -64,11 +65,11 @@ class HostStage:
         for _, shape, dt in layout:
             end += -end % _ALIGN
             offsets.append(end)
-            end += _numel(shape) * dt.itemsize
+            end += math.prod(shape) * dt.itemsize
         self._buf, self._layout, self._views = None, None, {}  # drop the old buffer before the new one
         self._buf = self._alloc(max(end, 1))
         for (name, shape, dt), off in zip(layout, offsets, strict=True):
-            n = _numel(shape) * dt.itemsize
+            n = math.prod(shape) * dt.itemsize
             self._views[name] = self._buf[off : off + n].view(dt).view(shape)
         self._layout = layout
         return self._views
@@ -88,10 +89,3 @@ class HostStage:
         """Free the buffer (the next :meth:`views` allocates again)."""
         self._buf = self._layout = None
         self._views = {}
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
