@@ -46,7 +46,7 @@ __all__ = [
     "frontend_placement",
 ]
 
-#: Cores an actor process binds itself to (set per actor slot in its Ray runtime_env).
+#: Cores an actor process binds itself to (set per actor slot by the pool, asyncrl.actors.pool.actor_env).
 ENV_CPUS = "ASYNCRL_CPUS"
 #: Cores an actor process moves to once its engine is up, when not its engine's (run.actor_frontend_cpus).
 ENV_FRONTEND_CPUS = "ASYNCRL_FRONTEND_CPUS"

@@ -19,8 +19,8 @@ re-run refuses to overwrite.
 
 Cores: on a CPU-only machine the learner and the engines get disjoint cores (``run.cpu_binding``,
 asyncrl.cpu_binding): the plan is made (and a ``run.learner_cpus`` this machine cannot honour refused)
-before anything starts; the learner is bound when it is (re)started, each actor slot through its Ray
-runtime_env.
+before anything starts; the learner is bound when it is (re)started, each actor slot through the
+environment the pool hands its constructor (asyncrl.actors.pool.actor_env).
 
 Secrets: the Redis password never goes on a command line or into ``config.yaml`` (it is redacted
 there). The embedded Redis binds 127.0.0.1 and gets a random password unless ``redis.password`` is

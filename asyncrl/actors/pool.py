@@ -28,22 +28,37 @@ from typing import Any
 
 from .ray_actor import RayRolloutActor
 
-__all__ = ["ActorPool", "serve_actors", "actor_runtime_env", "init_ray"]
+__all__ = ["ActorPool", "serve_actors", "actor_env", "actor_runtime_env", "init_ray"]
 
 log = logging.getLogger(__name__)
 
 # Environment the actor processes need: vLLM/HF settings of the launching shell travel with them
 # (a remote Ray cluster does not inherit the driver's environment).
 _ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "OMP_", "KMP_", "LD_PRELOAD")
+#: What the dynamic loader reads as a process starts: only Ray's runtime_env can put these in a worker's
+#: environment in time. Everything else an actor needs is read later (vLLM's and asyncrl's variables when
+#: the engine is built, libgomp's when torch is first imported, after the actor's constructor began).
+_LOAD_TIME = ("LD_PRELOAD",)
 
 
-def actor_runtime_env() -> dict[str, Any]:
-    """Ray ``runtime_env`` for the actors."""
+def actor_env() -> dict[str, str]:
+    """The environment every actor process gets (on top of its worker's), set by the actor itself as its
+    constructor starts (:class:`asyncrl.actors.ray_actor.RayRolloutActor`)."""
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM's engine runs in child processes; inside a Ray actor it must spawn, never fork.
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    return {"env_vars": env}
+    return env
+
+
+def actor_runtime_env() -> dict[str, Any]:
+    """The Ray job's ``runtime_env``: the load-time variables only (``LD_PRELOAD``), empty when there are
+    none. Why not every variable: Ray starts a few idle workers as its raylet comes up, with no
+    runtime_env, and only an actor whose runtime_env is empty can take one; any other waits for a worker
+    started for it (~1.1-1.4 s more on the 2-core box, on the path to the first step). The rest of the
+    environment travels in the actor's constructor arguments (:func:`actor_env`)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(_LOAD_TIME)}
+    return {"env_vars": env} if env else {}
 
 
 @contextlib.contextmanager
@@ -77,7 +92,7 @@ def init_ray(cfg: Any) -> bool:
             address=cfg.ray.address or None,
             num_cpus=(cfg.ray.num_cpus or None) if not cfg.ray.address else None,
             include_dashboard=False,
-            runtime_env=actor_runtime_env(),
+            runtime_env=actor_runtime_env() or None,
             logging_level=logging.WARNING,
             # asyncrl run: the actors write to <run_dir>/logs (asyncrl.console); -v forwards.
             log_to_driver=not cfg.console.log_dir,
@@ -147,23 +162,29 @@ class ActorPool:
                 max_restarts=a.max_restarts,
                 max_task_retries=a.max_restarts,
                 max_concurrency=64,
-                runtime_env=self._runtime_env(i),
             )
             .remote(
-                self.cfg, str(self.run_dir), i, self.redis_url, self.redis_password, str(self._model_path)
+                self.cfg,
+                str(self.run_dir),
+                i,
+                self.redis_url,
+                self.redis_password,
+                str(self._model_path),
+                env=self._actor_env(i),
             )
         )
 
-    def _runtime_env(self, i: int) -> dict[str, Any]:
-        """Slot ``i``'s Ray ``runtime_env``: the common one, plus its cores when the pool is CPU-bound
-        (the actor binds itself to them at start; its engine's OpenMP threads get them from vLLM)."""
-        env = actor_runtime_env()
+    def _actor_env(self, i: int) -> dict[str, str]:
+        """Slot ``i``'s environment (set by the actor as it starts): the common one, plus its cores when
+        the pool is CPU-bound (the actor binds itself to them at start; its engine's OpenMP threads get
+        them from vLLM)."""
+        env = actor_env()
         if self.cpu_plan is not None:
             from asyncrl.cpu_binding import engine_env, frontend_cpus, frontend_placement
 
             a = self.cfg.actors
             front = frontend_cpus(self.cpu_plan, i, frontend_placement(self.cfg))
-            env["env_vars"].update(
+            env.update(
                 engine_env(self.cpu_plan.engine(i), a.tensor_parallel_size * a.pipeline_parallel_size, front)
             )
         return env

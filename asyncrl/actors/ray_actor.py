@@ -24,7 +24,13 @@ class RayRolloutActor:
         redis_url: str,
         redis_password: str | None,
         model_path: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
+        # First: the pool's environment for this actor (asyncrl.actors.pool.actor_env), before anything
+        # reads it (vLLM, the CPU binding, the engine standby's start-up environment, torch's libgomp).
+        # It comes here rather than in a Ray runtime_env so that the actor can take one of Ray's idle
+        # workers, which were started with none.
+        os.environ.update(env or {})
         if cfg.console.log_dir:  # asyncrl run: this actor's and its vLLM engine's output to a file
             from asyncrl.console import redirect_output
 

@@ -153,6 +153,11 @@ def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
     for role in ("actor", "engine_core"):
         for pid in roles[role]:
             assert _threads_cpus(pid) == set(plan.engine(0)), (role, pid)
+    # The actor's cores came in its constructor's arguments, not in a per-actor Ray runtime_env (which would
+    # keep it off Ray's idle workers): its process started without them (/proc environ is the environment
+    # at exec; what the constructor set is not in it).
+    actor_env = Path(f"/proc/{roles['actor'][0]}/environ").read_text().split("\0")
+    assert not [v for v in actor_env if v.startswith(("ASYNCRL_CPUS=", "VLLM_CPU_OMP_THREADS_BIND="))]
     # (The engine core's /proc environ is not read: vLLM's process title overwrites it.)
     learner_env = Path(f"/proc/{roles['learner'][0]}/environ").read_text().split("\0")
     assert f"OMP_NUM_THREADS={len(plan.learner)}" in learner_env

@@ -38,7 +38,7 @@ def ray_local():
         ray.init(
             num_cpus=4,
             include_dashboard=False,
-            runtime_env=actor_runtime_env(),
+            runtime_env=actor_runtime_env() or None,
             logging_level=logging.WARNING,
         )
         started = True
