@@ -78,7 +78,12 @@ def table(result: dict) -> list[str]:
             )
     g = result.get("generation")
     if g:
-        row("generation: raw AsyncLLM tok/s / asyncrl Engine tok/s", g["ratio"], GEN_TARGET)
+        how = (
+            f" (medians of {g['rounds']} rounds each; per pair {g['ratio_min']:.2f}-{g['ratio_max']:.2f})"
+            if "rounds" in g
+            else ""
+        )
+        row(f"generation: raw AsyncLLM tok/s / asyncrl Engine tok/s{how}", g["ratio"], GEN_TARGET)
     d = result.get("demo_generation")
     if d:
         row("generation: one demo step's groups alone, idle engine (ms)", d["gen_step_s"] * 1e3, fmt="{:.1f}")

@@ -39,6 +39,8 @@ def test_quick_bench_writes_the_table_and_json(tmp_path: Path, capsys) -> None:
         and g["ours_tok_s"] > 0
         and g["ratio"] == pytest.approx(g["raw_tok_s"] / g["ours_tok_s"])
     )
+    # Medians of 6 alternating rounds a side; the ratio of medians lies within the per-pair ratios.
+    assert g["rounds"] == 6 and g["ratio_min"] <= g["ratio"] <= g["ratio_max"]
     assert len(res["buffer"]) == 3 and all(b["ratio"] > 0 for b in res["buffer"])
     # One demo step (4 groups of 8, max_tokens 5) on the idle engine: every completion has 1..5 tokens.
     d = res["demo_generation"]
