@@ -55,8 +55,9 @@ def actor_runtime_env() -> dict[str, Any]:
     """The Ray job's ``runtime_env``: the load-time variables only (``LD_PRELOAD``), empty when there are
     none. Why not every variable: Ray starts a few idle workers as its raylet comes up, with no
     runtime_env, and only an actor whose runtime_env is empty can take one; any other waits for a worker
-    started for it (~1.1-1.4 s more on the 2-core box, on the path to the first step). The rest of the
-    environment travels in the actor's constructor arguments (:func:`actor_env`)."""
+    started for it (a bare actor's constructor ran 1.2-1.6 s after its creation instead of 0.3-0.6 s on
+    the 2-core box, on the path to the first step). The rest of the environment travels in the actor's
+    constructor arguments (:func:`actor_env`), as its Redis URL and password already did."""
     env = {k: v for k, v in os.environ.items() if k.startswith(_LOAD_TIME)}
     return {"env_vars": env} if env else {}
 
