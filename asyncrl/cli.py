@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "learn":
             if cfg.learner.torch_threads:  # before torch is imported: it reads OMP_NUM_THREADS once
                 os.environ["OMP_NUM_THREADS"] = str(cfg.learner.torch_threads)
+            from asyncrl.learner.engine import shutdown_distributed
             from asyncrl.learner.loop import learn
 
             start = float(os.environ.get("ASYNCRL_START_TIME", time.time()))
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 for t in tracker:
                     t.close()
                 stop_metrics()
+                shutdown_distributed()  # this process owns its rank (see the function)
             return 0
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"asyncrl: error: {e}", file=sys.stderr)

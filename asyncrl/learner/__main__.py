@@ -31,10 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.redis.url:
         print("asyncrl.learner: error: redis.url is required", file=sys.stderr)
         return 2
+    from asyncrl.learner.engine import shutdown_distributed
     from asyncrl.learner.loop import learn
 
     start = float(os.environ.get("ASYNCRL_START_TIME", time.time()))
-    learn(cfg, run_dir(cfg), resume=args.resume, start_time=start)
+    try:
+        learn(cfg, run_dir(cfg), resume=args.resume, start_time=start)
+    finally:
+        shutdown_distributed()  # this process owns its rank: tear gloo down before the interpreter does
     return 0
 
 

@@ -69,6 +69,19 @@ def init_distributed(timeout_s: float = 7200.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def shutdown_distributed() -> None:
+    """Destroy the process group before the interpreter exits (a no-op when there is none).
+
+    A process that owns its ranks (``python -m asyncrl.learner``, ``asyncrl learn``) calls this last.
+    Without it gloo's worker threads are torn down during interpreter finalisation, and a rank that
+    exits while its peer still runs can die with ``terminate called without an active exception``
+    (SIGABRT; pytorch/pytorch#190489): seen once in CI on a 2-rank ZeRO-3 run after its last step.
+    Local only (no collective), so it is safe on an error path whatever the peers are doing.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class GuardedAdamW(torch.optim.AdamW):
     """AdamW whose ``step`` can be vetoed, and which guards/clips full gradients when asked.
 
