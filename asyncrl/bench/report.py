@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .learner import ALONE_TARGET, IN_PIPELINE_TARGET
 from .pipeline import B2B_TARGET, FIRST_STEP_TARGET_S, OVERLAP_TARGET
-from .weights import GEN_TARGET, P2S_TARGET, PAUSE_TARGET_MS
+from .weights import GEN_TARGET, P2S_MIN_PARAMS, P2S_TARGET, PAUSE_TARGET_MS
 
 __all__ = ["table", "buffer_rows"]
 
@@ -62,7 +62,8 @@ def table(result: dict) -> list[str]:
 
     for w in result.get("weights") or []:
         tag = f"{w['size']} ({w['params'] / 1e6:.1f}M params, {w['bytes'] / 2**20:.1f} MiB) {w['transport']}"
-        row(f"weights {tag}: publish-to-serving / copy floor", w["ratio_to_floor"], P2S_TARGET)
+        p2s_target = P2S_TARGET if w["params"] >= P2S_MIN_PARAMS else None  # smaller: context
+        row(f"weights {tag}: publish-to-serving / copy floor", w["ratio_to_floor"], p2s_target)
         path = "staged" if w.get("staging") else "in place"
         row(f"weights {tag}: pause per swap, {path} (ms)", w["pause_s"] * 1e3, PAUSE_TARGET_MS, "{:.1f}")
         for other, label in (("in_place", "in place"), ("staged", "staged")):

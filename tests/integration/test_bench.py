@@ -57,6 +57,13 @@ def test_quick_bench_writes_the_table_and_json(tmp_path: Path, capsys) -> None:
     )
     assert "learner: step alone / bare DeepSpeed with asyncrl's kernels" in out
     assert "pipeline" not in res  # --quick leaves the real runs out unless --pipeline
-    assert "publish-to-serving / copy floor" in out and "<= 3.00x" in out and "pause per swap" in out
+    assert "publish-to-serving / copy floor" in out and "pause per swap" in out
+    # The <= 3x publish-to-serving target is for >= 300M parameters: the tiny rows are context.
+    p2s = [
+        ln
+        for ln in out.splitlines()
+        if "publish-to-serving / copy floor" in ln and ln.startswith("weights tiny")
+    ]
+    assert len(p2s) >= 2 and not any("<=" in ln for ln in p2s), p2s
     assert "learner: step alone / bare DeepSpeed" in out and "<= 1.05x" in out
     assert out.count("\n") >= 1 + 4 + 1 + 1 + 5 + 3

@@ -217,3 +217,20 @@ def test_largest_eta_runs_once_more_with_lazy_swaps_as_a_context_row(tmp_path: P
     calls.clear()
     assert "lazy_swaps" not in pipeline.pipeline_rows(None, (0, 1), 10, tmp_path, b2b, 0.03)
     assert calls == [(0, None), (1, None)]
+
+
+def test_publish_to_serving_target_only_from_300m_params() -> None:
+    # The <= 3x target is stated for >= 300M parameters; a tiny model's microsecond copy floor is
+    # dwarfed by fixed costs, so its row is context (no target, no "NO").
+    def w(size: str, params: int, ratio: float) -> dict:
+        return {"size": size, "params": params, "bytes": params * 4, "transport": "shm", "staging": False,
+                "ratio_to_floor": ratio, "pause_s": 0.002}  # fmt: skip
+
+    lines = {
+        ln[:78].rstrip(): ln[78:].split()
+        for ln in table({"weights": [w("tiny", 300_000, 200.0), w("300M", 302_000_000, 2.5)], "buffer": []})
+    }
+    tiny = "weights tiny (0.3M params, 1.1 MiB) shm: publish-to-serving / copy floor"
+    big = "weights 300M (302.0M params, 1152.0 MiB) shm: publish-to-serving / copy floor"
+    assert lines[tiny] == ["200.00x"]
+    assert lines[big] == ["2.50x", "<=", "3.00x", "yes"]
