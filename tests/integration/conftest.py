@@ -130,7 +130,7 @@ class ActorRun:
     def stats(self) -> dict:
         return self.pool.stats()[0]
 
-    def wait_stats(self, pred, timeout: float = 120.0, what: str = "condition") -> dict:
+    def wait_stats(self, pred, timeout: float = 120.0, what: str = "condition", poll_s: float = 0.05) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             self.pool.check()
@@ -139,7 +139,7 @@ class ActorRun:
                 return s
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} not reached within {timeout}s; actor stats {s}")
-            time.sleep(0.05)
+            time.sleep(poll_s)
 
 
 @pytest.fixture(scope="session")

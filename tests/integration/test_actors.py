@@ -122,7 +122,11 @@ def test_in_flight_swap_attributes_every_token_to_its_weights(actor_run: Any):
     run = actor_run
     manifest = run.prepare(2)
     run.buffer.set_version(2)  # admits 2 more groups, sampled by the v0 weights
-    run.wait_stats(lambda s: s["in_flight"] == 2 and s["in_flight_tokens"] >= 40, what="tokens in flight")
+    # Publish as soon as both groups generate: the v0 completions here run 16-40 tokens unless they
+    # hit max_tokens, and on a fast VM a 50 ms poll after 40 tokens in flight let the swap land at token
+    # 39, when all but the two longest had finished (2 spanning, not 4). Polled every 5 ms.
+    run.wait_stats(lambda s: s["in_flight"] == 2 and s["in_flight_tokens"] >= 8, what="tokens in flight",
+                   poll_s=0.005)  # fmt: skip
     run.buffer.publish_weights(manifest)  # perturbed weights while both groups are mid-generation
     new = run.wait_groups(_bound(2))[6:]
     assert len(new) == 2
