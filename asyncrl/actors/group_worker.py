@@ -20,6 +20,7 @@ from typing import Any
 from asyncrl.tasks import Prompt, prompt_token_ids
 
 from .groups import build_group
+from .put_batch import PutBatcher
 from .rewards import RewardFailure
 from .seeding import prompt_seq, request_seed
 
@@ -80,10 +81,13 @@ class GroupProduction:
                 self.counters["admission_blocked"] -= 1
 
     async def _write(self, fn: Any, *args: Any, written: bool = False) -> Any:
-        """A buffer write in a thread, shielded from the worker's cancellation: once started it runs to
-        its end (retries included), is counted when it succeeds (``written``: a put), and is awaited by
+        """A buffer write (a blocking call, run in a thread, or the put batcher's coroutine, run as a
+        task), shielded from the worker's cancellation: once started it runs to its end (retries
+        included), is counted when it succeeds (``written``: a put), and is awaited by
         :meth:`_writes_done` before a reclaim or shutdown."""
-        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        # A coroutine function (the put batcher) runs as a task; a plain one (a Redis call) in a thread.
+        coro = fn(*args) if asyncio.iscoroutinefunction(fn) else asyncio.to_thread(fn, *args)
+        fut = asyncio.ensure_future(coro)
         self._writes.add(fut)
 
         def done(f: asyncio.Future) -> None:
@@ -93,6 +97,13 @@ class GroupProduction:
 
         fut.add_done_callback(done)
         return await asyncio.shield(fut)
+
+    def _put_batcher(self) -> PutBatcher:
+        """This actor's put batcher (groups finishing together share one round trip; put_batch.py)."""
+        b = self.__dict__.get("_puts")
+        if b is None or b.buffer is not self.buffer:  # a new buffer client (restart): a new batcher
+            b = self.__dict__["_puts"] = PutBatcher(self.buffer, self.actor_id)
+        return b
 
     async def _writes_done(self) -> None:
         if self._writes:
@@ -165,6 +176,6 @@ class GroupProduction:
                 self.counters["groups_reward_failed"] += 1
                 continue
             group = build_group(group_id, rewards, prompt, prompt_ids, seqs, self.actor_id, meta)
-            await self._write(self.buffer.put, group, self.actor_id, written=True)
+            await self._write(self._put_batcher().put, group, written=True)
             self.timeline.record("group", **rec, t_written=time.time(), tokens=sum(len(s.token_ids) for s in seqs),
                                  v_start=int(v_start), v_end=int(meta["version_end"]))  # fmt: skip

@@ -96,6 +96,51 @@ class StreamProducer:
             self._admission.uncertain("put", dedup, owner)
             raise
 
+    def put_many(self, groups: list[Group], owner: str | None = None) -> list[str | BaseException]:
+        """``put`` of several groups in one round trip: per group, its entry id, or the exception that
+        group alone raised (a :class:`RecordError` from its validation, a Redis error reply).
+
+        Each group is still its own deduplicated script call (pipelined, not a transaction), so this
+        is exactly ``put`` for each, in order; a group that fails validation is not sent. A connection
+        or timeout failure of the round trip (past the client's retries, which resend every call:
+        the dedup makes that safe) marks every sent group uncertain, as ``put`` does, and raises.
+        Why: groups that finish together (a synchronous step's) are written, and the learner waiting
+        for them is woken, once instead of once per group.
+        """
+        k = self.keys
+        out: list[str | BaseException | None] = [None] * len(groups)
+        sent: list[tuple[int, str, list[Any], list[Any]]] = []
+        # EVALSHA directly: a pipeline that registers the script first asks SCRIPT EXISTS, one more
+        # round trip per batch. A server without the script (restarted) answers NOSCRIPT for a call
+        # that did nothing; that group is then put alone (the script object loads it).
+        pipe = self._client.pipeline(transaction=False)
+        for i, group in enumerate(groups):
+            try:
+                data = encode(group)
+            except Exception as e:  # this group's own error; the others are written
+                out[i] = e
+                continue
+            dedup = k.request(f"put:{group.group_id}")
+            keys = [k.rollouts, k.inflight, dedup]
+            args = [ROLLOUT_FIELD, data, owner or "", self._maxlen or 0, DEDUP_TTL_S]
+            pipe.evalsha(self._put_script.sha, len(keys), *keys, *args)
+            sent.append((i, dedup, keys, args))
+        if not sent:
+            return out  # type: ignore[return-value]
+        try:
+            replies = pipe.execute(raise_on_error=False)
+            for (i, _, keys, args), reply in zip(sent, replies, strict=True):
+                if isinstance(reply, redis.exceptions.NoScriptError):
+                    reply = self._put_script(keys=keys, args=args)
+                out[i] = reply if isinstance(reply, BaseException) else _s(reply)
+        except (redis.ConnectionError, redis.TimeoutError):
+            # As put: any of them may still run later; settled before this client's next admission.
+            for i, dedup, _, _ in sent:
+                if out[i] is None:
+                    self._admission.uncertain("put", dedup, owner)
+            raise
+        return out  # type: ignore[return-value]
+
     def put_raw(self, data: bytes) -> str:
         """Append pre-encoded bytes as-is (custom producers, tests). Not validated here, and not
         deduplicated: a retry after a lost reply may append twice (use ``put`` for real groups)."""

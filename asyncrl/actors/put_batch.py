@@ -1,0 +1,65 @@
+"""Coalesced buffer writes: the groups an actor finishes together reach Redis in one round trip.
+
+A synchronous step's groups finish within a fraction of a millisecond of each other. Written one by
+one (a thread hop and a script round trip each), the first write wakes the learner, which then shares
+the core with the front end still writing the others: on the 2-core demo the last group reached Redis
+3.5 ms after generation ended, 1.4 ms of it the put's round trip. :class:`PutBatcher` queues the puts
+made while a write is in flight and sends each batch with one :meth:`ReplayBuffer.put_many` (one
+deduplicated script call per group, pipelined), so the learner is woken once per batch.
+
+Invariants: each group is written exactly as by ``put`` (same script, same dedup, same owner tally,
+in the order queued); a put's awaiter gets its own group's entry id or error; a batch that fails as a
+whole (Redis unreachable past the retries) fails every put in it; one batch is in flight at a time,
+and a put queued meanwhile goes in the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+__all__ = ["PutBatcher"]
+
+
+class PutBatcher:
+    """Batches ``buffer.put_many(groups, owner)`` calls from one event loop (not thread-safe)."""
+
+    def __init__(self, buffer: Any, owner: str | None) -> None:
+        self.buffer = buffer
+        self.owner = owner
+        self._queue: list[tuple[Any, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+        self.batches = 0  # round trips made (tests, and the batch size it implies)
+
+    async def put(self, group: Any) -> str:
+        """Write ``group`` (in the next batch); returns its entry id. Cancelling the awaiter does not
+        cancel the write (the caller shields and tracks it, see GroupProduction._write)."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.append((group, fut))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush())
+        return await fut
+
+    async def _flush(self) -> None:
+        while self._queue:
+            # One pass of the loop first: groups whose last completion arrived in the same output
+            # batch of the engine are scored and queued by then, and go in this batch.
+            await asyncio.sleep(0)
+            batch, self._queue = self._queue, []
+            self.batches += 1
+            try:
+                results = await asyncio.to_thread(self.buffer.put_many, [g for g, _ in batch], self.owner)
+            except BaseException as e:  # the whole round trip failed: every put in it did
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                continue
+            for (_, fut), res in zip(batch, results, strict=True):
+                if fut.done():
+                    continue
+                if isinstance(res, BaseException):
+                    fut.set_exception(res)
+                else:
+                    fut.set_result(res)

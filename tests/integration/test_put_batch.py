@@ -1,0 +1,114 @@
+"""Batched puts against a real redis-server: ``ReplayBuffer.put_many`` and the actors' PutBatcher.
+
+``put_many`` must be exactly ``put`` per group (dedup, owner tally, order, per-group errors) in one
+round trip; the batcher must group the puts queued together and hand each caller its own result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from asyncrl.actors.put_batch import PutBatcher
+from asyncrl.buffer import EmbeddedRedis, RecordError, ReplayBuffer
+from tests.conftest import small_group
+
+
+def _bad_group():
+    g = small_group()
+    g.completions[0].logprobs[:] = 1.0  # a positive logprob: encode refuses it
+    return g
+
+
+def _stream_ids(client: redis.Redis, buf: ReplayBuffer) -> list[str]:
+    return [i.decode() for i, _ in client.xrange(buf.keys.rollouts)]
+
+
+def test_put_many_is_put_per_group_in_one_round_trip(buffer: ReplayBuffer, redis_client) -> None:
+    groups = [small_group() for _ in range(3)]
+    assert all(buffer.try_admit(0, 8, owner="actor-0") for _ in groups)
+    ids = buffer.put_many(groups, owner="actor-0")
+    assert all(isinstance(i, str) for i in ids) and len(set(ids)) == 3
+    assert _stream_ids(redis_client, buffer) == ids  # appended in the order given
+    assert buffer.reclaim_inflight("actor-0") == 0  # each put took its slot off the owner's tally
+    # A repeat (a retried batch) returns the first ids and appends nothing, as put does.
+    assert buffer.put_many(groups, owner="actor-0") == ids
+    assert buffer.put(groups[1]) == ids[1]
+    assert len(_stream_ids(redis_client, buffer)) == 3
+    # What the learner reads back is the groups themselves.
+    got = buffer.read("learner", 3, block_ms=None)
+    assert [e.group.group_id for e in got] == [g.group_id for g in groups]
+    assert buffer.put_many([]) == []
+
+
+def test_put_many_gives_each_group_its_own_error(buffer: ReplayBuffer, redis_client) -> None:
+    good1, bad, good2 = small_group(), _bad_group(), small_group()
+    out = buffer.put_many([good1, bad, good2])
+    assert isinstance(out[1], RecordError) and "positive value" in str(out[1])
+    assert isinstance(out[0], str) and isinstance(out[2], str)
+    assert _stream_ids(redis_client, buffer) == [out[0], out[2]]  # the bad one was never sent
+    assert buffer.put_many([_bad_group()])[0].__class__ is RecordError
+
+
+def test_put_many_after_the_script_cache_is_flushed(buffer: ReplayBuffer, redis_client) -> None:
+    # A restarted server has no scripts: the pipelined EVALSHA answers NOSCRIPT (and did nothing),
+    # so each group is put again through the script object, which loads it.
+    redis_client.script_flush()
+    groups = [small_group() for _ in range(2)]
+    ids = buffer.put_many(groups)
+    assert all(isinstance(i, str) for i in ids)
+    assert _stream_ids(redis_client, buffer) == ids
+    assert buffer.put_many(groups) == ids
+
+
+def _buffer_on_a_killed_server(tmp_path, run_name: str) -> ReplayBuffer:
+    """A buffer whose own redis-server was just SIGKILLed (no retries: the next call fails at once)."""
+    srv = EmbeddedRedis(tmp_path / "redis").start()
+    buf = ReplayBuffer(srv.client(retry=Retry(NoBackoff(), 0)), run_name, owns_client=True)
+    buf.put(small_group())  # connected and working before the fault
+    srv.kill()
+    return buf
+
+
+def test_put_many_that_cannot_reach_redis_marks_its_groups_uncertain(tmp_path, run_name: str) -> None:
+    buf = _buffer_on_a_killed_server(tmp_path, run_name)
+    try:
+        with pytest.raises(redis.ConnectionError):
+            buf.put_many([small_group(), _bad_group(), small_group()], owner="actor-0")
+        # The two that were sent may still have run; the invalid one never left (put's contract).
+        uncertain = buf._admission._uncertain
+        assert [(kind, owner) for kind, _, owner in uncertain] == [("put", "actor-0")] * 2
+    finally:
+        buf.close()
+
+
+def test_batcher_sends_the_puts_queued_together_in_one_batch(buffer: ReplayBuffer, redis_client) -> None:
+    async def main() -> None:
+        b = PutBatcher(buffer, "actor-0")
+        first = await b.put(small_group())
+        assert b.batches == 1
+        groups = [small_group() for _ in range(4)] + [_bad_group()]
+        res = await asyncio.gather(*(b.put(g) for g in groups), return_exceptions=True)
+        assert b.batches == 2  # the five queued in one loop pass went together
+        assert all(isinstance(r, str) for r in res[:4]) and isinstance(res[4], RecordError)
+        assert _stream_ids(redis_client, buffer) == [first, *res[:4]]
+
+    asyncio.run(main())
+
+
+def test_batcher_fails_every_put_of_a_batch_that_fails_as_a_whole(tmp_path, run_name: str) -> None:
+    buf = _buffer_on_a_killed_server(tmp_path, run_name)
+
+    async def main() -> None:
+        b = PutBatcher(buf, "actor-0")
+        res = await asyncio.gather(*(b.put(small_group()) for _ in range(3)), return_exceptions=True)
+        assert b.batches == 1 and all(isinstance(r, redis.ConnectionError) for r in res)
+
+    try:
+        asyncio.run(main())
+    finally:
+        buf.close()
