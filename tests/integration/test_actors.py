@@ -178,6 +178,13 @@ def test_tampered_weights_are_refused_and_restart_resumes_on_latest(actor_run: A
         assert _check_logprobs_by_version(run, g) == [3]
     st = run.stats()
     assert st["weight_rejects"] == 1 and st["version"] == 3
+    # The restart resumes from the cursor of the last heartbeat (every actors.heartbeat_s = 0.3 s):
+    # wait for one that covers the 14 prompts taken so far. On a fast VM the kill came within 0.3 s of
+    # the last two groups' start, the heartbeat still said 12, and the new instance re-sampled 12-13.
+    deadline = time.monotonic() + 30.0
+    while (cursor := [h.get("cursor") for h in run.buffer.actors().values()]) != [[0, 14]]:
+        assert time.monotonic() < deadline, f"no heartbeat with the cursor at 14 prompts: {cursor}"
+        time.sleep(0.05)
     # Crash the actor (SIGKILL from Ray) while it idles at the bound; Ray restarts it.
     old_pid = st["pid"]
     engine_pids = [p.pid for p in psutil.Process(old_pid).children(recursive=True)]
