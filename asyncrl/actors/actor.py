@@ -285,10 +285,10 @@ class RolloutActor(GroupProduction, VersionWatching):
     def _resume_cursor(self) -> tuple[int, int]:
         """Continue the prompt order where this actor's last heartbeat left it (restart), else start.
 
-        The prompts taken after that heartbeat (at most ``actors.heartbeat_s`` of them) are sampled
-        again by the new instance: a repeat of a prompt, never of a written group (those are
-        deduplicated by group id, and the killed instance's admitted-but-unwritten slots are
-        reclaimed)."""
+        The prompts taken after that heartbeat (within the last ``actors.heartbeat_s`` seconds) are
+        taken again by the new instance, so such a prompt may be sampled twice, once by each; each
+        written group is still written once (puts are deduplicated by group id), and the killed
+        instance's admitted-but-unwritten slots are reclaimed."""
         info = self.buffer.actors().get(self.actor_id) or {}
         c = info.get("cursor")
         if isinstance(c, list | tuple) and len(c) == 2 and all(isinstance(x, int) and x >= 0 for x in c):
