@@ -210,8 +210,9 @@ def test_stop_aborts_in_flight_groups_and_leaves_no_processes(actor_run: Any):
 
     run = actor_run
     run.buffer.set_version(7)  # 2 more groups
+    # Polled every 5 ms: the abort must land while both groups still generate, also on a fast VM.
     st = run.wait_stats(
-        lambda s: s["in_flight"] == 2 and s["in_flight_tokens"] >= 20, what="tokens in flight"
+        lambda s: s["in_flight"] == 2 and s["in_flight_tokens"] >= 20, what="tokens in flight", poll_s=0.005
     )
     pids = [st["pid"], *[p.pid for p in psutil.Process(st["pid"]).children(recursive=True)]]
     final = run.pool.stop(abort=True)
