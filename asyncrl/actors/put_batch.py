@@ -10,7 +10,8 @@ deduplicated script call per group, pipelined), so the learner is woken once per
 Invariants: each group is written exactly as by ``put`` (same script, same dedup, same owner tally,
 in the order queued); a put's awaiter gets its own group's entry id or error; a batch that fails as a
 whole (Redis unreachable past the retries) fails every put in it; one batch is in flight at a time,
-and a put queued meanwhile goes in the next.
+and a put queued meanwhile goes in the next; no awaiter is left hanging if the flusher is cancelled
+(the loop's teardown) or fails.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class PutBatcher:
         self.owner = owner
         self._queue: list[tuple[Any, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
+        self._inflight: list[tuple[Any, asyncio.Future]] = []  # the batch being sent
         self.batches = 0  # round trips made (tests, and the batch size it implies)
 
     async def put(self, group: Any) -> str:
@@ -38,6 +40,7 @@ class PutBatcher:
         self._queue.append((group, fut))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush())
+            self._flusher.add_done_callback(self._flusher_done)
         return await fut
 
     async def _flush(self) -> None:
@@ -45,16 +48,16 @@ class PutBatcher:
             # One pass of the loop first: groups whose last completion arrived in the same output
             # batch of the engine are scored and queued by then, and go in this batch.
             await asyncio.sleep(0)
-            batch, self._queue = self._queue, []
+            self._inflight, self._queue = self._queue, []
             self.batches += 1
+            batch = self._inflight
             try:
                 results = await asyncio.to_thread(self.buffer.put_many, [g for g, _ in batch], self.owner)
-            except BaseException as e:  # the whole round trip failed: every put in it did
+            except Exception as e:  # the whole round trip failed: every put in it did
                 for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(e)
-                if isinstance(e, asyncio.CancelledError):
-                    raise
+                self._inflight = []
                 continue
             for (_, fut), res in zip(batch, results, strict=True):
                 if fut.done():
@@ -63,3 +66,23 @@ class PutBatcher:
                     fut.set_exception(res)
                 else:
                     fut.set_result(res)
+            self._inflight = []
+
+    def _flusher_done(self, task: asyncio.Task) -> None:
+        """A flusher that ended otherwise than by emptying the queue (cancelled at the loop's teardown,
+        even before it started: nobody else cancels it; or a bug) leaves no awaiter hanging. A put in
+        flight may still finish in its thread; its awaiter is cancelled all the same."""
+        if not task.cancelled() and task.exception() is None:
+            return  # it emptied the queue; a put queued since then has its own flusher
+        error = None if task.cancelled() else task.exception()
+        pending = self._inflight + (self._queue if self._flusher is task else [])
+        for _, fut in pending:
+            if fut.done():
+                continue
+            if error is None:
+                fut.cancel()
+            else:
+                fut.set_exception(error)
+        self._inflight = []
+        if self._flusher is task:
+            self._queue = []

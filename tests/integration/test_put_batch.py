@@ -112,3 +112,19 @@ def test_batcher_fails_every_put_of_a_batch_that_fails_as_a_whole(tmp_path, run_
         asyncio.run(main())
     finally:
         buf.close()
+
+
+def test_batcher_leaves_no_awaiter_hanging_when_its_flusher_is_cancelled(buffer: ReplayBuffer) -> None:
+    # Only the loop's teardown cancels the flusher; even before its first step, every queued put's
+    # awaiter must end (cancelled), and a later put gets a new flusher.
+    async def main() -> None:
+        b = PutBatcher(buffer, "actor-0")
+        tasks = [asyncio.ensure_future(b.put(small_group())) for _ in range(3)]
+        await asyncio.sleep(0)  # the puts are queued and the flusher created, not yet started
+        b._flusher.cancel()
+        res = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0)
+        assert all(isinstance(r, asyncio.CancelledError) for r in res), res
+        assert b.batches == 0
+        assert isinstance(await b.put(small_group()), str) and b.batches == 1
+
+    asyncio.run(main())
