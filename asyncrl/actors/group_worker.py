@@ -101,7 +101,10 @@ class GroupProduction:
     def _put_batcher(self) -> PutBatcher:
         """This actor's put batcher (groups finishing together share one round trip; put_batch.py)."""
         b = self.__dict__.get("_puts")
-        if b is None or b.buffer is not self.buffer:  # a new buffer client (restart): a new batcher
+        loop = asyncio.get_running_loop()
+        # A new buffer client or a new event loop (a restart): a new batcher; the old one's flusher
+        # belonged to the old loop and may never run again.
+        if b is None or b.buffer is not self.buffer or b.loop is not loop:
             b = self.__dict__["_puts"] = PutBatcher(self.buffer, self.actor_id)
         return b
 

@@ -23,11 +23,13 @@ __all__ = ["PutBatcher"]
 
 
 class PutBatcher:
-    """Batches ``buffer.put_many(groups, owner)`` calls from one event loop (not thread-safe)."""
+    """Batches ``buffer.put_many(groups, owner)`` calls from one event loop, the one running when it
+    is made (not thread-safe)."""
 
     def __init__(self, buffer: Any, owner: str | None) -> None:
         self.buffer = buffer
         self.owner = owner
+        self.loop = asyncio.get_running_loop()
         self._queue: list[tuple[Any, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._inflight: list[tuple[Any, asyncio.Future]] = []  # the batch being sent

@@ -128,3 +128,28 @@ def test_batcher_leaves_no_awaiter_hanging_when_its_flusher_is_cancelled(buffer:
         assert isinstance(await b.put(small_group()), str) and b.batches == 1
 
     asyncio.run(main())
+
+
+def test_an_actor_gets_a_new_batcher_for_a_new_buffer_client_or_event_loop(buffer: ReplayBuffer) -> None:
+    from asyncrl.actors.group_worker import GroupProduction
+
+    class Worker(GroupProduction):
+        actor_id = "actor-0"
+
+    w = Worker()
+    w.buffer = buffer
+
+    async def twice() -> tuple[PutBatcher, PutBatcher]:
+        return w._put_batcher(), w._put_batcher()
+
+    a1, a2 = asyncio.run(twice())
+    b1, _ = asyncio.run(twice())  # a restart in a new loop: the old flusher may never run again
+    assert a1 is a2 and b1 is not a1 and b1.loop is not a1.loop
+
+    async def new_client() -> tuple[PutBatcher, PutBatcher]:
+        before = w._put_batcher()
+        w.buffer = ReplayBuffer(buffer._client, buffer.run)  # a new client (a restart), same loop
+        return before, w._put_batcher()
+
+    before, after = asyncio.run(new_client())
+    assert after is not before and after.buffer is w.buffer and after.loop is before.loop
