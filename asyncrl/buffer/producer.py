@@ -17,7 +17,7 @@ import redis
 from asyncrl.buffer.admission import DEDUP_TTL_S, wake_lua
 from asyncrl.buffer.consumer import DEAD_MAXLEN, _s
 from asyncrl.buffer.layout import ROLLOUT_FIELD
-from asyncrl.buffer.records import Group, encode
+from asyncrl.buffer.records import Group, RecordError, encode
 
 __all__ = ["StreamProducer", "PUT_LUA", "ABANDON_LUA"]
 
@@ -81,20 +81,21 @@ class StreamProducer:
         repeated put of the same group returns the first entry id and appends nothing, so a lost
         reply can neither train a group twice nor unbalance the admission tally.
         """
-        k = self.keys
-        dedup = k.request(f"put:{group.group_id}")
+        dedup, keys, args = self._put_call(group, owner)
         try:
-            return _s(
-                self._put_script(
-                    keys=[k.rollouts, k.inflight, dedup],
-                    args=[ROLLOUT_FIELD, encode(group), owner or "", self._maxlen or 0, DEDUP_TTL_S],
-                )
-            )
+            return _s(self._put_script(keys=keys, args=args))
         except (redis.ConnectionError, redis.TimeoutError):
             # It may still run later (a frozen server); settled (tombstoned if it has not) before this
             # client's next admission, credit or reclaim, so a reclaim never counts its slot twice.
             self._admission.uncertain("put", dedup, owner)
             raise
+
+    def _put_call(self, group: Group, owner: str | None) -> tuple[str, list[Any], list[Any]]:
+        """(dedup key, KEYS, ARGV) of ``group``'s PUT_LUA call; encoding validates (RecordError)."""
+        k = self.keys
+        dedup = k.request(f"put:{group.group_id}")
+        args = [ROLLOUT_FIELD, encode(group), owner or "", self._maxlen or 0, DEDUP_TTL_S]
+        return dedup, [k.rollouts, k.inflight, dedup], args
 
     def put_many(self, groups: list[Group], owner: str | None = None) -> list[str | BaseException]:
         """``put`` of several groups in one round trip: per group, its entry id, or the exception that
@@ -107,7 +108,6 @@ class StreamProducer:
         Why: groups that finish together (a synchronous step's) are written, and the learner waiting
         for them is woken, once instead of once per group.
         """
-        k = self.keys
         out: list[str | BaseException | None] = [None] * len(groups)
         sent: list[tuple[int, str, list[Any], list[Any]]] = []
         # EVALSHA directly: a pipeline that registers the script first asks SCRIPT EXISTS, one more
@@ -116,13 +116,10 @@ class StreamProducer:
         pipe = self._client.pipeline(transaction=False)
         for i, group in enumerate(groups):
             try:
-                data = encode(group)
-            except Exception as e:  # this group's own error; the others are written
+                dedup, keys, args = self._put_call(group, owner)
+            except RecordError as e:  # this group's own error; the others are written
                 out[i] = e
                 continue
-            dedup = k.request(f"put:{group.group_id}")
-            keys = [k.rollouts, k.inflight, dedup]
-            args = [ROLLOUT_FIELD, data, owner or "", self._maxlen or 0, DEDUP_TTL_S]
             pipe.evalsha(self._put_script.sha, len(keys), *keys, *args)
             sent.append((i, dedup, keys, args))
         if not sent:

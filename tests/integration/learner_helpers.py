@@ -107,6 +107,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a launched rank process: this one's, without a rank of its own, with the
+    checkout importable."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 def dist_env() -> None:
     """Make this test process a single-rank torch.distributed world (idempotent)."""
     if "RANK" not in os.environ:

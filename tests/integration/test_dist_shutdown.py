@@ -7,17 +7,12 @@ after its last step. :func:`asyncrl.learner.engine.shutdown_distributed` is what
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-from tests.integration.learner_helpers import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.learner_helpers import ROOT, child_env, free_port
 
 SCRIPT = """
-import sys
 import torch
 import torch.distributed as dist
 from asyncrl.learner.engine import init_distributed, shutdown_distributed
@@ -36,11 +31,8 @@ print(f"rank {rank} of {world} shut down", flush=True)
 def test_two_ranks_destroy_their_process_group(tmp_path) -> None:
     script = tmp_path / "ranks.py"
     script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script)]  # fmt: skip
-    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "rank 0 of 2 shut down" in p.stdout and "rank 1 of 2 shut down" in p.stdout, p.stdout

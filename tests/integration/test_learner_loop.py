@@ -31,7 +31,7 @@ from asyncrl.learner.logprobs import load_hf_model
 from asyncrl.learner.loop import learn
 from asyncrl.learner.records import DISCARDED_FILE, LEDGER_FILE, METRICS_FILE, StepRecord, read_jsonl
 from asyncrl.tinymodel import resolve_model_path
-from tests.integration.learner_helpers import dist_env, free_port, sample_groups, tiny_config
+from tests.integration.learner_helpers import child_env, dist_env, free_port, sample_groups, tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,13 +42,6 @@ def sampler(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     d = tmp_path_factory.mktemp("sampler")
     # Same spec and seed as tiny_config -> the same initial weights as every learner run here.
     return load_hf_model(resolve_model_path(tiny_config(d), d))
-
-
-def _child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 def _write_cfg(cfg, path: Path) -> Path:
@@ -95,7 +88,7 @@ def test_dp1_and_dp2_train_the_same_step(redis_url, redis_client, run_name, samp
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
                    "--master_addr", "127.0.0.1", "--master_port", str(port),
                    "-m", "asyncrl.learner", "--config", str(_write_cfg(cfg, tmp_path / "dp2.yaml"))]  # fmt: skip
-            p = subprocess.run(cmd, env=_child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+            p = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
             assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
         stats = buf.stats()
         assert stats["pending"] == 0 and stats["depth"] == 0 and stats["version"] == 1
@@ -162,7 +155,7 @@ def test_kill9_between_checkpoints_then_resume_trains_each_group_once(
         buf.put(g)
     log = open(tmp_path / "learner.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.learner", "--config", str(_write_cfg(cfg, tmp_path / "c.yaml"))],
-                            env=_child_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+                            env=child_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         # 6 groups = 3 steps; checkpoints at step 2; then it blocks on the empty buffer.
         _wait_for(lambda: len(read_jsonl(rdir / LEDGER_FILE)) >= 3, 240, "3 trained steps", proc)
@@ -290,7 +283,7 @@ def test_sigterm_checkpoints_acks_and_exits_zero(
     for g in sample_groups(sampler, 2, group_size=2, max_tokens=6, seed=31):
         buf.put(g)
     cmd = [sys.executable, "-m", "asyncrl.learner", "--config", str(_write_cfg(cfg, tmp_path / "c.yaml"))]
-    proc = subprocess.Popen(cmd, env=_child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         _wait_for(lambda: len(read_jsonl(rdir / METRICS_FILE)) >= 1, 240, "1 step", proc)
         assert buf.stats()["pending"] == 2
