@@ -198,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated sections to leave out (gradient, guard, "
                     "throughput, zero1, zero2, zero3, floors): the checks of a skipped section read failed")  # fmt: skip
     args = ap.parse_args(argv)
-    res = run(args.shape, args.steps, Path(args.out), skip=frozenset(filter(None, args.skip.split(","))))
+    from asyncrl.learner.engine import shutdown_distributed
+
+    try:  # the engines' process group is this process's own: destroyed before exit (see the helper)
+        res = run(args.shape, args.steps, Path(args.out), skip=frozenset(filter(None, args.skip.split(","))))
+    finally:
+        shutdown_distributed()
     keys = ("device", "params", "precision", "gradient", "guard", "checks", "marks_s")
     print(json.dumps({k: res.get(k) for k in keys}, indent=1))
     tp = res["throughput"] or {}
@@ -209,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
           f"MFU {tp['mfu']}")  # fmt: skip
     if tp.get("small_micro_batches"):
         print(f"one-sequence micro-batches ({tp['small_micro_batches']} vs {tp['micro_batches']}): Trainer "
-              f"{tp['alone_small_micro_s'] * 1e3:.1f} ms, bare DeepSpeed {tp['bare_deepspeed_small_micro_s'] * 1e3:.1f}; "
-              f"per extra micro-batch {tp['alone_per_extra_micro_batch_s'] * 1e3:.1f} / "
-              f"{tp['bare_deepspeed_per_extra_micro_batch_s'] * 1e3:.1f} ms")  # fmt: skip
+              f"{tp['alone_small_micro_s'] * 1e3:.1f} ms, bare DeepSpeed {tp['bare_deepspeed_small_micro_s'] * 1e3:.1f}, "
+              f"bare torch {tp['bare_torch_autocast_small_micro_s'] * 1e3:.1f}; per extra micro-batch "
+              f"{tp['alone_per_extra_micro_batch_s'] * 1e3:.1f} / {tp['bare_deepspeed_per_extra_micro_batch_s'] * 1e3:.1f} / "
+              f"{tp['bare_torch_autocast_per_extra_micro_batch_s'] * 1e3:.1f} ms")  # fmt: skip
     for st, z in res["zero"].items():
         if z:
             print(

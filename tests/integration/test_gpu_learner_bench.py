@@ -54,7 +54,12 @@ def test_tiny_bf16_learner_path_checks_hold_on_cpu(tmp_path: Path) -> None:
         tp["small_micro_batches"] == 8
         and tp["alone_small_micro_s"] > 0
         and tp["bare_deepspeed_small_micro_s"] > 0
+        and tp["bare_torch_autocast_small_micro_s"] > 0
     )
+    # per extra micro-batch = (small-cut step - 4-micro-batch step) / 4 extra micro-batches, each side
+    for side in ("alone", "bare_deepspeed", "bare_torch_autocast"):
+        want = (tp[f"{side}_small_micro_s"] - tp[f"{side}_s"]) / 4
+        assert tp[f"{side}_per_extra_micro_batch_s"] == pytest.approx(want)
     for stage in ("1", "2", "3"):
         z = res["zero"][stage]
         assert z["finite"] and z["tensors"] == 27
