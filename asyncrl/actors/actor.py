@@ -148,7 +148,8 @@ class RolloutActor(GroupProduction, VersionWatching):
         out = dict(self.counters)
         out["swap_pause_s"] = list(self.counters["swap_pause_s"])
         out["in_flight"] = self.engine.in_flight if self.engine else 0
-        # Tokens received so far by the groups in flight (progress inside long generations).
+        # Tokens received so far by the groups in flight (progress inside long generations); 0 until a
+        # group ends unless actors.stream_tokens (vLLM then hands the tokens over as they are sampled).
         out["in_flight_tokens"] = sum(self.engine.progress.values()) if self.engine else 0
         out["swap_mode"] = self.swap_mode
         out["reward_threads"] = self.rewards.running

