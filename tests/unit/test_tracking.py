@@ -56,3 +56,25 @@ def test_tensorboard_and_wandb_offline_get_every_record(tmp_path, monkeypatch):
     assert "train/eval_version" not in s and "train/step" not in s
     offline = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
+
+
+def test_tensorboard_writes_one_event_per_step_with_every_scalar(tmp_path):
+    """All of a step's scalars travel in one event (TensorBoard reads each value as its tag): ~64
+    events per step cost the learner ~2 ms of CPU per step, one ~0.2 ms (asyncrl.learner.tracking)."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    tracking._last_eval.clear()
+    t = tracking.Tracker(Config(), tmp_path)
+    for step in (1, 2, 3):
+        t(StepRecord(step=step, version=step, reward_mean=0.25 * step, step_time=1000.0 + step))
+    t.close()
+    (path,) = (tmp_path / tracking.TENSORBOARD_DIR).glob("events.out.tfevents.*")
+    events = [Event.FromString(b) for b in RawEventFileLoader(str(path)).Load()]
+    events = [e for e in events if e.HasField("summary")]  # (the first one holds the file version)
+    assert [e.step for e in events] == [1, 2, 3]
+    assert [e.wall_time for e in events] == [1001.0, 1002.0, 1003.0]
+    n = len(tracking._scalars(StepRecord(step=1)))
+    assert n > 40 and all(len(e.summary.value) == n for e in events)
+    reward = [v.simple_value for e in events for v in e.summary.value if v.tag == "train/reward_mean"]
+    assert reward == [0.25, 0.5, 0.75]
