@@ -52,8 +52,8 @@ class ActorsConfig:
         "Receive each completion from vLLM token by token (RequestOutputKind.DELTA) instead of once when "
         "it ends (FINAL_ONLY). The rollouts are identical either way (tokens, logprobs, text, per-token "
         "versions); streaming only makes the actor's in_flight_tokens stat count tokens while they are "
-        "sampled, and costs vLLM's front end an output object per request per decode step (on the 2-core "
-        "demo it shares the engine's core: ~5% fewer steps/s at max_staleness 1).",
+        "sampled, and costs vLLM's front end an output object per request per decode step (measured on "
+        "the 2-core demo: ~1% fewer steps/s, within that box's run-to-run spread).",
     )
     swap_min_lag: int = F(
         1,
