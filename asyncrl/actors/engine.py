@@ -151,6 +151,9 @@ class Engine(WeightSwaps):
         self.staging = bool(staging) and weight_backend == FILE_BACKEND
         self.staging_refused: str | None = None
         self.staged_swaps = 0
+        # Staged commits in one engine-core utility call, without a pause (asyncrl.actors.atomic_commit):
+        # None = ask the engine core at the first staged swap; False = the paused sequence.
+        self.atomic_commit: bool | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str | os.PathLike) -> Engine:

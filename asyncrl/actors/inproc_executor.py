@@ -30,7 +30,12 @@ from typing import Any
 
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
+from asyncrl.actors import atomic_commit
+
 __all__ = ["InProcessExecutor", "QUALNAME", "omp_env"]
+
+# The engine core that loads this executor gets the one-call staged commit (asyncrl.actors.atomic_commit).
+atomic_commit.install()
 
 QUALNAME = "asyncrl.actors.inproc_executor.InProcessExecutor"
 

@@ -15,6 +15,11 @@ polled by RPC; an idle engine builds a small one inside the begin RPC: nothing t
     reset_prefix_cache(reset_running_requests=True)   # (recompute_kv) drop KV of the old weights
     resume_generation()
 
+A staged swap on an engine core that steps synchronously (the CPU engine's in-process executor) skips
+that sequence: one engine-core utility call commits, labels and resets between two model steps
+(:mod:`asyncrl.actors.atomic_commit`), so nothing can step in between without a pause
+(``Engine.atomic_commit``: asked of the engine core once; False keeps the sequence above).
+
 Why not ``AsyncLLM.pause_generation``: it ends with a fixed ``asyncio.sleep(0.02)`` (so that final
 outputs of in-flight requests are delivered first; vLLM documents it as not needed for
 correctness), which was 20 ms of every swap. The scheduler pause it wraps is awaited directly.
@@ -44,6 +49,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from asyncrl.actors.atomic_commit import ATOMIC_COMMIT, SUPPORTED
 
 __all__ = ["EngineError", "SwapResult", "SWAP_MODES", "WeightSwaps"]
 
@@ -82,7 +89,8 @@ class WeightSwaps:
 
     Needs from the engine: ``llm`` (vLLM ``AsyncLLM``), ``model_path``, ``recompute_kv``, ``version``,
     the asyncio ``_swap_lock``, ``_admit`` and ``_idle`` events, ``_expected_names`` and the staging
-    state (``staging``, ``staging_refused``, ``staged_swaps``), all set by ``Engine.__init__``.
+    state (``staging``, ``staging_refused``, ``staged_swaps``, ``atomic_commit``), all set by
+    ``Engine.__init__``.
     """
 
     llm: Any
@@ -92,6 +100,7 @@ class WeightSwaps:
     staging: bool
     staging_refused: str | None
     staged_swaps: int
+    atomic_commit: bool | None
     _swap_lock: asyncio.Lock
     _admit: asyncio.Event
     _idle: asyncio.Event
@@ -237,6 +246,20 @@ class WeightSwaps:
                 self._admit.clear()
                 await self._idle.wait()
                 drain_s = time.perf_counter() - t0
+            if staged and await self._atomic_commit_ok():
+                try:  # one utility call between two engine steps: no pause (asyncrl.actors.atomic_commit)
+                    t1 = time.perf_counter()
+                    await self.llm.engine_core.call_utility_async(
+                        ATOMIC_COMMIT, int(version), bool(self.recompute_kv)
+                    )
+                    reload_s = time.perf_counter() - t1
+                    self.staged_swaps += 1
+                    self.version = int(version)
+                finally:
+                    self._admit.set()
+                return SwapResult(
+                    int(version), mode, time.perf_counter() - t0, drain_s, reload_s, staged, t0 - tp
+                )
             try:
                 # The scheduler pause without AsyncLLM.pause_generation's fixed 20 ms sleep.
                 await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
@@ -261,6 +284,16 @@ class WeightSwaps:
             return SwapResult(
                 int(version), mode, time.perf_counter() - t0, drain_s, reload_s, staged, t0 - tp
             )
+
+    async def _atomic_commit_ok(self) -> bool:
+        """Whether staged commits go through one engine-core utility call (``atomic_commit``; asked once)."""
+        if self.atomic_commit is None:
+            try:
+                self.atomic_commit = bool(await self.llm.engine_core.call_utility_async(SUPPORTED))
+            except Exception as e:  # an engine core without asyncrl's utility (another executor)
+                log.info("staged commits keep the scheduler pause: %s", e)
+                self.atomic_commit = False
+        return self.atomic_commit
 
     def _check_file(self, path: Path, version: int) -> None:
         """Raise ValueError unless ``path`` holds exactly the served tensors, tagged ``version``.

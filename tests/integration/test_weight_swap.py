@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -265,6 +266,42 @@ def test_streamed_and_final_only_groups_are_identical(rig) -> None:
     assert [s.token_ids for s in other] != [s.token_ids for s in final]
 
 
+def test_one_call_commit_serves_what_the_paused_commit_serves_without_pausing(rig) -> None:
+    """A staged swap committed by one engine-core utility call (asyncrl.actors.atomic_commit: commit,
+    label, KV reset between two steps) serves, to the bit, what the paused five-call sequence serves,
+    labelled with its own version, and never pauses the scheduler; the paused sequence stays available
+    (``atomic_commit = False``, what engines on vLLM's own executors use)."""
+    eng, tr, run = rig["engine"], rig["transport"], rig["loop"].run_until_complete
+    base = (eng.version or 0) + 500
+    w = rig["weights"](9)
+    pauses: list[str] = []
+    core = eng.llm.engine_core
+    paused = core.pause_scheduler_async
+
+    async def spy(*args: Any, **kwargs: Any) -> Any:  # observes; the real pause still runs
+        pauses.append(kwargs.get("mode", args[0] if args else ""))
+        return await paused(*args, **kwargs)
+
+    eng.staging = True
+    core.pause_scheduler_async = spy
+    try:
+        eng.atomic_commit = False
+        res_p = run(eng.swap_weights(tr.publish(base, w, "float32").path, base, "in_flight"))
+        s_p = _seeded(rig, "paused-commit")
+        assert res_p.staged and pauses == ["keep"]
+        eng.atomic_commit = None  # ask the engine core again
+        res_a = run(eng.swap_weights(tr.publish(base + 1, w, "float32").path, base + 1, "in_flight"))
+        s_a = _seeded(rig, "one-call-commit")
+        assert res_a.staged and eng.atomic_commit is True and pauses == ["keep"]  # no second pause
+    finally:
+        del core.pause_scheduler_async
+        eng.staging = False
+    assert all(set(s.versions) == {base} for s in s_p) and all(set(s.versions) == {base + 1} for s in s_a)
+    for a, b in zip(s_p, s_a, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # bitwise
+    assert _max_err(rig["hf"](w), s_a) < TOL
+
+
 def test_staged_swap_under_running_requests_labels_every_token(rig) -> None:
     """A staged swap while groups are generating: the stage builds while tokens keep coming, every
     token is labelled with the version that sampled it and matches HF under that version's weights,
@@ -292,7 +329,8 @@ def test_staged_swap_under_running_requests_labels_every_token(rig) -> None:
         res, streamed, final = loop.run_until_complete(scenario())
     finally:
         eng.staging = False
-    assert res.staged and res.pause_s < 5.0
+    # Committed by one engine-core call between two steps (asyncrl.actors.atomic_commit), no pause.
+    assert res.staged and res.pause_s < 5.0 and eng.atomic_commit is True
     hf = {20: rig["hf"](w_old), 21: rig["hf"](w_new)}
     assert sum(set(s.versions) == {20, 21} for s in final) >= 1, [s.versions for s in final]
     for s in streamed + final:
@@ -412,12 +450,15 @@ def test_multiproc_engine_swaps_exactly_and_bounds_its_busy_wait(rig, tmp_path: 
     model_dir = rig["engine"].model_path
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # the rig's engine
     eng = Engine(model_dir, dtype="float32", kv_cache_bytes=32 << 20, max_model_len=128, busy_loop_ms=BUSY_MS,
-                 executor="multiproc")  # fmt: skip
+                 executor="multiproc", staging=True)  # fmt: skip
     loop = rig["loop"]
     try:
         assert not eng.in_process
         m = rig["transport"].publish(11, rig["weights"](3), "float32")
-        loop.run_until_complete(eng.swap_weights(m.path, 11, "in_flight"))
+        res = loop.run_until_complete(eng.swap_weights(m.path, 11, "in_flight"))
+        # The stage built in the worker process, committed by the engine core's one-call commit (its
+        # collective_rpc to the worker returns before the next step).
+        assert res.staged and eng.atomic_commit is True
         seqs = loop.run_until_complete(eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 12, "mp-0"))
         assert all(set(x.versions) == {11} for x in seqs)
         assert _max_err(rig["hf"](rig["weights"](3)), seqs) < TOL
