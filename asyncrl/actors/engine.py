@@ -152,8 +152,9 @@ class Engine(WeightSwaps):
         self.staging_refused: str | None = None
         self.staged_swaps = 0
         # Staged commits in one engine-core utility call, without a pause (asyncrl.actors.atomic_commit):
-        # None = ask the engine core at the first staged swap; False = the paused sequence.
-        self.atomic_commit: bool | None = None
+        # None = ask the engine core at the first staged swap; False = the paused sequence. Only asyncrl's
+        # executors install that call: vLLM's own would answer the question with a logged traceback.
+        self.atomic_commit: bool | None = None if backend in (INPROC_EXECUTOR, QUIET_EXECUTOR) else False
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str | os.PathLike) -> Engine:
