@@ -195,7 +195,6 @@ class WeightSwaps:
     def _commit_stage(self, version: int) -> Callable[[], Awaitable[None]]:
         async def commit() -> None:
             await self.llm.collective_rpc("asyncrl_stage_commit", args=(version,))
-            self.staged_swaps += 1
 
         return commit
 
@@ -234,7 +233,8 @@ class WeightSwaps:
         prepare: Callable[[], Awaitable[tuple[Callable[[], Awaitable[None]], bool]]],
     ) -> SwapResult:
         """``prepare`` runs before the pause (checks, staging; generation goes on) and returns what runs
-        inside it (a staged commit or an in-place reload); then the label, the KV reset, the resume."""
+        inside it (a staged commit or an in-place reload); then the label, the KV reset, the resume. A
+        staged commit on an engine core that allows it is one utility call instead (no pause)."""
         if mode not in SWAP_MODES:
             raise ValueError(f"swap mode {mode!r}; expected one of {SWAP_MODES}")
         async with self._swap_lock:
@@ -246,44 +246,46 @@ class WeightSwaps:
                 self._admit.clear()
                 await self._idle.wait()
                 drain_s = time.perf_counter() - t0
-            if staged and await self._atomic_commit_ok():
-                try:  # one utility call between two engine steps: no pause (asyncrl.actors.atomic_commit)
+            try:
+                if staged and await self._atomic_commit_ok():
+                    # Commit, label and KV reset in one utility call between two engine steps: no
+                    # pause (asyncrl.actors.atomic_commit).
                     t1 = time.perf_counter()
                     await self.llm.engine_core.call_utility_async(
                         ATOMIC_COMMIT, int(version), bool(self.recompute_kv)
                     )
                     reload_s = time.perf_counter() - t1
-                    self.staged_swaps += 1
-                    self.version = int(version)
-                finally:
-                    self._admit.set()
-                return SwapResult(
-                    int(version), mode, time.perf_counter() - t0, drain_s, reload_s, staged, t0 - tp
-                )
-            try:
-                # The scheduler pause without AsyncLLM.pause_generation's fixed 20 ms sleep.
-                await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
-                try:
-                    t1 = time.perf_counter()
-                    await inner()
-                    # The label of every later step (finish_weight_update(weight_version=...) does
-                    # exactly this after its RPC; a staged commit has no update session to finish).
-                    await self.llm.update_weight_version(str(version))
-                    reload_s = time.perf_counter() - t1
-                    if self.recompute_kv:
-                        # Preempt running requests: they re-prefill under the new weights.
-                        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
-                            raise EngineError("reset_prefix_cache failed after a weight reload")
-                    self.version = int(version)
-                finally:
-                    # Resume even on failure: the old weights (or a failed reload's error) must not
-                    # leave requests frozen forever; the caller decides what to do with the error.
-                    await self.llm.resume_generation()
+                else:
+                    reload_s = await self._paused(inner, version)
+                self.version = int(version)
+                self.staged_swaps += int(staged)
             finally:
                 self._admit.set()
             return SwapResult(
                 int(version), mode, time.perf_counter() - t0, drain_s, reload_s, staged, t0 - tp
             )
+
+    async def _paused(self, inner: Callable[[], Awaitable[None]], version: int) -> float:
+        """``inner`` inside the scheduler pause, then the label and the KV reset (the sequence of the
+        module doc); returns the seconds from the pause's start to the label."""
+        # The scheduler pause without AsyncLLM.pause_generation's fixed 20 ms sleep.
+        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        try:
+            t1 = time.perf_counter()
+            await inner()
+            # The label of every later step (finish_weight_update(weight_version=...) does exactly
+            # this after its RPC; a staged commit has no update session to finish).
+            await self.llm.update_weight_version(str(version))
+            reload_s = time.perf_counter() - t1
+            if self.recompute_kv:
+                # Preempt running requests: they re-prefill under the new weights.
+                if not await self.llm.reset_prefix_cache(reset_running_requests=True):
+                    raise EngineError("reset_prefix_cache failed after a weight reload")
+        finally:
+            # Resume even on failure: the old weights (or a failed reload's error) must not leave
+            # requests frozen forever; the caller decides what to do with the error.
+            await self.llm.resume_generation()
+        return reload_s
 
     async def _atomic_commit_ok(self) -> bool:
         """Whether staged commits go through one engine-core utility call (``atomic_commit``; asked once)."""
