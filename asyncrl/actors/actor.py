@@ -138,6 +138,10 @@ class RolloutActor(GroupProduction, VersionWatching):
             "engine_errors": 0,
             "reconstructed": False,
             "groups_reward_failed": 0,
+            # Slots taken for the version a swap was preparing (group_worker._await_swap), and those
+            # given back because that swap did not serve it.
+            "preadmissions": 0,
+            "preadmissions_returned": 0,
             "loop_restarts": 0,
         }
 
@@ -339,12 +343,11 @@ class RolloutActor(GroupProduction, VersionWatching):
                 return
             await self._sleep(MANIFEST_POLL_S)
 
-    async def _sleep(self, seconds: float, hint: asyncio.Event | None = None) -> None:
-        """Sleep, waking early on a stop request (or when ``hint`` is set)."""
+    async def _sleep(self, seconds: float, *hints: asyncio.Event | None) -> None:
+        """Sleep, waking early on a stop request (or when one of ``hints`` is set)."""
         assert self._wake is not None
         waits = [asyncio.ensure_future(self._wake.wait())]
-        if hint is not None:
-            waits.append(asyncio.ensure_future(hint.wait()))
+        waits += [asyncio.ensure_future(h.wait()) for h in hints if h is not None]
         try:
             await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         finally:

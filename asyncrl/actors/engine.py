@@ -145,6 +145,14 @@ class Engine(WeightSwaps):
         self._idle.set()
         self._active = 0
         self._swap_lock = asyncio.Lock()
+        # The version a swap is preparing (None between swaps), ``swap_begun`` set (and replaced) when
+        # one starts and ``swap_settled`` set once it served or failed: a group worker refused for
+        # stale weights is admitted for the coming version during the prepare and submits once it serves
+        # (asyncrl.actors.group_worker; saves the admission round trips after a synchronous swap).
+        self.swapping_to: int | None = None
+        self.swap_begun = asyncio.Event()
+        self.swap_settled = asyncio.Event()
+        self.swap_settled.set()
         self._expected_names: set[str] | None = None
         # Staged swaps (asyncrl.actors.staging), file/shm transports only; turned off for good if the
         # worker refuses the model (staging_refused says why).

@@ -56,29 +56,82 @@ class GroupProduction:
                     return False
                 # Pass the version we sample with: weights already too stale are refused until the
                 # version watcher has swapped (exactly synchronous training at max_staleness = 0).
-                version = self.engine.version if self.engine is not None else None
+                engine = self.engine
+                version = engine.version if engine is not None else None
                 if not self.cfg.actors.refuse_stale_weights:
                     version = None
-                # Taken before the attempt: a hint that arrives while it runs is not lost (admission_wake).
+                # Taken before the attempt: a hint that arrives while it runs is not lost (admission_wake),
+                # nor is a swap that begins meanwhile.
                 hint = self._waker.event if self._waker is not None else None
-                if await asyncio.to_thread(self.buffer.try_admit, None, None, version, self.actor_id):
-                    self._started += 1
-                    if info is not None:
-                        info["blocked"] = blocked
-                    return True
+                begun = engine.swap_begun if engine is not None and version is not None else None
+                if await self._try_admit(version):
+                    return self._admitted(info, blocked)
+                # Refused while a swap prepares newer weights: ask for a slot sampled by those. At
+                # max_staleness 0 this takes the round trip during the prepare, not after the swap; the
+                # group is submitted only once the engine serves them (every token still theirs).
+                ahead = engine.swapping_to if engine is not None and version is not None else None
+                if ahead is not None and ahead > version:
+                    if await self._try_admit(ahead):
+                        if await self._await_swap(ahead):
+                            return self._admitted(info, blocked)
+                        continue  # the swap did not serve it: the slot went back; ask again
                 if not blocked:
                     blocked = True
                     self.counters["admission_blocked"] += 1
                     swap_hint = self._swap_hint
                     if swap_hint is not None:  # actors.swap_min_lag > 1: a waiting worker makes a swap due
                         swap_hint.set()
-                await self._sleep(self.cfg.actors.admission_poll_s, hint)
+                await self._sleep(self.cfg.actors.admission_poll_s, hint, begun)
                 now = time.monotonic()
                 self.counters["admission_wait_s"] += now - last
                 last = now
         finally:
             if blocked:
                 self.counters["admission_blocked"] -= 1
+
+    async def _try_admit(self, version: int | None) -> bool:
+        """One admission attempt (a Redis script, in a thread). Cancelled meanwhile (a stop with abort):
+        the attempt runs to its end and a slot it took goes back as a credit, tracked like a write so
+        that shutdown and a restart's reclaim wait for it (admission cannot leak)."""
+        attempt = asyncio.ensure_future(
+            asyncio.to_thread(self.buffer.try_admit, None, None, version, self.actor_id)
+        )
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+
+            async def give_back() -> None:
+                if await attempt:
+                    await asyncio.to_thread(self.buffer.credit, 1, self.actor_id)
+
+            fut = asyncio.ensure_future(give_back())
+            self._writes.add(fut)
+            fut.add_done_callback(self._writes.discard)
+            raise
+
+    def _admitted(self, info: dict[str, Any] | None, blocked: bool) -> bool:
+        self._started += 1
+        if info is not None:
+            info["blocked"] = blocked
+        return True
+
+    async def _await_swap(self, version: int) -> bool:
+        """Admitted for ``version`` while a swap prepared it: wait until the swap settles. True if the
+        engine then serves ``version`` or newer; else (the swap was refused or failed) the slot goes back
+        as a credit, ``preadmissions_returned`` counts it, and False. Cancelled (a stop with abort)
+        while waiting: the slot goes back too (admission cannot leak)."""
+        assert self.engine is not None
+        try:
+            await self.engine.swap_settled.wait()
+        except BaseException:
+            self.buffer.credit(1, self.actor_id)
+            raise
+        if self.engine.version is not None and self.engine.version >= version:
+            self.counters["preadmissions"] += 1
+            return True
+        await self._write(self.buffer.credit, 1, self.actor_id)
+        self.counters["preadmissions_returned"] += 1
+        return False
 
     async def _write(self, fn: Any, *args: Any, written: bool = False) -> Any:
         """A buffer write (a blocking call, run in a thread, or the put batcher's coroutine, run as a
@@ -170,6 +223,11 @@ class GroupProduction:
             }
             try:  # off the event loop, within task.reward_timeout_s (asyncrl.actors.rewards)
                 rewards = await self.rewards.score(prompt, [s.text for s in seqs])
+            except asyncio.CancelledError:
+                # A stop with abort while it was scored: not written, the slot goes back (as above).
+                self.buffer.credit(1, self.actor_id, request_id=group_id)
+                self.counters["groups_aborted"] += 1
+                raise
             except RewardFailure as e:
                 log.warning("%s: group %s dropped: %s", self.actor_id, group_id, e)
                 await self._write(self.buffer.abandon, group_id, self.actor_id, str(e))

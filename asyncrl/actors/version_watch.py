@@ -94,6 +94,9 @@ class VersionWatching:
                     break
                 except WeightIntegrityError as e:  # nothing paused: the old weights keep serving
                     self._refuse(m, e)
+        # Workers admitted for this version while it was prepared (group_worker._await_swap) submit
+        # their groups before the bookkeeping below runs: the engine gets them all at once.
+        await asyncio.sleep(0)
         self.counters["version"] = res.version
         if not first:
             self.counters["swaps"] += 1

@@ -88,9 +88,13 @@ class WeightSwaps:
     """The swap half of :class:`asyncrl.actors.engine.Engine` (see the module docstring).
 
     Needs from the engine: ``llm`` (vLLM ``AsyncLLM``), ``model_path``, ``recompute_kv``, ``version``,
-    the asyncio ``_swap_lock``, ``_admit`` and ``_idle`` events, ``_expected_names`` and the staging
-    state (``staging``, ``staging_refused``, ``staged_swaps``, ``atomic_commit``), all set by
-    ``Engine.__init__``.
+    the asyncio ``_swap_lock``, ``_admit`` and ``_idle`` events, ``_expected_names``, the staging
+    state (``staging``, ``staging_refused``, ``staged_swaps``, ``atomic_commit``) and the swap's
+    progress (``swapping_to``, ``swap_begun``, ``swap_settled``), all set by ``Engine.__init__``.
+
+    Invariant: ``swapping_to`` is set exactly while a swap holds the lock, and ``swap_settled`` is set
+    whenever it is None; when a swap settles, ``version`` is ``swapping_to`` if it served, else it is
+    unchanged (a refused or failed swap).
     """
 
     llm: Any
@@ -105,6 +109,9 @@ class WeightSwaps:
     _admit: asyncio.Event
     _idle: asyncio.Event
     _expected_names: set[str] | None
+    swapping_to: int | None
+    swap_begun: asyncio.Event
+    swap_settled: asyncio.Event
 
     async def load_weights(self, path: str | os.PathLike, version: int) -> float:
         """Load ``path`` as ``version`` (first load, or a swap with nothing in flight); returns seconds."""
@@ -238,32 +245,47 @@ class WeightSwaps:
         if mode not in SWAP_MODES:
             raise ValueError(f"swap mode {mode!r}; expected one of {SWAP_MODES}")
         async with self._swap_lock:
-            tp = time.perf_counter()
-            inner, staged = await prepare()
-            t0 = time.perf_counter()
-            drain_s = 0.0
-            if mode == "between_groups":
-                self._admit.clear()
-                await self._idle.wait()
-                drain_s = time.perf_counter() - t0
+            self.swapping_to = version
+            self.swap_settled.clear()
+            begun, self.swap_begun = self.swap_begun, asyncio.Event()
+            begun.set()  # wakes workers refused for stale weights: admitted for `version` meanwhile
             try:
-                if staged and await self._atomic_commit_ok():
-                    # Commit, label and KV reset in one utility call between two engine steps: no
-                    # pause (asyncrl.actors.atomic_commit).
-                    t1 = time.perf_counter()
-                    await self.llm.engine_core.call_utility_async(
-                        ATOMIC_COMMIT, int(version), bool(self.recompute_kv)
-                    )
-                    reload_s = time.perf_counter() - t1
-                else:
-                    reload_s = await self._paused(inner, version)
-                self.version = int(version)
-                self.staged_swaps += int(staged)
+                return await self._swap_locked(version, mode, prepare)
             finally:
-                self._admit.set()
-            return SwapResult(
-                int(version), mode, time.perf_counter() - t0, drain_s, reload_s, staged, t0 - tp
-            )
+                self.swapping_to = None
+                self.swap_settled.set()
+
+    async def _swap_locked(
+        self,
+        version: int,
+        mode: str,
+        prepare: Callable[[], Awaitable[tuple[Callable[[], Awaitable[None]], bool]]],
+    ) -> SwapResult:
+        """:meth:`_swap` under the lock."""
+        tp = time.perf_counter()
+        inner, staged = await prepare()
+        t0 = time.perf_counter()
+        drain_s = 0.0
+        if mode == "between_groups":
+            self._admit.clear()
+            await self._idle.wait()
+            drain_s = time.perf_counter() - t0
+        try:
+            if staged and await self._atomic_commit_ok():
+                # Commit, label and KV reset in one utility call between two engine steps: no
+                # pause (asyncrl.actors.atomic_commit).
+                t1 = time.perf_counter()
+                await self.llm.engine_core.call_utility_async(
+                    ATOMIC_COMMIT, int(version), bool(self.recompute_kv)
+                )
+                reload_s = time.perf_counter() - t1
+            else:
+                reload_s = await self._paused(inner, version)
+            self.version = int(version)
+            self.staged_swaps += int(staged)
+        finally:
+            self._admit.set()
+        return SwapResult(int(version), mode, time.perf_counter() - t0, drain_s, reload_s, staged, t0 - tp)
 
     async def _paused(self, inner: Callable[[], Awaitable[None]], version: int) -> float:
         """``inner`` inside the scheduler pause, then the label and the KV reset (the sequence of the

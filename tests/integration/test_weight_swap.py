@@ -540,6 +540,75 @@ def test_worker_refused_for_stale_weights_starts_as_soon_as_its_engine_swapped(
     assert waited["after_swap"] < 0.5, waited  # typically 1-3 ms: one admission round trip
 
 
+@pytest.mark.parametrize("serves", [True, False], ids=["swap-serves", "swap-refused"])
+def test_worker_refused_for_stale_weights_is_admitted_while_the_swap_prepares(
+    rig, redis_server, tmp_path: Path, run_name: str, serves: bool
+) -> None:
+    """max_staleness=0: a worker refused for stale weights takes its slot for the version the engine is
+    preparing (during the prepare, not after the swap) and submits nothing until the engine serves it.
+    A swap that does not serve it (its file refused) gives the slot back as a credit."""
+    from asyncrl.actors.admission_wake import AdmissionWaker
+
+    eng, loop = rig["engine"], rig["loop"]
+    tr, buf, actor, base = _actor_rig(rig, redis_server.url, tmp_path / "run", run_name, [
+        "buffer.max_staleness=0", "actors.admission_poll_s=5.0", "actors.refuse_stale_weights=true",
+    ])  # fmt: skip
+    while buf.try_admit():  # use up the window of V = base
+        pass
+    seen: dict[str, object] = {}
+
+    async def main() -> None:
+        actor._wake = asyncio.Event()
+        actor._waker = await asyncio.to_thread(AdmissionWaker(actor.buffer, loop, "t").start)
+        gate = asyncio.Event()
+
+        async def verify() -> None:  # the prepare: held open until the test has looked
+            await gate.wait()
+            if not serves:
+                raise ValueError("refused by the test")
+
+        try:
+            await asyncio.to_thread(buf.publish_weights, tr.publish(base + 1, rig["weights"](1), "float32"))
+            task = asyncio.create_task(actor._admit())
+            await asyncio.sleep(0.3)
+            admitted0 = buf.stats()["admitted"]
+            assert not task.done() and actor.counters["admission_blocked"] == 1  # refused: weights of V-1
+            path = tr.version_dir(base + 1) / "model.safetensors"
+            swap = asyncio.create_task(eng.swap_weights(path, base + 1, "in_flight", verify=verify))
+            deadline = time.monotonic() + 10
+            while buf.stats()["admitted"] == admitted0:  # the slot is taken during the prepare ...
+                assert time.monotonic() < deadline, "no admission while the swap prepared"
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)
+            # ... but nothing runs on the old weights meanwhile: the worker waits for the swap.
+            assert not task.done() and eng.version == base and eng.swapping_to == base + 1
+            seen["credits0"] = buf.stats()["credits"]
+            gate.set()
+            if serves:
+                assert (await swap).version == base + 1
+                assert await asyncio.wait_for(task, 2.0) and eng.version == base + 1
+            else:
+                with pytest.raises(ValueError, match="refused by the test"):
+                    await swap
+                await asyncio.sleep(0.3)
+                assert not task.done() and eng.version == base  # refused again, waiting
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            seen["credits1"] = buf.stats()["credits"]
+            seen["counters"] = dict(actor.counters)
+        finally:
+            actor._waker.stop()
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        _close_actor_rig(buf, actor, tr)
+    c = seen["counters"]
+    assert (c["preadmissions"], c["preadmissions_returned"]) == ((1, 0) if serves else (0, 1)), c
+    # Refused: the slot taken for the version that never served went back (admission cannot leak).
+    assert seen["credits1"] == seen["credits0"] + (0 if serves else 1), seen
+
+
 def test_swap_min_lag_skips_versions_until_due_and_a_waiting_worker_makes_a_swap_due_at_once(
     rig, redis_server, tmp_path: Path, run_name: str, monkeypatch
 ) -> None:
