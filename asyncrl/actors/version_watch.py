@@ -94,6 +94,7 @@ class VersionWatching:
                     break
                 except WeightIntegrityError as e:  # nothing paused: the old weights keep serving
                     self._refuse(m, e)
+        t_end = time.time()  # the swap returned just now after pausing the engine for pause_s
         # Workers admitted for this version while it was prepared (group_worker._await_swap) submit
         # their groups before the bookkeeping below runs: the engine gets them all at once.
         await asyncio.sleep(0)
@@ -101,9 +102,8 @@ class VersionWatching:
         if not first:
             self.counters["swaps"] += 1
             self.counters["swap_pause_s"].append(res.pause_s)
-            # The swap returned just now after pausing the engine for pause_s: when it started.
             self.timeline.record(
-                "swap", t_start=time.time() - res.pause_s, pause_s=res.pause_s, version=res.version
+                "swap", t_start=t_end - res.pause_s, pause_s=res.pause_s, version=res.version
             )
         waker = getattr(self, "_waker", None)
         if waker is not None:  # workers refused for stale weights (refuse_stale_weights) may start now
