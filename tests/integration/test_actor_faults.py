@@ -94,3 +94,49 @@ def test_actor_survives_reward_faults_and_a_redis_freeze_past_its_budget(tmp_pat
     finally:
         buf.close()
         server.stop()
+
+
+def test_a_stop_that_aborts_groups_hung_in_their_reward_gives_their_slots_back(tmp_path: Path) -> None:
+    """Every reward call hangs (task.reward_fault=hang): both groups in flight wait in scoring when the
+    stop (abort) comes. It cancels them at once, nothing is written, and both admission slots are
+    credited back: admitted = credits, nothing left in the actor's in-flight tally. (A cancel while a
+    group was scored used to leak its slot: it was credited only on a cancel during generation.)"""
+    from asyncrl.actors.actor import RolloutActor
+    from asyncrl.tinymodel import resolve_model_path
+
+    run_dir = tmp_path / "run"
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    cfg = load_config(
+        overrides=[
+            "run.name=actor-hung-reward", f"run.dir={run_dir}", f"redis.url={server.url}",
+            "actors.group_size=2", "actors.groups_in_flight=2", "actors.max_tokens=4", "actors.kv_cache_mib=64",
+            "actors.refuse_stale_weights=false", "buffer.groups_per_step=1000", "task.reward_fault=hang",
+            "task.reward_fault_every=1", "task.reward_fault_hang_s=60", "task.reward_timeout_s=600",
+            "metrics.enabled=false",
+        ]
+    )  # fmt: skip
+    model_path = resolve_model_path(cfg, run_dir)
+    v0 = run_dir / "weights" / "v0" / "model.safetensors"
+    v0.parent.mkdir(parents=True)
+    shutil.copy(model_path / "model.safetensors", v0)
+    buf = ReplayBuffer.from_config(cfg)
+    buf.publish_weights(build_manifest(0, v0, "float32"))
+    actor = RolloutActor(cfg, run_dir, 0, redis_url=server.url, model_path=model_path)
+    c = actor.counters
+
+    async def main() -> None:
+        run = asyncio.create_task(actor.run())
+        await _until(lambda: actor.rewards.running >= 2, 180, "both groups hung in their reward")
+        assert buf.stats()["admitted"] == 2 and c["groups_written"] == 0
+        await actor.stop(abort=True)
+        await run
+
+    try:
+        asyncio.run(main())
+        s = buf.stats()
+        inflight = sum(int(v) for v in buf.client.hvals(buf.keys.inflight))
+        assert c["groups_aborted"] == 2 and c["groups_written"] == 0 and s["depth"] == 0
+        assert inflight == 0 and s["admitted"] == 2 and s["credits"] == 2, (s, inflight)
+    finally:
+        buf.close()
+        server.stop()
