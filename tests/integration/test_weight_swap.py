@@ -609,6 +609,53 @@ def test_worker_refused_for_stale_weights_is_admitted_while_the_swap_prepares(
     assert seen["credits1"] == seen["credits0"] + (0 if serves else 1), seen
 
 
+def test_a_worker_cancelled_inside_its_admission_attempt_gives_the_slot_back(
+    rig, redis_server, tmp_path: Path, run_name: str
+) -> None:
+    """A stop with abort can cancel a group worker while its admission script runs in its thread. The
+    script still runs to its end (here: admits); the slot it took is credited back once it returns,
+    tracked with the worker's writes, so nothing is left in the actor's in-flight tally."""
+    import threading
+
+    loop = rig["loop"]
+    tr, buf, actor, _ = _actor_rig(rig, redis_server.url, tmp_path / "run", run_name, [])
+    real, entered, release = actor.buffer.try_admit, threading.Event(), threading.Event()
+
+    def held_try_admit(*args):  # the real script, started only once the test has cancelled the worker
+        entered.set()
+        release.wait(30)
+        return real(*args)
+
+    actor.buffer.try_admit = held_try_admit
+    seen: dict[str, object] = {}
+
+    async def main() -> None:
+        actor._wake = asyncio.Event()
+        before = buf.stats()
+        task = asyncio.create_task(actor._admit())
+        assert await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        deadline = time.monotonic() + 10
+        while buf.stats()["admitted"] == before["admitted"]:  # the script runs on after the cancel
+            assert time.monotonic() < deadline, "the admission script never ran"
+            await asyncio.sleep(0.01)
+        await actor._writes_done()
+        seen["before"], seen["after"] = before, buf.stats()
+        seen["inflight"] = sum(int(v) for v in buf.client.hvals(buf.keys.inflight))
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        release.set()
+        _close_actor_rig(buf, actor, tr)
+    b, a = seen["before"], seen["after"]
+    assert a["admitted"] == b["admitted"] + 1, seen  # the script did admit ...
+    assert a["credits"] == b["credits"] + 1 and seen["inflight"] == 0, seen  # ... and the slot came back
+
+
 def test_swap_min_lag_skips_versions_until_due_and_a_waiting_worker_makes_a_swap_due_at_once(
     rig, redis_server, tmp_path: Path, run_name: str, monkeypatch
 ) -> None:
