@@ -31,28 +31,34 @@ async def _until(cond, timeout: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
-def test_actor_survives_reward_faults_and_a_redis_freeze_past_its_budget(tmp_path: Path) -> None:
+def _actor(tmp_path: Path, overrides: list[str]):
+    """A real redis-server, a buffer with weights v0 published, and a RolloutActor (not started): one
+    engine, 2 groups of 2 in flight, 4-token completions, no admission bound, plus ``overrides``;
+    returns (server, buffer, actor)."""
     from asyncrl.actors.actor import RolloutActor
     from asyncrl.tinymodel import resolve_model_path
 
     run_dir = tmp_path / "run"
     server = EmbeddedRedis(tmp_path / "redis").start()
-    cfg = load_config(
-        overrides=[
-            "run.name=actor-faults", f"run.dir={run_dir}", f"redis.url={server.url}",
-            "actors.group_size=2", "actors.groups_in_flight=2", "actors.max_tokens=4", "actors.kv_cache_mib=64",
-            "actors.heartbeat_s=0.5", "actors.refuse_stale_weights=false", "actors.loop_restarts=4",
-            "buffer.groups_per_step=1000", "task.reward_fault=raise", "task.reward_fault_every=5",
-            "redis.retry_budget_s=2", "redis.socket_timeout_s=1", "metrics.enabled=false",
-        ]
-    )  # fmt: skip
+    cfg = load_config(overrides=[
+        f"run.dir={run_dir}", f"redis.url={server.url}", "actors.group_size=2", "actors.groups_in_flight=2",
+        "actors.max_tokens=4", "actors.kv_cache_mib=64", "actors.refuse_stale_weights=false",
+        "buffer.groups_per_step=1000", "metrics.enabled=false", *overrides,
+    ])  # fmt: skip
     model_path = resolve_model_path(cfg, run_dir)
     v0 = run_dir / "weights" / "v0" / "model.safetensors"
     v0.parent.mkdir(parents=True)
     shutil.copy(model_path / "model.safetensors", v0)
     buf = ReplayBuffer.from_config(cfg)
     buf.publish_weights(build_manifest(0, v0, "float32"))
-    actor = RolloutActor(cfg, run_dir, 0, redis_url=server.url, model_path=model_path)
+    return server, buf, RolloutActor(cfg, run_dir, 0, redis_url=server.url, model_path=model_path)
+
+
+def test_actor_survives_reward_faults_and_a_redis_freeze_past_its_budget(tmp_path: Path) -> None:
+    server, buf, actor = _actor(tmp_path, [
+        "run.name=actor-faults", "actors.heartbeat_s=0.5", "actors.loop_restarts=4", "task.reward_fault=raise",
+        "task.reward_fault_every=5", "redis.retry_budget_s=2", "redis.socket_timeout_s=1",
+    ])  # fmt: skip
     c = actor.counters
 
     async def main() -> None:
@@ -77,7 +83,7 @@ def test_actor_survives_reward_faults_and_a_redis_freeze_past_its_budget(tmp_pat
         assert ids and max(ids.values()) == 1  # no group written twice
         # A put that timed out during the freeze may still have run on thaw: that group is in the stream
         # (once) although the actor counted it as failed; one that had not run was tombstoned.
-        assert c["groups_written"] <= s["depth"] <= c["groups_written"] + cfg.actors.groups_in_flight
+        assert c["groups_written"] <= s["depth"] <= c["groups_written"] + actor.cfg.actors.groups_in_flight
         inflight = sum(int(v) for v in buf.client.hvals(buf.keys.inflight))
         assert inflight == 0 and s["admitted"] == s["depth"] + s["credits"]
         reasons = [d["reason"] for d in buf.dead_letters(count=1000)]
@@ -87,7 +93,7 @@ def test_actor_survives_reward_faults_and_a_redis_freeze_past_its_budget(tmp_pat
             2
             <= c["groups_reward_failed"]
             <= len(reasons)
-            <= c["groups_reward_failed"] + cfg.actors.groups_in_flight
+            <= c["groups_reward_failed"] + actor.cfg.actors.groups_in_flight
         )
         assert all(r.startswith("reward: InjectedRewardFault: injected reward fault") for r in reasons)
         assert c["engine_errors"] >= 1 and c["loop_restarts"] >= 1
@@ -101,27 +107,10 @@ def test_a_stop_that_aborts_groups_hung_in_their_reward_gives_their_slots_back(t
     stop (abort) comes. It cancels them at once, nothing is written, and both admission slots are
     credited back: admitted = credits, nothing left in the actor's in-flight tally. (A cancel while a
     group was scored used to leak its slot: it was credited only on a cancel during generation.)"""
-    from asyncrl.actors.actor import RolloutActor
-    from asyncrl.tinymodel import resolve_model_path
-
-    run_dir = tmp_path / "run"
-    server = EmbeddedRedis(tmp_path / "redis").start()
-    cfg = load_config(
-        overrides=[
-            "run.name=actor-hung-reward", f"run.dir={run_dir}", f"redis.url={server.url}",
-            "actors.group_size=2", "actors.groups_in_flight=2", "actors.max_tokens=4", "actors.kv_cache_mib=64",
-            "actors.refuse_stale_weights=false", "buffer.groups_per_step=1000", "task.reward_fault=hang",
-            "task.reward_fault_every=1", "task.reward_fault_hang_s=60", "task.reward_timeout_s=600",
-            "metrics.enabled=false",
-        ]
-    )  # fmt: skip
-    model_path = resolve_model_path(cfg, run_dir)
-    v0 = run_dir / "weights" / "v0" / "model.safetensors"
-    v0.parent.mkdir(parents=True)
-    shutil.copy(model_path / "model.safetensors", v0)
-    buf = ReplayBuffer.from_config(cfg)
-    buf.publish_weights(build_manifest(0, v0, "float32"))
-    actor = RolloutActor(cfg, run_dir, 0, redis_url=server.url, model_path=model_path)
+    server, buf, actor = _actor(tmp_path, [
+        "run.name=actor-hung-reward", "task.reward_fault=hang", "task.reward_fault_every=1",
+        "task.reward_fault_hang_s=60", "task.reward_timeout_s=600",
+    ])  # fmt: skip
     c = actor.counters
 
     async def main() -> None:
