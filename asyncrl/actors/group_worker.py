@@ -66,21 +66,23 @@ class GroupProduction:
                 begun = engine.swap_begun if engine is not None and version is not None else None
                 if await self._try_admit(version):
                     return self._admitted(info, blocked)
-                # Refused while a swap prepares newer weights: ask for a slot sampled by those. At
-                # max_staleness 0 this takes the round trip during the prepare, not after the swap; the
-                # group is submitted only once the engine serves them (every token still theirs).
-                ahead = engine.swapping_to if engine is not None and version is not None else None
-                if ahead is not None and ahead > version:
-                    if await self._try_admit(ahead):
-                        if await self._await_swap(ahead):
-                            return self._admitted(info, blocked)
-                        continue  # the swap did not serve it: the slot went back; ask again
                 if not blocked:
                     blocked = True
                     self.counters["admission_blocked"] += 1
                     swap_hint = self._swap_hint
                     if swap_hint is not None:  # actors.swap_min_lag > 1: a waiting worker makes a swap due
                         swap_hint.set()
+                # Refused while a swap prepares newer weights: ask for a slot sampled by those. At
+                # max_staleness 0 this takes the round trip during the prepare, not after the swap; the
+                # group is submitted only once the engine serves them (every token still theirs). It was
+                # refused first, so it counts as blocked (the timeline's calibration relies on that: its
+                # wait for the swap is not an admission round trip, asyncrl.plan.handoff.group_starts).
+                ahead = engine.swapping_to if engine is not None and version is not None else None
+                if ahead is not None and ahead > version:
+                    if await self._try_admit(ahead):
+                        if await self._await_swap(ahead):
+                            return self._admitted(info, blocked)
+                        continue  # the swap did not serve it: the slot went back; ask again
                 await self._sleep(self.cfg.actors.admission_poll_s, hint, begun)
                 now = time.monotonic()
                 self.counters["admission_wait_s"] += now - last
