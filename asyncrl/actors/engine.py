@@ -36,6 +36,7 @@ EXTENSION_CLS = "asyncrl.actors.worker_ext.WeightReloadExtension"
 FILE_BACKEND = "asyncrl_file"  # == worker_ext.FILE_BACKEND
 QUIET_EXECUTOR = "asyncrl.actors.quiet_executor.QuietMultiprocExecutor"  # == quiet_executor.QUALNAME
 QUIET_CONFIG_KEY = "asyncrl_busy_loop_s"  # == quiet_executor.CONFIG_KEY
+KEEP_FREED_KEY = "asyncrl_keep_freed_memory"  # == worker_ext.KEEP_FREED_KEY
 INPROC_EXECUTOR = "asyncrl.actors.inproc_executor.InProcessExecutor"  # == inproc_executor.QUALNAME
 EXECUTORS = ("auto", "multiproc")
 VLLM_BUSY_LOOP_MS = 1000.0  # vLLM 0.32's hard-coded SpinCondition busy_loop_s, in ms
@@ -78,6 +79,7 @@ class Engine(WeightSwaps):
         staging: bool = False,
         executor: str = "auto",
         stream_tokens: bool = False,
+        keep_freed_memory: bool = True,
     ) -> None:
         import contextlib
 
@@ -114,7 +116,11 @@ class Engine(WeightSwaps):
             # One engine = one node: its workers are this actor's own processes on the GPUs of its Ray
             # bundle (inside a placement group vLLM would otherwise pick its Ray executor and ask for more).
             distributed_executor_backend=backend,
-            additional_config={QUIET_CONFIG_KEY: busy_loop_ms / 1000.0} if quiet else {},
+            additional_config={
+                **({QUIET_CONFIG_KEY: busy_loop_ms / 1000.0} if quiet else {}),
+                # Read by the worker's weight-transfer engine on a CPU device (asyncrl.actors.cpu_heap).
+                **({KEEP_FREED_KEY: True} if keep_freed_memory else {}),
+            },
             # asyncrl_file (file / shm transports) or vLLM's nccl (learner.weight_transport=nccl).
             weight_transfer_config=WeightTransferConfig(backend=weight_backend),
             logprobs_mode=LOGPROBS_MODE,
@@ -184,6 +190,7 @@ class Engine(WeightSwaps):
             weight_backend="nccl" if cfg.learner.weight_transport == "nccl" else FILE_BACKEND,
             staging=a.swap_staging,
             stream_tokens=a.stream_tokens,
+            keep_freed_memory=a.cpu_keep_freed_memory,
         )
 
     # ------------------------------------------------------------------ generation
@@ -267,6 +274,11 @@ class Engine(WeightSwaps):
             if s.finish_reason not in ("stop", "length", "abort"):
                 raise EngineError(f"{request_id}[{i}]: finish reason {s.finish_reason!r}")
         return seqs
+
+    async def heap_policy(self) -> str:
+        """What the first worker's allocator does with memory a swap frees (asyncrl.actors.cpu_heap):
+        "kept", "off" (not asked for, or not a CPU device), or why it could not."""
+        return str((await self.llm.collective_rpc("asyncrl_heap"))[0])
 
     def shutdown(self) -> None:
         """Stop the engine core and its worker processes (idempotent)."""

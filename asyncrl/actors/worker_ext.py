@@ -42,10 +42,18 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from . import eager_ranks
 
-__all__ = ["WeightReloadExtension", "FileWeightTransferEngine", "EXTENSION_CLS", "FILE_BACKEND"]
+__all__ = [
+    "WeightReloadExtension",
+    "FileWeightTransferEngine",
+    "EXTENSION_CLS",
+    "FILE_BACKEND",
+    "KEEP_FREED_KEY",
+]
 
 EXTENSION_CLS = f"{__name__}.WeightReloadExtension"
 FILE_BACKEND = "asyncrl_file"
+#: ``additional_config`` key: keep the memory a CPU swap frees (asyncrl.actors.cpu_heap).
+KEEP_FREED_KEY = "asyncrl_keep_freed_memory"
 _TIED_OK = {"lm_head.weight"}
 
 
@@ -96,6 +104,13 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         super().__init__(*args, **kwargs)
         self._expected: set[str] | None = None
         self.last: dict[str, Any] = {}
+        # Created once per worker, after the model loaded and before any swap: the first swap already
+        # packs into memory that later swaps reuse. "off" = not asked for or not a CPU device.
+        self.heap = "off"
+        if self.device.type == "cpu" and (self.vllm_config.additional_config or {}).get(KEEP_FREED_KEY):
+            from .cpu_heap import keep_freed_memory
+
+            self.heap = keep_freed_memory()
 
     def init_transfer_engine(self, init_info: FileInitInfo) -> None:
         pass
@@ -188,6 +203,10 @@ class WeightReloadExtension:
         """Timing of the last file update in this worker: ``{"seconds", "tensors"}``."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "last", {}) or {})
+
+    def asyncrl_heap(self) -> str:
+        """What asyncrl.actors.cpu_heap did in this worker: "kept", "off", or why not."""
+        return str(getattr(getattr(self, "weight_transfer_engine", None), "heap", "off"))
 
     # Staged swaps (asyncrl.actors.staging): begin and poll run while the engine generates, commit
     # inside the pause; the front end sets the weight version label itself.

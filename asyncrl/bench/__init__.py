@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     only = args.weights_only
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as d:
         g, dm = (None, None) if only else (gen, demo)
-        result["weights"] = weight_path(sizes, Path(d), iters, bw, g, dm, cfg.actors.swap_staging)
+        result["weights"] = weight_path(
+            sizes, Path(d), iters, bw, g, dm, cfg.actors.swap_staging, cfg.actors.cpu_keep_freed_memory
+        )
         if not only:
             result["generation"] = gen if "ratio" in gen else None
             result["demo_generation"] = (

@@ -58,7 +58,14 @@ def copy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
 
 
 async def _weight_path(
-    size: str, root: Path, iters: int, bw: float, gen: dict | None, demo: dict | None, staging_default: bool
+    size: str,
+    root: Path,
+    iters: int,
+    bw: float,
+    gen: dict | None,
+    demo: dict | None,
+    staging_default: bool,
+    keep_freed: bool,
 ) -> list[dict]:
     from safetensors.torch import load_file
 
@@ -72,9 +79,12 @@ async def _weight_path(
     model_dir = build_tiny_model(root / f"model-{size}", spec, 0)
     base = load_file(str(model_dir / "model.safetensors"))
     nparams = sum(t.numel() for t in base.values())
-    engine = Engine(model_dir, dtype="float32", kv_cache_bytes=64 << 20, max_model_len=128)
+    engine = Engine(
+        model_dir, dtype="float32", kv_cache_bytes=64 << 20, max_model_len=128, keep_freed_memory=keep_freed
+    )
     rows = []
     try:
+        heap = await engine.heap_policy()
         version = 0
         for kind in ("file", "shm"):
             tr = (
@@ -142,6 +152,7 @@ async def _weight_path(
                     "copy_floor_s": floor,
                     "staging": staging_default and staged_ok,
                     "staging_refused": engine.staging_refused,
+                    "heap": heap,  # asyncrl.actors.cpu_heap: "kept" = freed memory reused by the next swap
                     **paths,
                 }
             )
@@ -245,13 +256,15 @@ def weight_path(
     gen: dict | None,
     demo: dict | None,
     staging_default: bool = True,
+    keep_freed: bool = True,
 ):
     """Rows of every size; ``gen`` runs on the first size's engine, ``demo`` on the tiny one (kwargs, filled
     in place; None = not measured). Each row holds both swap paths (``in_place``, ``staged``) and, at the
-    top level, the numbers of the configured one (``staging_default`` = actors.swap_staging)."""
+    top level, the numbers of the configured one (``staging_default`` = actors.swap_staging; ``keep_freed``
+    = actors.cpu_keep_freed_memory)."""
     rows = []
     for size in sizes:
         g = gen if size == sizes[0] else None
         d = demo if size == "tiny" else None
-        rows += asyncio.run(_weight_path(size, root, iters, bw, g, d, staging_default))
+        rows += asyncio.run(_weight_path(size, root, iters, bw, g, d, staging_default, keep_freed))
     return rows

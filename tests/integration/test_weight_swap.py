@@ -411,6 +411,12 @@ def _idle_cpu_s(procs) -> float:
     return sum(sum(p.cpu_times()[:2]) - before[p.pid] for p in procs)
 
 
+def test_a_cpu_engine_keeps_the_memory_its_swaps_free(rig) -> None:
+    """actors.cpu_keep_freed_memory (default on) reaches the worker: glibc's malloc there keeps what a
+    swap frees for the next swap (asyncrl.actors.cpu_heap; its mechanism is tested in test_cpu_heap)."""
+    assert rig["loop"].run_until_complete(rig["engine"].heap_policy()) == "kept"
+
+
 def test_in_process_engine_has_no_worker_process_and_sleeps_when_idle(rig) -> None:
     """actors.engine_executor=auto on CPU (the rig's engine): the worker runs inside the engine-core
     process (asyncrl.actors.inproc_executor), so there is no worker process and no shared-memory queue;
@@ -450,10 +456,12 @@ def test_multiproc_engine_swaps_exactly_and_bounds_its_busy_wait(rig, tmp_path: 
     model_dir = rig["engine"].model_path
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # the rig's engine
     eng = Engine(model_dir, dtype="float32", kv_cache_bytes=32 << 20, max_model_len=128, busy_loop_ms=BUSY_MS,
-                 executor="multiproc", staging=True)  # fmt: skip
+                 executor="multiproc", staging=True, keep_freed_memory=False)  # fmt: skip
     loop = rig["loop"]
     try:
         assert not eng.in_process
+        # actors.cpu_keep_freed_memory=false reaches the worker process: glibc's defaults stay.
+        assert loop.run_until_complete(eng.heap_policy()) == "off"
         m = rig["transport"].publish(11, rig["weights"](3), "float32")
         res = loop.run_until_complete(eng.swap_weights(m.path, 11, "in_flight"))
         # The stage built in the worker process, committed by the engine core's one-call commit (its
