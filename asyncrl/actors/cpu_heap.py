@@ -11,7 +11,7 @@ GB/s on fresh memory and at 6.2-6.6 GB/s on memory freed by the previous swap (2
 :func:`keep_freed_memory` sets ``M_MMAP_MAX = 0`` (no allocation is an mmap of its own: all come from
 the heaps, where freed chunks are reused) and ``M_TRIM_THRESHOLD`` to its largest value (2 GiB: a
 heap top freed beyond that still goes back). Measured at 300M (``asyncrl bench --weights-only``):
-the in-place reload's pause 856 -> 457 ms, the staged build 650 -> 603 ms, its packing alone 320-690
+the in-place reload's pause 856 -> 463 ms (shm), the staged build 650 -> 646 ms, its packing alone 320-690
 -> 212-243 ms per swap.
 
 Cost: memory a swap freed stays with the engine process (up to the stage's 2x model peak, which the

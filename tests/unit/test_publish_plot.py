@@ -26,8 +26,9 @@ def test_projection_is_the_marginal_rate_from_the_largest_measurement():
 
 def test_readme_table_numbers(tmp_path):
     text = pts.table(DATA)
-    # 7B bf16 = 15.23 GB: 3.244 s + (15.23 - 1.209) GB / 0.356 GB/s = ~43 s (file); shm ~12 s
-    assert "| Qwen2.5-7B bf16 (15 GB, **projected**) | ~43 s | ~12 s |" in text
-    assert "| Qwen2.5-32B bf16 (66 GB, **projected**) | ~184 s | ~54 s |" in text
+    # 7B bf16 = 15.23 GB: 2.146 s + (15.23 - 1.209) GB / 0.551 GB/s = ~28 s (file, the marginal rate
+    # 1.007 GB / (2.146 - 0.317) s); shm 0.741 s + 14.02 GB / 1.704 GB/s = ~9 s
+    assert "| Qwen2.5-7B bf16 (15 GB, **projected**) | ~28 s | ~9 s |" in text
+    assert "| Qwen2.5-32B bf16 (66 GB, **projected**) | ~119 s | ~38 s |" in text
     out = pts.plot(DATA, tmp_path / "p.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
