@@ -80,6 +80,7 @@ class Engine(WeightSwaps):
         executor: str = "auto",
         stream_tokens: bool = False,
         keep_freed_memory: bool = True,
+        keep_freed_min_bytes: int | None = None,
     ) -> None:
         import contextlib
 
@@ -87,6 +88,8 @@ class Engine(WeightSwaps):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from .cpu_heap import MIN_BYTES
 
         if executor not in EXECUTORS:
             raise ValueError(f"executor {executor!r}; expected one of {EXECUTORS}")
@@ -102,6 +105,11 @@ class Engine(WeightSwaps):
         quiet = not inproc and busy_loop_ms != VLLM_BUSY_LOOP_MS and (multiproc or current_platform.is_cpu())
         backend = INPROC_EXECUTOR if inproc else QUIET_EXECUTOR if quiet else ("mp" if multiproc else None)
         self.in_process = inproc
+        keep_from = (
+            (MIN_BYTES if keep_freed_min_bytes is None else keep_freed_min_bytes)
+            if keep_freed_memory
+            else None
+        )
         args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=dtype,
@@ -118,8 +126,9 @@ class Engine(WeightSwaps):
             distributed_executor_backend=backend,
             additional_config={
                 **({QUIET_CONFIG_KEY: busy_loop_ms / 1000.0} if quiet else {}),
-                # Read by the worker's weight-transfer engine on a CPU device (asyncrl.actors.cpu_heap).
-                **({KEEP_FREED_KEY: True} if keep_freed_memory else {}),
+                # Read by the worker's weight-transfer engine on a CPU device (asyncrl.actors.cpu_heap):
+                # the checkpoint size from which the freed memory is kept.
+                **({KEEP_FREED_KEY: keep_from} if keep_from is not None else {}),
             },
             # asyncrl_file (file / shm transports) or vLLM's nccl (learner.weight_transport=nccl).
             weight_transfer_config=WeightTransferConfig(backend=weight_backend),

@@ -52,7 +52,8 @@ __all__ = [
 
 EXTENSION_CLS = f"{__name__}.WeightReloadExtension"
 FILE_BACKEND = "asyncrl_file"
-#: ``additional_config`` key: keep the memory a CPU swap frees (asyncrl.actors.cpu_heap).
+#: ``additional_config`` key: keep the memory a CPU swap frees (asyncrl.actors.cpu_heap) when the
+#: checkpoint has at least this value's bytes.
 KEEP_FREED_KEY = "asyncrl_keep_freed_memory"
 _TIED_OK = {"lm_head.weight"}
 
@@ -69,6 +70,11 @@ def _mark_computed_buffers() -> None:
 
 _mark_computed_buffers()  # this module is imported in the worker process, before any reload
 eager_ranks.install()  # before the first sampling; see asyncrl.actors.eager_ranks
+
+
+def _checkpoint_bytes(model_dir: Path) -> int:
+    """Bytes of the safetensors checkpoint the engine was started from."""
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
 
 def _checkpoint_names(model_dir: Path) -> set[str]:
@@ -107,10 +113,15 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         # Created once per worker, after the model loaded and before any swap: the first swap already
         # packs into memory that later swaps reuse. "off" = not asked for or not a CPU device.
         self.heap = "off"
-        if self.device.type == "cpu" and (self.vllm_config.additional_config or {}).get(KEEP_FREED_KEY):
+        min_bytes = (self.vllm_config.additional_config or {}).get(KEEP_FREED_KEY)
+        if self.device.type == "cpu" and min_bytes is not None:
             from .cpu_heap import keep_freed_memory
 
-            self.heap = keep_freed_memory()
+            size = _checkpoint_bytes(Path(self.model_config.model))
+            if size >= int(min_bytes):
+                self.heap = keep_freed_memory()
+            else:
+                self.heap = f"off: checkpoint {size / 2**20:.1f} MiB < {int(min_bytes) / 2**20:.0f} MiB"
 
     def init_transfer_engine(self, init_info: FileInitInfo) -> None:
         pass

@@ -52,8 +52,9 @@ class ActorsConfig:
         "CPU engines: glibc's malloc keeps the memory a weight swap frees (M_MMAP_MAX=0, M_TRIM_THRESHOLD "
         "2 GiB) so the next swap's oneDNN packing writes into pages already mapped instead of faulting in "
         "a model's worth of new ones (asyncrl.actors.cpu_heap; 300M: in-place pause 856 -> 463 ms). The "
-        "engine process then holds up to the stage's peak (2x the weights) between swaps. No effect on "
-        "GPUs or with tcmalloc/jemalloc preloaded. False = glibc's defaults.",
+        "engine process then holds up to the stage's peak (2x the weights) between swaps. Only for "
+        "checkpoints of 64 MiB or more (smaller ones gain nothing); no effect on GPUs or with "
+        "tcmalloc/jemalloc preloaded. False = glibc's defaults.",
     )
     stream_tokens: bool = F(
         False,

@@ -411,10 +411,12 @@ def _idle_cpu_s(procs) -> float:
     return sum(sum(p.cpu_times()[:2]) - before[p.pid] for p in procs)
 
 
-def test_a_cpu_engine_keeps_the_memory_its_swaps_free(rig) -> None:
-    """actors.cpu_keep_freed_memory (default on) reaches the worker: glibc's malloc there keeps what a
-    swap frees for the next swap (asyncrl.actors.cpu_heap; its mechanism is tested in test_cpu_heap)."""
-    assert rig["loop"].run_until_complete(rig["engine"].heap_policy()) == "kept"
+def test_a_cpu_engine_keeps_the_memory_its_swaps_free_from_its_size_on(rig) -> None:
+    """actors.cpu_keep_freed_memory (default on) reaches the worker, which leaves a checkpoint below
+    cpu_heap.MIN_BYTES (this tiny one) to glibc's defaults; the multiprocess engine's test below sets the
+    size to 0 and gets the kept heap (the mechanism itself is tested in test_cpu_heap)."""
+    got = rig["loop"].run_until_complete(rig["engine"].heap_policy())
+    assert got.startswith("off: checkpoint 1.") and got.endswith("< 64 MiB"), got
 
 
 def test_in_process_engine_has_no_worker_process_and_sleeps_when_idle(rig) -> None:
@@ -456,12 +458,12 @@ def test_multiproc_engine_swaps_exactly_and_bounds_its_busy_wait(rig, tmp_path: 
     model_dir = rig["engine"].model_path
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # the rig's engine
     eng = Engine(model_dir, dtype="float32", kv_cache_bytes=32 << 20, max_model_len=128, busy_loop_ms=BUSY_MS,
-                 executor="multiproc", staging=True, keep_freed_memory=False)  # fmt: skip
+                 executor="multiproc", staging=True, keep_freed_min_bytes=0)  # fmt: skip
     loop = rig["loop"]
     try:
         assert not eng.in_process
-        # actors.cpu_keep_freed_memory=false reaches the worker process: glibc's defaults stay.
-        assert loop.run_until_complete(eng.heap_policy()) == "off"
+        # The kept heap reaches a worker in its own process (from any size here: min bytes 0).
+        assert loop.run_until_complete(eng.heap_policy()) == "kept"
         m = rig["transport"].publish(11, rig["weights"](3), "float32")
         res = loop.run_until_complete(eng.swap_weights(m.path, 11, "in_flight"))
         # The stage built in the worker process, committed by the engine core's one-call commit (its
