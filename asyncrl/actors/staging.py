@@ -21,6 +21,9 @@ at the tiny size, ~1 GB/s at 300M). A staged swap moves that work out of the pau
   worth of fresh 4 KiB pages (the pool holds about one layer's weights between stages). At 300M
   (1.15 GB, 2-core VM, staged swaps in a row) the stage went from 1.64 to 1.13-1.27 s (loads ~0.3
   s in both; packing 1.30 -> 0.77-0.94 s, i.e. oneDNN's packed copy, which faults in fresh memory).
+  The pool is off where the engine process's malloc keeps freed memory (asyncrl.actors.cpu_heap,
+  checkpoints of 64 MiB or more): the dropped storages then go back to that heap, and the next
+  layer's allocation (and oneDNN's packed copy) reuses them without the pool's own mappings.
 * ``poll`` (RPC) reports whether the thread finished (or why it failed).
 * ``commit`` (RPC, inside the pause) moves each loaded shadow layer's attribute dict into the live
   layer object (``_parameters``, ``_buffers``, the ``cpu_linear`` handle, ...): a few dict updates
@@ -103,7 +106,12 @@ class _Scratch:
     #: A transparent huge page (x86-64 and 4 KiB-page arm64).
     HUGE = 2 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        # Off where the process's malloc keeps freed memory (asyncrl.actors.cpu_heap): the dropped
+        # storages then go back to the heap and the next layer's allocation reuses them just as well,
+        # without the pool's own mappings (300M, shm, the bench's medians of 5 staged swaps: stage
+        # prepared in 550 vs 639 ms, publish-to-serving 716 vs 800 ms).
+        self.enabled = enabled
         self.free: dict[int, list[tuple[torch.UntypedStorage, int]]] = {}  # bytes -> (storage, offset)
         self.held = 0  # bytes in the pool
         self.reused = 0  # bytes handed out by the current build
@@ -113,7 +121,7 @@ class _Scratch:
         is a previous layer's: like ``torch.empty``'s, it is overwritten by the loaders)."""
         item = torch.empty(0, dtype=dtype).element_size()
         n = _span(size, stride) * item
-        if device.type != "cpu" or n == 0:
+        if not self.enabled or device.type != "cpu" or n == 0:
             return torch.empty_strided(size, stride, dtype=dtype, device=device)
         pool = self.free.get(n)
         if pool:
@@ -129,6 +137,8 @@ class _Scratch:
     def reclaim(self, layer: torch.nn.Module, made: list[torch.Tensor]) -> None:
         """Pool the storages of ``made`` (the tensors the stage built for ``layer``) that processing
         dropped: referenced by nothing but their own tensor (whose loaders refuse from now on)."""
+        if not self.enabled:
+            return
         kept = {id(t) for t in _tensors(layer.__dict__)}
         kept |= {id(v) for v in layer.__dict__.values() if isinstance(v, torch.Tensor)}
         for t in made:
@@ -304,7 +314,14 @@ def _free_later(retired: list[dict]) -> None:
 class Stager:
     """One worker's staged swap (see the module doc). Methods are called from the worker's RPCs."""
 
-    def __init__(self, model: torch.nn.Module, model_config: Any, vllm_config: Any, open_checked: Callable):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        vllm_config: Any,
+        open_checked: Callable,
+        scratch_pool: bool = True,
+    ):
         self.model = model
         self.model_config = model_config
         self.vllm_config = vllm_config
@@ -316,7 +333,7 @@ class Stager:
         self._layers: list[tuple[torch.nn.Module, dict]] | None = None  # (live layer, its new __dict__)
         self._error: str | None = None
         self._seconds = 0.0
-        self._scratch = _Scratch()
+        self._scratch = _Scratch(scratch_pool)  # off when the heap keeps freed memory (cpu_heap)
         self._retired: list[weakref.ref] = []  # the tensors the last commit replaced (freed after it)
 
     def begin(self, path: str, version: int, wait: bool = False) -> dict:

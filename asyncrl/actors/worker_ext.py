@@ -230,7 +230,13 @@ class WeightReloadExtension:
             engine = self.weight_transfer_engine
             if not isinstance(engine, FileWeightTransferEngine):
                 raise RuntimeError(f"staged swaps need the {FILE_BACKEND} weight-transfer engine")
-            stager = Stager(engine.model, engine.model_config, self.vllm_config, engine.open_checked)
+            stager = Stager(
+                engine.model,
+                engine.model_config,
+                self.vllm_config,
+                engine.open_checked,
+                scratch_pool=engine.heap != "kept",  # a kept heap reuses freed memory by itself
+            )
             self._asyncrl_stager_obj = stager
         return stager
 

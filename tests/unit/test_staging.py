@@ -118,6 +118,19 @@ def test_scratch_pools_only_storages_nothing_else_references() -> None:
     assert view.sum() == 28 and layer.weight.sum() == 32
 
 
+def test_scratch_off_hands_out_plain_tensors_and_pools_nothing() -> None:
+    """With the heap keeping freed memory (asyncrl.actors.cpu_heap) the stage allocates from it."""
+    from asyncrl.actors.staging import _Scratch
+
+    scratch, layer = _Scratch(enabled=False), _Layer()
+    dropped = torch.ones(1024, 1025)  # > 2 MiB: would be pooled, and handed out again, when enabled
+    scratch.reclaim(layer, [dropped])
+    assert scratch.held == 0 and not scratch.free
+    t = scratch.empty((1024, 1025), (1025, 1), torch.float32, torch.device("cpu"))
+    assert t.untyped_storage().data_ptr() != dropped.untyped_storage().data_ptr()
+    assert t.untyped_storage().nbytes() == 1024 * 1025 * 4 and scratch.reused == 0
+
+
 def test_large_scratch_is_a_huge_page_aligned_mapping_and_comes_back() -> None:
     from asyncrl.actors.staging import _Scratch
 
