@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .cpu_heap import MIN_BYTES as KEEP_FREED_FROM  # ctypes only: no vLLM at import time
 from .engine_start import standby_engine_core
 from .weight_swaps import SWAP_MODES, EngineError, SwapResult, WeightSwaps
 
@@ -79,8 +80,7 @@ class Engine(WeightSwaps):
         staging: bool = False,
         executor: str = "auto",
         stream_tokens: bool = False,
-        keep_freed_memory: bool = True,
-        keep_freed_min_bytes: int | None = None,
+        keep_freed_from: int | None = KEEP_FREED_FROM,
     ) -> None:
         import contextlib
 
@@ -88,8 +88,6 @@ class Engine(WeightSwaps):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
-
-        from .cpu_heap import MIN_BYTES
 
         if executor not in EXECUTORS:
             raise ValueError(f"executor {executor!r}; expected one of {EXECUTORS}")
@@ -105,11 +103,6 @@ class Engine(WeightSwaps):
         quiet = not inproc and busy_loop_ms != VLLM_BUSY_LOOP_MS and (multiproc or current_platform.is_cpu())
         backend = INPROC_EXECUTOR if inproc else QUIET_EXECUTOR if quiet else ("mp" if multiproc else None)
         self.in_process = inproc
-        keep_from = (
-            (MIN_BYTES if keep_freed_min_bytes is None else keep_freed_min_bytes)
-            if keep_freed_memory
-            else None
-        )
         args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=dtype,
@@ -127,8 +120,8 @@ class Engine(WeightSwaps):
             additional_config={
                 **({QUIET_CONFIG_KEY: busy_loop_ms / 1000.0} if quiet else {}),
                 # Read by the worker's weight-transfer engine on a CPU device (asyncrl.actors.cpu_heap):
-                # the checkpoint size from which the freed memory is kept.
-                **({KEEP_FREED_KEY: keep_from} if keep_from is not None else {}),
+                # the checkpoint size from which the freed memory is kept (None: never).
+                **({KEEP_FREED_KEY: keep_freed_from} if keep_freed_from is not None else {}),
             },
             # asyncrl_file (file / shm transports) or vLLM's nccl (learner.weight_transport=nccl).
             weight_transfer_config=WeightTransferConfig(backend=weight_backend),
@@ -199,7 +192,7 @@ class Engine(WeightSwaps):
             weight_backend="nccl" if cfg.learner.weight_transport == "nccl" else FILE_BACKEND,
             staging=a.swap_staging,
             stream_tokens=a.stream_tokens,
-            keep_freed_memory=a.cpu_keep_freed_memory,
+            keep_freed_from=KEEP_FREED_FROM if a.cpu_keep_freed_memory else None,
         )
 
     # ------------------------------------------------------------------ generation

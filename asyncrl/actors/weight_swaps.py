@@ -64,7 +64,8 @@ SYNC_STAGE_MAX_BYTES = 16 << 20
 log = logging.getLogger(__name__)
 
 
-def _file_bytes(path: str) -> int:
+def safetensors_bytes(path: str | os.PathLike) -> int:
+    """Bytes of a safetensors file, or of every ``*.safetensors`` file of a directory (a checkpoint)."""
     p = Path(path)
     return sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size
 
@@ -172,7 +173,7 @@ class WeightSwaps:
         # stage inside the begin RPC. Nothing is there to overlap with, and the thread's start and the
         # polls (~5 ms of a ~17 ms tiny swap) are saved. Only for small files: a group submitted
         # meanwhile waits for the build, which must stay short.
-        wait = self._active == 0 and _file_bytes(path) <= SYNC_STAGE_MAX_BYTES
+        wait = self._active == 0 and safetensors_bytes(path) <= SYNC_STAGE_MAX_BYTES
         begun = await self.llm.collective_rpc("asyncrl_stage_begin", args=(path, version, wait))
         reasons = [r["unsupported"] for r in begun if "unsupported" in r]
         if reasons:

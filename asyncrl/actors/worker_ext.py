@@ -72,11 +72,6 @@ _mark_computed_buffers()  # this module is imported in the worker process, befor
 eager_ranks.install()  # before the first sampling; see asyncrl.actors.eager_ranks
 
 
-def _checkpoint_bytes(model_dir: Path) -> int:
-    """Bytes of the safetensors checkpoint the engine was started from."""
-    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-
-
 def _checkpoint_names(model_dir: Path) -> set[str]:
     """Tensor names of the safetensors checkpoint the engine was started from."""
     from safetensors import safe_open
@@ -116,8 +111,9 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         min_bytes = (self.vllm_config.additional_config or {}).get(KEEP_FREED_KEY)
         if self.device.type == "cpu" and min_bytes is not None:
             from .cpu_heap import keep_freed_memory
+            from .weight_swaps import safetensors_bytes
 
-            size = _checkpoint_bytes(Path(self.model_config.model))
+            size = safetensors_bytes(self.model_config.model)
             if size >= int(min_bytes):
                 self.heap = keep_freed_memory()
             else:

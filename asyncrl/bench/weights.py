@@ -69,6 +69,7 @@ async def _weight_path(
 ) -> list[dict]:
     from safetensors.torch import load_file
 
+    from asyncrl.actors.cpu_heap import MIN_BYTES
     from asyncrl.actors.engine import Engine
     from asyncrl.buffer import verify
     from asyncrl.config import Config
@@ -80,7 +81,11 @@ async def _weight_path(
     base = load_file(str(model_dir / "model.safetensors"))
     nparams = sum(t.numel() for t in base.values())
     engine = Engine(
-        model_dir, dtype="float32", kv_cache_bytes=64 << 20, max_model_len=128, keep_freed_memory=keep_freed
+        model_dir,
+        dtype="float32",
+        kv_cache_bytes=64 << 20,
+        max_model_len=128,
+        keep_freed_from=MIN_BYTES if keep_freed else None,
     )
     rows = []
     try:

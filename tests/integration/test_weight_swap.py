@@ -458,7 +458,7 @@ def test_multiproc_engine_swaps_exactly_and_bounds_its_busy_wait(rig, tmp_path: 
     model_dir = rig["engine"].model_path
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # the rig's engine
     eng = Engine(model_dir, dtype="float32", kv_cache_bytes=32 << 20, max_model_len=128, busy_loop_ms=BUSY_MS,
-                 executor="multiproc", staging=True, keep_freed_min_bytes=0)  # fmt: skip
+                 executor="multiproc", staging=True, keep_freed_from=0)  # fmt: skip
     loop = rig["loop"]
     try:
         assert not eng.in_process
