@@ -129,9 +129,11 @@ def test_frontend_cpus_and_its_env() -> None:
 @pytest.mark.parametrize(
     ("overrides", "where"),
     [
-        ([], "engine"),  # the demo: max_staleness 1, roles overlap
+        ([], "all"),  # the demo: max_staleness 1, roles overlap, one actor
         (["buffer.max_staleness=0"], "learner"),  # synchronous: the roles take turns
-        (["buffer.max_staleness=4"], "engine"),
+        (["buffer.max_staleness=4"], "all"),
+        (["buffer.max_staleness=1", "actors.num_actors=2"], "engine"),  # several engines: their own cores
+        (["buffer.max_staleness=0", "actors.num_actors=2"], "learner"),
         (["buffer.max_staleness=0", "run.actor_frontend_cpus=engine"], "engine"),  # explicit wins
         (["buffer.max_staleness=1", "run.actor_frontend_cpus=learner"], "learner"),
         (["run.actor_frontend_cpus=all"], "all"),
