@@ -1,9 +1,11 @@
 """Weight-version notifications: a small wrapper over a Redis pub/sub subscription.
 
-The learner publishes ``{schema, version, path, sha256}`` (msgpack) on the run's versions
-channel each time it publishes weights. Pub/sub is fire-and-forget: a subscriber that is
-disconnected misses messages, so actors treat a notification as a hint and read the
-authoritative ``version`` key / manifest from the buffer when they act on it.
+The learner publishes ``{schema, version, path, sha256, manifest}`` (msgpack; ``manifest``: the
+registered manifest's bytes) on the run's versions channel each time it publishes weights, after the
+registry transaction. Pub/sub is fire-and-forget: a subscriber that is disconnected misses messages,
+so a notification is only a hint that wakes the actor early; its manifest is the registry's entry at
+publish time (what a registry read right then returns), and actors fall back to the authoritative
+registry whenever no notification came (their periodic poll) or its manifest is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 import msgpack
 import redis
+
+from asyncrl.buffer.weights import WeightManifest
 
 __all__ = ["NOTIFICATION_SCHEMA", "VersionSubscription"]
 
@@ -41,8 +45,9 @@ class VersionSubscription:
                 raise TimeoutError(f"no confirmation of SUBSCRIBE {channel} within {confirm_timeout}s")
 
     def get_notification(self, timeout: float | None = 0.0) -> dict[str, Any] | None:
-        """Next ``{version, path, sha256}`` notification, waiting up to ``timeout`` seconds
-        (None: forever). Malformed notifications are logged and skipped."""
+        """Next ``{version, path, sha256, manifest}`` notification (``manifest``: a WeightManifest, or
+        None from a publisher that sent none), waiting up to ``timeout`` seconds (None: forever).
+        Malformed notifications are logged and skipped."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -61,12 +66,18 @@ class VersionSubscription:
 
     def latest(self, timeout: float | None = 0.0) -> int | None:
         """Wait up to ``timeout`` for a notification, then drain queued ones; newest version."""
-        newest = self.get(timeout)
+        note = self.latest_note(timeout)
+        return None if note is None else note["version"]
+
+    def latest_note(self, timeout: float | None = 0.0) -> dict[str, Any] | None:
+        """Wait up to ``timeout`` for a notification, then drain queued ones; the newest version's."""
+        newest = self.get_notification(timeout)
         while newest is not None:
-            nxt = self.get(0.0)
+            nxt = self.get_notification(0.0)
             if nxt is None:
                 break
-            newest = max(newest, nxt)
+            if nxt["version"] >= newest["version"]:
+                newest = nxt
         return newest
 
     def close(self) -> None:
@@ -85,7 +96,13 @@ def _parse(data: Any) -> dict[str, Any] | None:
         version = note["version"]
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"bad version {version!r}")
-        return {"version": version, "path": str(note.get("path", "")), "sha256": str(note.get("sha256", ""))}
+        manifest = None
+        if note.get("manifest") is not None:
+            manifest = WeightManifest.from_bytes(note["manifest"])
+            if manifest.version != version:
+                raise ValueError(f"manifest of v{manifest.version} in the notification of v{version}")
+        return {"version": version, "path": str(note.get("path", "")), "sha256": str(note.get("sha256", "")),
+                "manifest": manifest}  # fmt: skip
     except Exception as exc:
         log.warning("ignoring malformed version notification: %s", exc)
         return None

@@ -306,7 +306,11 @@ def test_weights_registry_and_notifications(buffer: ReplayBuffer, tmp_path) -> N
         "version": 3,
         "path": manifests[3].path,
         "sha256": manifests[3].sha256,
+        "manifest": manifests[3],  # as registered: a subscriber acting on it reads no registry
     }
+    for v in (1, 2, 3):
+        buffer.publish_weights(manifests[v])
+    assert sub.latest_note(timeout=2.0)["manifest"] == manifests[3]  # the newest of the queued ones
     sub.close()
     assert buffer.version() == 3
     assert buffer.manifest(2) == manifests[2]

@@ -725,6 +725,82 @@ def test_swap_min_lag_skips_versions_until_due_and_a_waiting_worker_makes_a_swap
     assert _max_err(rig["hf"](rig["weights"](3)), out) < TOL
 
 
+def test_a_swap_woken_by_a_notification_serves_its_manifest_without_reading_the_registry(
+    rig, redis_server, tmp_path: Path, run_name: str, monkeypatch
+) -> None:
+    """The version notification carries the registered manifest: the watcher swaps straight to it (no
+    registry scan on the way from a publish to the swap). A stale hint (not newer than what is served)
+    or one whose path is outside the run falls back to the registry, which then serves its own entry."""
+    import dataclasses
+
+    from asyncrl.actors import version_watch
+
+    monkeypatch.setattr(version_watch, "MANIFEST_POLL_S", 5.0)  # no timed registry poll meanwhile
+    eng, loop = rig["engine"], rig["loop"]
+    tr, buf, actor, base = _actor_rig(rig, redis_server.url, tmp_path / "run", run_name, [])
+    scans: list[int] = []
+    scan = actor._scan_manifests
+
+    def counted(*args, **kwargs):
+        scans.append(1)
+        return scan(*args, **kwargs)
+
+    actor._scan_manifests = counted
+    seen: dict[str, object] = {}
+
+    def publish(v: int) -> None:
+        buf.publish_weights(tr.publish(v, rig["weights"](v - base), "float32"))
+
+    async def main() -> None:
+        actor._wake = asyncio.Event()
+        sub = await asyncio.to_thread(buf.subscribe_versions)
+        try:
+            await asyncio.to_thread(publish, base + 1)
+            note = await asyncio.to_thread(sub.latest_note, 2.0)
+        finally:
+            sub.close()
+        seen["note_is_registered"] = note["manifest"] == buf.manifest(base + 1)
+        seen["hinted"] = (await actor._maybe_swap(hint=note["manifest"]), eng.version, len(scans))
+        await asyncio.to_thread(publish, base + 2)
+        seen["stale"] = (await actor._maybe_swap(hint=note["manifest"]), eng.version, len(scans))
+        await asyncio.to_thread(publish, base + 3)
+        outside = dataclasses.replace(
+            buf.manifest(base + 3), path=str(tmp_path / "elsewhere" / "m.safetensors")
+        )
+        seen["outside"] = (await actor._maybe_swap(hint=outside), eng.version, len(scans))
+        watcher = asyncio.create_task(actor._watch_versions())
+        try:
+            channel = buf.keys.versions_channel
+            while (
+                dict(await asyncio.to_thread(buf._client.pubsub_numsub, channel)).get(channel.encode(), 0) < 1
+            ):
+                await asyncio.sleep(0.01)  # the watcher's subscription is confirmed: no notification is lost
+            before = len(scans)
+            await asyncio.to_thread(publish, base + 4)
+            t0 = time.perf_counter()
+            while eng.version != base + 4:
+                assert time.perf_counter() - t0 < 4.0, "the notification did not lead to a swap"
+                await asyncio.sleep(0.005)
+            seen["watched_scans"] = len(scans) - before
+        finally:
+            actor._stop_requested = True
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        _close_actor_rig(buf, actor, tr)
+    assert seen["note_is_registered"], seen
+    assert seen["hinted"] == (True, base + 1, 0), seen  # served from the note: no scan
+    assert seen["stale"] == (True, base + 2, 1), seen  # the hint is v(base+1), served: the registry's newest
+    assert seen["outside"] == (True, base + 3, 2), seen  # ignored, not refused: the registry's entry serves
+    assert actor.counters["weight_rejects"] == 0, actor.counters
+    assert seen["watched_scans"] == 0, seen
+    out = _sample(rig, "hint")  # the served weights are exactly v(base+4)
+    assert _max_err(rig["hf"](rig["weights"](4)), out) < TOL
+
+
 def test_idle_engine_builds_the_stage_inside_one_rpc_and_a_busy_one_in_a_thread(rig) -> None:
     """Nothing generating (the synchronous case): the stage is built inside the begin RPC (no thread
     start, no polls); with a group running it is built in the worker's thread and polled, so tokens keep
