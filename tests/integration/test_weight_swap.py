@@ -11,6 +11,7 @@ leaves the model serving its old weights.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -509,6 +510,27 @@ def _close_actor_rig(buf, actor, tr) -> None:
     tr.cleanup()
 
 
+@contextlib.asynccontextmanager
+async def _watching(actor):
+    """The actor's version watcher running in the background for the body's length."""
+    watcher = asyncio.create_task(actor._watch_versions())
+    try:
+        yield watcher
+    finally:
+        actor._stop_requested = True
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+
+
+async def _until_serves(eng, version: int, why: str, limit_s: float = 4.0) -> float:
+    """Seconds until ``eng`` serves ``version`` (fails after ``limit_s`` with ``why``)."""
+    t0 = time.perf_counter()
+    while eng.version != version:
+        assert time.perf_counter() - t0 < limit_s, why
+        await asyncio.sleep(0.005)
+    return time.perf_counter() - t0
+
+
 def test_worker_refused_for_stale_weights_starts_as_soon_as_its_engine_swapped(
     rig, redis_server, tmp_path: Path, run_name: str
 ) -> None:
@@ -692,26 +714,19 @@ def test_swap_min_lag_skips_versions_until_due_and_a_waiting_worker_makes_a_swap
         seen["lag1"] = (await actor._maybe_swap(), eng.version)
         await asyncio.to_thread(publish, base + 2)
         seen["lag2"] = (await actor._maybe_swap(), eng.version, actor.counters["swaps"])
-        watcher = asyncio.create_task(actor._watch_versions())
-        try:
+        async with _watching(actor):
             await asyncio.to_thread(publish, base + 3)
             await asyncio.sleep(1.0)  # the publish hint woke the watcher: one ahead, nobody waiting
             seen["lag1_watched"] = eng.version
             while await asyncio.to_thread(buf.try_admit):  # fill the window: the next worker waits
                 pass
             task = asyncio.create_task(actor._admit())
-            t0 = time.perf_counter()
-            while eng.version != base + 3:
-                assert time.perf_counter() - t0 < 4.0, "the waiting worker did not wake the watcher"
-                await asyncio.sleep(0.005)
-            seen["woken_s"] = time.perf_counter() - t0
+            seen["woken_s"] = await _until_serves(
+                eng, base + 3, "the waiting worker did not wake the watcher"
+            )
             seen["blocked"] = actor.counters["admission_blocked"]
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        finally:
-            actor._stop_requested = True
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
 
     try:
         loop.run_until_complete(main())
@@ -768,8 +783,7 @@ def test_a_swap_woken_by_a_notification_serves_its_manifest_without_reading_the_
             buf.manifest(base + 3), path=str(tmp_path / "elsewhere" / "m.safetensors")
         )
         seen["outside"] = (await actor._maybe_swap(hint=outside), eng.version, len(scans))
-        watcher = asyncio.create_task(actor._watch_versions())
-        try:
+        async with _watching(actor):
             channel = buf.keys.versions_channel
             while (
                 dict(await asyncio.to_thread(buf._client.pubsub_numsub, channel)).get(channel.encode(), 0) < 1
@@ -777,15 +791,8 @@ def test_a_swap_woken_by_a_notification_serves_its_manifest_without_reading_the_
                 await asyncio.sleep(0.01)  # the watcher's subscription is confirmed: no notification is lost
             before = len(scans)
             await asyncio.to_thread(publish, base + 4)
-            t0 = time.perf_counter()
-            while eng.version != base + 4:
-                assert time.perf_counter() - t0 < 4.0, "the notification did not lead to a swap"
-                await asyncio.sleep(0.005)
+            await _until_serves(eng, base + 4, "the notification did not lead to a swap")
             seen["watched_scans"] = len(scans) - before
-        finally:
-            actor._stop_requested = True
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
 
     try:
         loop.run_until_complete(main())
