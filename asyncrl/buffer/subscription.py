@@ -46,8 +46,8 @@ class VersionSubscription:
 
     def get_notification(self, timeout: float | None = 0.0) -> dict[str, Any] | None:
         """Next ``{version, path, sha256, manifest}`` notification (``manifest``: a WeightManifest, or
-        None from a publisher that sent none), waiting up to ``timeout`` seconds (None: forever).
-        Malformed notifications are logged and skipped."""
+        None where the publisher sent none or an unreadable one), waiting up to ``timeout`` seconds
+        (None: forever). Malformed notifications (no valid version) are logged and skipped."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -96,13 +96,23 @@ def _parse(data: Any) -> dict[str, Any] | None:
         version = note["version"]
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"bad version {version!r}")
-        manifest = None
-        if note.get("manifest") is not None:
-            manifest = WeightManifest.from_bytes(note["manifest"])
-            if manifest.version != version:
-                raise ValueError(f"manifest of v{manifest.version} in the notification of v{version}")
-        return {"version": version, "path": str(note.get("path", "")), "sha256": str(note.get("sha256", "")),
-                "manifest": manifest}  # fmt: skip
     except Exception as exc:
         log.warning("ignoring malformed version notification: %s", exc)
         return None
+    return {"version": version, "path": str(note.get("path", "")), "sha256": str(note.get("sha256", "")),
+            "manifest": _manifest(note.get("manifest"), version)}  # fmt: skip
+
+
+def _manifest(data: Any, version: int) -> WeightManifest | None:
+    """The note's manifest, or None (none sent, or unreadable: the note still wakes the subscriber, which
+    then reads the registry, e.g. beside a publisher whose manifest format is newer)."""
+    if data is None:
+        return None
+    try:
+        manifest = WeightManifest.from_bytes(data)
+        if manifest.version != version:
+            raise ValueError(f"a manifest of v{manifest.version}")
+    except Exception as exc:
+        log.warning("version notification of v%d: its manifest is not used (%s)", version, exc)
+        return None
+    return manifest

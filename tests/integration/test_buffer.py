@@ -289,6 +289,27 @@ def test_admission_with_drops_progresses_only_with_credits(
 # --------------------------------------------------------------------------- weights registry
 
 
+def test_a_notification_whose_manifest_is_unreadable_still_wakes_the_subscriber(
+    buffer: ReplayBuffer, tmp_path
+) -> None:
+    """The note's manifest is an optimisation: none, an unreadable one, or one of another version is
+    dropped (None: the subscriber reads the registry) and the note still carries its version."""
+    d = tmp_path / "v5"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"\x05" * 100)
+    other = build_manifest(4, d, "float32")
+    sub = buffer.subscribe_versions()
+    channel = buffer.keys.versions_channel
+    for extra in ({}, {"manifest": b"\xc1 not msgpack"}, {"manifest": other.to_bytes()}):
+        note = {"schema": 1, "version": 5, "path": str(d / "model.safetensors"), "sha256": "x", **extra}
+        buffer._client.publish(channel, msgpack.packb(note, use_bin_type=True))
+        got = sub.get_notification(timeout=2.0)
+        assert got is not None and got["version"] == 5 and got["manifest"] is None, (extra, got)
+    buffer._client.publish(channel, msgpack.packb({"schema": 1, "version": -1}, use_bin_type=True))
+    assert sub.get_notification(timeout=0.2) is None  # no valid version: skipped
+    sub.close()
+
+
 def test_weights_registry_and_notifications(buffer: ReplayBuffer, tmp_path) -> None:
     sub = buffer.subscribe_versions()
     manifests = {}
