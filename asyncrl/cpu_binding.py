@@ -115,9 +115,9 @@ def frontend_placement(cfg: Any) -> str:
     ms of its 45.6 ms step) while the learner's core has slack; pinned to the learner's it slows the
     learner's step (~1.5-1.7x alone). ``all`` lets the scheduler put it where there is slack: demo A/B,
     sides alternated, steady steps/s at max_staleness 1 19.84 -> 21.31 (4 pairs), at 4 17.98 -> 20.29
-    (3 pairs), the learner's step ~1.05-1.1x alone, the mean staleness unchanged. Measured with one
-    actor only: with several, ``all`` would also float each front end over the other engines' cores, so
-    they keep ``engine``."""
+    (3 pairs), the learner's step ~1.05x its time with ``engine`` (1.09-1.27x alone in the bench's
+    sittings), the mean staleness unchanged. Measured with one actor only: with several, ``all`` would
+    also float each front end over the other engines' cores, so they keep ``engine``."""
     where = cfg.run.actor_frontend_cpus
     if where == "auto":
         if cfg.buffer.max_staleness == 0:

@@ -20,9 +20,10 @@ asyncrl.plan.calibrate leaves out, the same window ``asyncrl plan --from`` measu
 
 Placement: ``run.actor_frontend_cpus=auto`` puts the actor process on the learner's cores at max_staleness
 0 (the roles take turns) and elsewhere otherwise (one actor: all cores; several: its engine's), so
-the default sync run's T_gen is not what the async runs' engines can do. The overlap bound compares the same pipeline with and without
-overlap, so when the placements differ it comes from one more sync run with the async runs' placement
-(``same_placement_sync``); the eta=0 rows (steps/s, learner step) stay the default's.
+the default sync run's T_gen is not what the async runs' engines can do. The overlap bound compares
+the same pipeline with and without overlap, so when the placements differ it comes from one more sync
+run with the async runs' placement (``same_placement_sync``); the eta=0 rows (steps/s, learner step)
+stay the default's.
 
 The back-to-back limit is 1 / (gen + train + publish + reload per step), each measured alone in the
 same bench invocation: gen = one step's groups on an idle engine (asyncrl.bench.weights), train =

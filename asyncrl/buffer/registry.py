@@ -45,15 +45,16 @@ class RunRegistry:
         miss notifications while disconnected, so they should also poll :meth:`version`.
         """
         k = self.keys
+        data = manifest.to_bytes()
         note = {
             "schema": NOTIFICATION_SCHEMA,
             "version": manifest.version,
             "path": manifest.path,
             "sha256": manifest.sha256,
-            "manifest": manifest.to_bytes(),
+            "manifest": data,  # the registered bytes
         }
         pipe = self._client.pipeline(transaction=True)
-        pipe.hset(k.weights, str(manifest.version), manifest.to_bytes())
+        pipe.hset(k.weights, str(manifest.version), data)
         pipe.set(k.version, manifest.version)
         pipe.execute()
         return int(self._client.publish(k.versions_channel, msgpack.packb(note, use_bin_type=True)))
