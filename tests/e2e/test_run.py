@@ -104,19 +104,26 @@ def _parse_cpulist(text: str) -> set[int]:
     return out
 
 
-def _threads_cpus(pid: int) -> set[int]:
-    """Union of Cpus_allowed_list over every thread of ``pid`` (the kernel's view, not our intent)."""
-    cpus: set[int] = set()
+def _each_thread_cpus(pid: int) -> list[set[int]]:
+    """Cpus_allowed_list of every thread of ``pid`` (the kernel's view, not our intent)."""
+    out = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
         except (FileNotFoundError, ProcessLookupError):  # the thread ended after the listing
             continue
-        for line in status.splitlines():
-            if line.startswith("Cpus_allowed_list"):
-                cpus |= _parse_cpulist(line.split()[1])
-    assert cpus, f"pid {pid}: no thread left to read"
-    return cpus
+        out += [
+            _parse_cpulist(line.split()[1])
+            for line in status.splitlines()
+            if line.startswith("Cpus_allowed_list")
+        ]
+    assert out, f"pid {pid}: no thread left to read"
+    return out
+
+
+def _threads_cpus(pid: int) -> set[int]:
+    """Union of Cpus_allowed_list over every thread of ``pid``."""
+    return set().union(*_each_thread_cpus(pid))
 
 
 def _roles(marker: str) -> dict[str, list[int]]:
@@ -141,8 +148,10 @@ BINDS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or shutil.which("nvi
 @BINDS
 def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
     """run.cpu_binding=auto (the default): every thread of the learner on its cores, every thread of the
-    actor and vLLM engine-core processes on the engine's, read from /proc of the live processes. The
-    worker runs inside the engine core (actors.engine_executor=auto on CPU: no worker process)."""
+    vLLM engine-core process on the engine's, and the actor process (vLLM's front end) on every core of
+    the plan (run.actor_frontend_cpus=auto with overlap and one actor), read from /proc of the live
+    processes. The worker runs inside the engine core (actors.engine_executor=auto on CPU: no worker
+    process)."""
     from asyncrl.cpu_binding import plan_cpus
 
     rdir, proc = live_run["dir"], live_run["proc"]
@@ -150,9 +159,14 @@ def test_learner_and_engine_processes_run_on_disjoint_cores(live_run):
     plan = plan_cpus(sorted(os.sched_getaffinity(0)), 1)
     roles = _roles(live_run["marker"])
     assert _threads_cpus(roles["learner"][0]) == set(plan.learner)
-    for role in ("actor", "engine_core"):
-        for pid in roles[role]:
-            assert _threads_cpus(pid) == set(plan.engine(0)), (role, pid)
+    for pid in roles["engine_core"]:
+        assert _threads_cpus(pid) == set(plan.engine(0)), ("engine_core", pid)
+    assert MAX_STALENESS >= 1  # overlap: the front end floats (at 0 it would be on the learner's cores)
+    for pid in roles["actor"]:  # every thread moved, not only some
+        assert all(c == set(plan.learner) | set(plan.engine(0)) for c in _each_thread_cpus(pid)), (
+            "actor",
+            pid,
+        )
     # The actor's cores came in its constructor's arguments, not in a per-actor Ray runtime_env (which would
     # keep it off Ray's idle workers): its process started without them (/proc environ is the environment
     # at exec; what the constructor set is not in it).
