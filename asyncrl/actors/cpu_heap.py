@@ -30,7 +30,7 @@ import ctypes
 import ctypes.util
 import os
 
-__all__ = ["keep_freed_memory", "M_MMAP_MAX", "M_TRIM_THRESHOLD", "TRIM_MAX", "MIN_BYTES"]
+__all__ = ["keep_freed_memory", "KEPT", "M_MMAP_MAX", "M_TRIM_THRESHOLD", "TRIM_MAX", "MIN_BYTES"]
 
 # <malloc.h>
 M_TRIM_THRESHOLD = -1
@@ -43,6 +43,8 @@ TRIM_MAX = 2**31 - 1
 #: of the demo at max_staleness 1 read -5% with the kept heap (7 pairs of 200 steps, 2 in its favour;
 #: within this VM's spread, but with no gain to weigh against it).
 MIN_BYTES = 64 << 20
+#: What :func:`keep_freed_memory` returns when it set the heap up (anything else says why not).
+KEPT = "kept"
 
 #: Allocators that replace glibc's when preloaded (their own retention rules apply).
 _OTHER_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
@@ -67,4 +69,4 @@ def keep_freed_memory() -> str:
     ):
         if libc.mallopt(option, value) != 1:  # 1 = done
             return f"refused: {name}"
-    return "kept"
+    return KEPT

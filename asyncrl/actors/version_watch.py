@@ -105,7 +105,8 @@ class VersionWatching:
                 return False
         else:
             while True:  # the newest candidate; refused (it did not verify): the next older one
-                m, hint = (None if hint is None else self._hinted(hint)), None
+                m = self._hinted(hint) if hint is not None else None
+                hint = None  # the newest candidate only: after a refusal, the registry's next older one
                 if m is None:
                     m = await self._newest_valid_manifest(defer=True)
                 if m is None or not (first or self._swap_due(m.version)):

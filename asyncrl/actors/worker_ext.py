@@ -41,6 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from . import eager_ranks
+from .cpu_heap import KEPT  # ctypes only
 
 __all__ = [
     "WeightReloadExtension",
@@ -231,7 +232,7 @@ class WeightReloadExtension:
                 engine.model_config,
                 self.vllm_config,
                 engine.open_checked,
-                scratch_pool=engine.heap != "kept",  # a kept heap reuses freed memory by itself
+                scratch_pool=engine.heap != KEPT,  # a kept heap reuses freed memory by itself
             )
             self._asyncrl_stager_obj = stager
         return stager
