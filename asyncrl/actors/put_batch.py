@@ -5,11 +5,11 @@ one (a thread hop and a script round trip each), the first write wakes the learn
 the core with the front end still writing the others: on the 2-core demo the last group reached Redis
 3.5 ms after generation ended, 1.4 ms of it the put's round trip. :class:`PutBatcher` queues the puts
 made while a write is in flight and sends each batch with one :meth:`ReplayBuffer.put_many` (one
-deduplicated script call per group, pipelined), so the learner is woken once per batch.
+script call that does ``put``'s work for each group), so the learner is woken once per batch.
 
-Invariants: each group is written exactly as by ``put`` (same script, same dedup, same owner tally,
-in the order queued); a put's awaiter gets its own group's entry id or error; a batch that fails as a
-whole (Redis unreachable past the retries) fails every put in it; one batch is in flight at a time,
+Invariants: each group is written exactly as by ``put`` (same dedup, same owner tally, in the order
+queued); a put's awaiter gets its own group's entry id or validation error; a batch that fails as a
+whole (an error reply, or Redis unreachable past the retries) fails every put in it; one batch is in flight at a time,
 and a put queued meanwhile goes in the next; no awaiter is left hanging if the flusher is cancelled
 (the loop's teardown) or fails.
 """

@@ -19,7 +19,7 @@ from asyncrl.buffer.consumer import DEAD_MAXLEN, _s
 from asyncrl.buffer.layout import ROLLOUT_FIELD
 from asyncrl.buffer.records import Group, RecordError, encode
 
-__all__ = ["StreamProducer", "PUT_LUA", "ABANDON_LUA"]
+__all__ = ["StreamProducer", "PUT_LUA", "PUT_MANY_LUA", "ABANDON_LUA"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,32 @@ redis.call('SET', KEYS[3], id, 'EX', tonumber(ARGV[5]))
 return id
 """
 
+
+# KEYS: rollouts, inflight, then one dedup key per group. ARGV: field, owner ('' = none), maxlen
+# (0 = none), dedup ttl, then one encoded group per dedup key. PUT_LUA for each group in order, in one
+# call; returns the entry ids in that order.
+PUT_MANY_LUA = """
+local ids = {}
+for i = 3, #KEYS do
+  local prev = redis.call('GET', KEYS[i])
+  if prev then
+    ids[#ids + 1] = prev
+  else
+    local id
+    if tonumber(ARGV[3]) > 0 then
+      id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', ARGV[1], ARGV[i + 2])
+    else
+      id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[i + 2])
+    end
+    if ARGV[2] ~= '' then
+      redis.call('HINCRBY', KEYS[2], ARGV[2], -1)
+    end
+    redis.call('SET', KEYS[i], id, 'EX', tonumber(ARGV[4]))
+    ids[#ids + 1] = id
+  end
+end
+return ids
+"""
 
 # KEYS: credits, inflight, dedup, dead. ARGV: owner ('' = none), dedup ttl, group id, reason, time, dead maxlen,
 # admission channel.
@@ -98,44 +124,46 @@ class StreamProducer:
         return dedup, [k.rollouts, k.inflight, dedup], args
 
     def put_many(self, groups: list[Group], owner: str | None = None) -> list[str | BaseException]:
-        """``put`` of several groups in one round trip: per group, its entry id, or the exception that
-        group alone raised (a :class:`RecordError` from its validation, a Redis error reply).
+        """``put`` of several groups in one script call: per group, its entry id, or the
+        :class:`RecordError` its validation raised (that group is not sent; the others are).
 
-        Each group is still its own deduplicated script call (pipelined, not a transaction), so this
-        is exactly ``put`` for each, in order; a group that fails validation is not sent. A connection
-        or timeout failure of the round trip (past the client's retries, which resend every call:
-        the dedup makes that safe) marks every sent group uncertain, as ``put`` does, and raises.
+        :data:`PUT_MANY_LUA` does for each group, in order, exactly what ``put``'s script does (dedup,
+        append, owner tally), so a repeated batch returns the first ids and appends nothing. One call,
+        not a pipeline of ``put`` calls, for two reasons: Redis serves a reader blocked on the stream
+        (the learner) once, after the script, with the whole batch (a pipeline of real-size groups is
+        read by Redis in 16 KB chunks, and the learner was woken between two of them with one group);
+        and redis-py refuses pipelined EVALSHA on a Redis Cluster, where this works as ``put`` does
+        (every key of a run is in one slot). A failure of the call (an error reply past the script's
+        start, or a connection or timeout failure past the client's retries, which resend it: the dedup
+        makes that safe) may have written some of the groups, so every sent group is marked uncertain,
+        as ``put`` does for its one, and the error is raised.
         Why: groups that finish together (a synchronous step's) are written, and the learner waiting
         for them is woken, once instead of once per group.
         """
         out: list[str | BaseException | None] = [None] * len(groups)
-        sent: list[tuple[int, str, list[Any], list[Any]]] = []
-        # EVALSHA directly: a pipeline that registers the script first asks SCRIPT EXISTS, one more
-        # round trip per batch. A server without the script (restarted) answers NOSCRIPT for a call
-        # that did nothing; that group is then put alone (the script object loads it).
-        pipe = self._client.pipeline(transaction=False)
+        sent: list[tuple[int, str, bytes]] = []
         for i, group in enumerate(groups):
             try:
-                dedup, keys, args = self._put_call(group, owner)
+                dedup, _, args = self._put_call(group, owner)
             except RecordError as e:  # this group's own error; the others are written
                 out[i] = e
                 continue
-            pipe.evalsha(self._put_script.sha, len(keys), *keys, *args)
-            sent.append((i, dedup, keys, args))
+            sent.append((i, dedup, args[1]))
         if not sent:
             return out  # type: ignore[return-value]
+        k = self.keys
+        keys = [k.rollouts, k.inflight, *(dedup for _, dedup, _ in sent)]
+        args = [ROLLOUT_FIELD, owner or "", self._maxlen or 0, DEDUP_TTL_S, *(data for _, _, data in sent)]
         try:
-            replies = pipe.execute(raise_on_error=False)
-            for (i, _, keys, args), reply in zip(sent, replies, strict=True):
-                if isinstance(reply, redis.exceptions.NoScriptError):
-                    reply = self._put_script(keys=keys, args=args)
-                out[i] = reply if isinstance(reply, BaseException) else _s(reply)
-        except (redis.ConnectionError, redis.TimeoutError):
-            # As put: any of them may still run later; settled before this client's next admission.
-            for i, dedup, _, _ in sent:
-                if out[i] is None:
-                    self._admission.uncertain("put", dedup, owner)
+            ids = self._put_many_script(keys=keys, args=args)
+        except redis.RedisError:
+            # As put: any of them may have run (or still run later); settled before this client's next
+            # admission, so a reclaim never counts a written group's slot twice.
+            for _, dedup, _ in sent:
+                self._admission.uncertain("put", dedup, owner)
             raise
+        for (i, _, _), entry_id in zip(sent, ids, strict=True):
+            out[i] = _s(entry_id)
         return out  # type: ignore[return-value]
 
     def put_raw(self, data: bytes) -> str:

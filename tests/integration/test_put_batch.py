@@ -7,6 +7,8 @@ round trip; the batcher must group the puts queued together and hand each caller
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import redis
@@ -43,6 +45,33 @@ def test_put_many_is_put_per_group_in_one_round_trip(buffer: ReplayBuffer, redis
     got = buffer.read("learner", 3, block_ms=None)
     assert [e.group.group_id for e in got] == [g.group_id for g in groups]
     assert buffer.put_many([]) == []
+
+
+def test_a_reader_blocked_on_the_stream_gets_the_whole_batch_in_one_read(
+    buffer: ReplayBuffer, redis_client
+) -> None:
+    # The learner waits in a blocking XREADGROUP. put_many's calls run in one MULTI/EXEC, so Redis
+    # serves the waiting reader once, after EXEC, with every group of the batch. In a plain pipeline
+    # Redis reads a batch of real-size groups in 16 KB chunks and served the reader between two of
+    # them: one group, and the learner read again for the rest.
+    replies: list = []
+
+    def blocked_read() -> None:  # the learner's XREADGROUP, one call (ReplayBuffer.read would top up)
+        replies.extend(redis_client.xreadgroup(buffer.group_name, "learner", {buffer.keys.rollouts: ">"},
+                                               count=4, block=10_000))  # fmt: skip
+
+    buffer.stats()  # the stream and its consumer group exist
+    reader = threading.Thread(target=blocked_read)
+    reader.start()
+    deadline = time.monotonic() + 10.0
+    while int(redis_client.info("clients")["blocked_clients"]) < 1:
+        assert time.monotonic() < deadline, "the reader never blocked"
+        time.sleep(0.005)
+    groups = [small_group(n_completions=8, n_tokens=2000) for _ in range(4)]  # ~190 KB each
+    ids = buffer.put_many(groups, owner="actor-0")
+    reader.join(10.0)
+    assert not reader.is_alive() and len(replies) == 1
+    assert [i.decode() for i, _ in replies[0][1]] == ids  # all four, in one reply
 
 
 def test_put_many_gives_each_group_its_own_error(buffer: ReplayBuffer, redis_client) -> None:
