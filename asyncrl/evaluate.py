@@ -58,6 +58,7 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
                        request_prefix: str = "eval") -> EvalResult:  # fmt: skip
     """Score ``task.eval_prompts`` with the vLLM ``AsyncLLM`` ``llm`` (see the module doc)."""
     from vllm import SamplingParams
+    from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
     prompts: list[Prompt] = task.eval_prompts
@@ -75,7 +76,8 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
                                 max_tokens=e.max_tokens or cfg.actors.max_tokens,
                                 output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
         final = None
-        async for out in llm.generate({"prompt_token_ids": ids}, params, f"{request_prefix}-{version}-{i}"):
+        # A rendered prompt: built and sent on this thread (asyncrl.actors.engine.generate_group).
+        async for out in llm.generate(tokens_input(ids), params, f"{request_prefix}-{version}-{i}"):
             final = out
         assert final is not None
         outs = sorted(final.outputs, key=lambda c: c.index)

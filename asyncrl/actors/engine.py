@@ -229,6 +229,7 @@ class Engine(WeightSwaps):
         stream is closed), so nothing of an aborted group is returned.
         """
         from vllm import SamplingParams
+        from vllm.inputs import tokens_input
 
         await self._admit.wait()
         if self.version is None:
@@ -248,7 +249,10 @@ class Engine(WeightSwaps):
         self._idle.clear()
         self.progress[request_id] = 0
         try:
-            stream = self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id)
+            # A rendered input (vLLM's TokensInput) is processed on this thread: a raw prompt dict would
+            # go through the renderer's single-thread executor, one hop per group, which spread the
+            # groups a swap releases together over ~1 ms and into different engine steps.
+            stream = self.llm.generate(tokens_input(list(prompt_ids)), params, request_id)
             async for out in stream:
                 for co in out.outputs:
                     s = seqs[co.index]

@@ -177,15 +177,17 @@ GEN_ROUNDS = 6
 async def _generation(engine: Any, groups: int, concurrency: int, n: int, max_tokens: int) -> dict:
     """Wrapper vs raw AsyncLLM: ``groups`` groups of ``n``, ``concurrency`` at a time, same params."""
     from vllm import SamplingParams
+    from vllm.inputs import tokens_input
 
     prompt = [5, 17, 29, 41, 53, 7, 11]
-    # exactly what Engine sends (its output kind too: FINAL_ONLY unless actors.stream_tokens)
+    # exactly what Engine sends (a rendered prompt; its output kind too: FINAL_ONLY unless
+    # actors.stream_tokens)
     params = dict(temperature=1.0, top_p=1.0, max_tokens=max_tokens)
 
     async def raw(i: int) -> int:
         sp = SamplingParams(n=n, logprobs=0, output_kind=engine.output_kind, **params)
         toks = 0
-        async for out in engine.llm.generate({"prompt_token_ids": prompt}, sp, f"raw-{i}"):
+        async for out in engine.llm.generate(tokens_input(prompt), sp, f"raw-{i}"):
             toks += sum(len(c.token_ids) for c in out.outputs)
         return toks
 

@@ -267,6 +267,53 @@ def test_streamed_and_final_only_groups_are_identical(rig) -> None:
     assert [s.token_ids for s in other] != [s.token_ids for s in final]
 
 
+def test_groups_started_together_reach_the_engine_in_one_loop_pass_as_the_raw_prompt_path_samples(
+    rig,
+) -> None:
+    """generate_group hands vLLM a rendered prompt (``TokensInput``): the request is built and sent on
+    the event loop's thread, so the groups a swap releases together are all in the engine before the loop
+    runs anything else. A raw prompt dict went through the renderer's one-thread executor, a hop per
+    group, which spread them over ~1 ms and into different engine steps. What is sampled is unchanged:
+    the same seeded group through vLLM's raw prompt path has the same tokens, logprobs and text."""
+    from vllm import SamplingParams
+
+    eng, loop = rig["engine"], rig["loop"]
+    if eng.version is None:
+        m0 = rig["transport"].publish(0, rig["weights"](0), "float32")
+        loop.run_until_complete(eng.load_weights(m0.path, 0))
+    _sample(rig, "warm", 2)  # vLLM caches its engine's supported tasks at the first request (an RPC)
+
+    async def together():
+        tasks = [
+            asyncio.ensure_future(
+                eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 8, f"together-{i}", seed=60 + i)
+            )
+            for i in range(4)
+        ]
+        await asyncio.sleep(0)  # one pass of the loop: each task runs to its first suspension
+        sent = eng.llm.output_processor.get_num_unfinished_requests()
+        return sent, await asyncio.gather(*tasks)
+
+    sent, groups = loop.run_until_complete(together())
+    assert sent == 4 * 2  # every completion of every group, before any other callback ran
+
+    async def raw(seed: int):
+        params = SamplingParams(n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=8, logprobs=0, seed=seed,
+                                output_kind=eng.output_kind)  # fmt: skip
+        outs = [o async for o in eng.llm.generate({"prompt_token_ids": list(PROMPT)}, params, f"raw-{seed}")]
+        return sorted(outs[-1].outputs, key=lambda c: c.index)
+
+    for i, group in enumerate(groups):
+        ref = loop.run_until_complete(raw(60 + i))
+        for ours, theirs in zip(group, ref, strict=True):
+            assert ours.token_ids and ours.token_ids == list(theirs.token_ids)
+            assert ours.text == theirs.text
+            assert ours.logprobs == [
+                float(p[t].logprob) for p, t in zip(theirs.logprobs, theirs.token_ids, strict=True)
+            ]
+    assert [s.token_ids for s in groups[0]] != [s.token_ids for s in groups[1]]  # the seeds differ
+
+
 def test_one_call_commit_serves_what_the_paused_commit_serves_without_pausing(rig) -> None:
     """A staged swap committed by one engine-core utility call (asyncrl.actors.atomic_commit: commit,
     label, KV reset between two steps) serves, to the bit, what the paused five-call sequence serves,
