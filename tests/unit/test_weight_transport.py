@@ -5,9 +5,11 @@ No Redis, no vLLM: the bytes on disk against safetensors' own reader and hashlib
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -118,6 +120,7 @@ def test_file_transport_one_fsync_manifest_and_tamper(tmp_path: Path, monkeypatc
         tr.publish(1, ts, "float32")  # a.bf16 is not the announced dtype
     ts["a.bf16"] = ts["a.bf16"].float()
     m = tr.publish(1, lambda: iter(ts.items()), "float32")
+    tr.wait_durable()
     assert len(calls) == 1  # the weights file, once; no directory fsyncs
     assert m.digest == "sha256" and m.sha256 == sha256_file(m.path) and m.size == Path(m.path).stat().st_size
     assert set(load_file(m.path)) == {"b.f32", "a.bf16"}  # only the served names
@@ -132,6 +135,52 @@ def test_file_transport_one_fsync_manifest_and_tamper(tmp_path: Path, monkeypatc
     with pytest.raises(ValueError, match="no tensor"):
         tr.publish(2, {"b.f32": torch.ones(1)}, "float32")
     assert not list((tmp_path / "w").glob(".tmp-*"))  # a failed publish leaves nothing behind
+
+
+def test_file_transport_fsyncs_after_the_publish_one_at_a_time_and_raises_a_failed_one(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # The real fsync, held until released (os.fsync is only wrapped, to see when and on what it runs;
+    # a disk that refuses an fsync is the one thing stood in for, at the end).
+    release, started, failing = threading.Event(), threading.Event(), threading.Event()
+    synced: list[tuple[int, str]] = []
+    real = os.fsync
+
+    def held_fsync(fd: int) -> None:
+        started.set()
+        assert release.wait(10.0)
+        if failing.is_set():
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(fd)
+        synced.append((os.fstat(fd).st_ino, threading.current_thread().name))
+
+    monkeypatch.setattr(os, "fsync", held_fsync)
+    tr = FilesystemTransport(tmp_path / "w")
+    w1 = torch.randn(64, 64)
+    m1 = tr.publish(1, {"w": w1}, "float32")
+    assert started.wait(10.0) and synced == []  # published (readable, verified) while it is held
+    verify(m1)
+    assert torch.equal(load_file(m1.path)["w"], w1)
+    # The next publish waits for it: one fsync at a time.
+    second = threading.Thread(target=lambda: tr.publish(2, {"w": torch.randn(64, 64)}, "float32"))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive() and not (tmp_path / "w" / "v2").exists()
+    release.set()
+    second.join(10.0)
+    assert not second.is_alive()
+    tr.wait_durable()
+    inodes = [Path(m1.path).stat().st_ino, (tmp_path / "w" / "v2" / "model.safetensors").stat().st_ino]
+    assert synced == [(ino, "asyncrl-fsync") for ino in inodes]  # each file once, off the publishing thread
+    # A failed fsync (the disk refused the data) stops the run at the next publish, naming the version.
+    failing.set()
+    tr.publish(3, {"w": torch.ones(2)}, "float32")
+    with pytest.raises(OSError, match="fsync of published weights v3 failed"):
+        tr.publish(4, {"w": torch.ones(2)}, "float32")
+    failing.clear()
+    tr.publish(4, {"w": torch.ones(2)}, "float32")  # reported once; the next one runs normally
+    tr.close()  # waits for v4's
+    assert len(synced) == 3
 
 
 def test_shm_transport_no_fsync_no_hash_sizes_checked(tmp_path: Path, monkeypatch) -> None:
