@@ -18,7 +18,15 @@ from asyncrl.buffer.layout import Keys
 from asyncrl.buffer.subscription import NOTIFICATION_SCHEMA, VersionSubscription
 from asyncrl.buffer.weights import WeightManifest
 
-__all__ = ["RunRegistry"]
+__all__ = ["RunRegistry", "PUBLISH_WEIGHTS_LUA"]
+
+# KEYS: weights, version. ARGV: version (decimal), manifest bytes, versions channel, notification.
+# Stores the manifest, sets V and notifies, in that order, in one call; returns the receivers.
+PUBLISH_WEIGHTS_LUA = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SET', KEYS[2], ARGV[1])
+return redis.call('PUBLISH', ARGV[3], ARGV[4])
+"""
 
 
 def _s(b: bytes | str) -> str:
@@ -30,16 +38,20 @@ class RunRegistry:
 
     _client: redis.Redis
     keys: Keys
+    _publish_weights_script: Any  # PUBLISH_WEIGHTS_LUA, registered by ReplayBuffer
 
     # ------------------------------------------------------------------ weights registry
 
     def publish_weights(self, manifest: WeightManifest) -> int:
-        """Store the manifest and set V = manifest.version in one MULTI, then notify.
+        """Store the manifest, set V = manifest.version, then notify: one script call.
 
-        The notification follows the transaction (a Redis Cluster refuses PUBLISH inside one, and a
-        subscriber woken by it then always finds the new version in the registry). It carries the
-        manifest's bytes as registered, so a subscriber acting on it at once needs no registry read
-        (the actor's swap path: two round trips and a thread hop less between a publish and the swap).
+        A script runs whole, so a subscriber woken by the notification always finds the new version in
+        the registry; one call, where a MULTI and a PUBLISH after it (a Redis Cluster refuses PUBLISH
+        inside a MULTI, not inside a script on the run's slot) were two round trips between the
+        learner's write and the actors' swap. A retried call writes the same values and notifies again
+        (a subscriber sees that version twice; the actor's watcher then has nothing to do). The
+        notification carries the manifest's bytes as registered, so a subscriber acting on it at once
+        needs no registry read (the actor's swap path: two round trips and a thread hop less).
 
         Returns the number of subscribers that received the notification. Subscribers can
         miss notifications while disconnected, so they should also poll :meth:`version`.
@@ -53,11 +65,8 @@ class RunRegistry:
             "sha256": manifest.sha256,
             "manifest": data,  # the registered bytes
         }
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hset(k.weights, str(manifest.version), data)
-        pipe.set(k.version, manifest.version)
-        pipe.execute()
-        return int(self._client.publish(k.versions_channel, msgpack.packb(note, use_bin_type=True)))
+        args = [str(manifest.version), data, k.versions_channel, msgpack.packb(note, use_bin_type=True)]
+        return int(self._publish_weights_script(keys=[k.weights, k.version], args=args))
 
     def manifest(self, version: int) -> WeightManifest | None:
         data = self._client.hget(self.keys.weights, str(version))

@@ -29,7 +29,7 @@ from asyncrl.buffer.connection import DEFAULT_RETRY_BUDGET_S, redis_options
 from asyncrl.buffer.consumer import DEAD_DATA_LIMIT, DEAD_MAXLEN, DROP_LUA, Entry, StreamConsumer, _s
 from asyncrl.buffer.layout import DEFAULT_CONSUMER_GROUP, Keys
 from asyncrl.buffer.producer import ABANDON_LUA, PUT_LUA, PUT_MANY_LUA, StreamProducer
-from asyncrl.buffer.registry import RunRegistry
+from asyncrl.buffer.registry import PUBLISH_WEIGHTS_LUA, RunRegistry
 
 __all__ = ["Entry", "ReplayBuffer", "DEAD_MAXLEN", "DEAD_DATA_LIMIT"]
 
@@ -81,6 +81,7 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
         self._put_many_script = client.register_script(PUT_MANY_LUA)
         self._drop_script = client.register_script(DROP_LUA)
         self._abandon_script = client.register_script(ABANDON_LUA)
+        self._publish_weights_script = client.register_script(PUBLISH_WEIGHTS_LUA)
         # consumer -> highest entry id this instance returned (or disposed of); "0" = none yet.
         self._cursor: dict[str, str] = {}
         self._consumer_locks: dict[str, threading.Lock] = {}
