@@ -160,7 +160,8 @@ class GroupProduction:
         # A new buffer client or a new event loop (a restart): a new batcher; the old one's flusher
         # belonged to the old loop and may never run again.
         if b is None or b.buffer is not self.buffer or b.loop is not loop:
-            b = self.__dict__["_puts"] = PutBatcher(self.buffer, self.actor_id)
+            linger_s = self.cfg.actors.put_linger_ms / 1000.0
+            b = self.__dict__["_puts"] = PutBatcher(self.buffer, self.actor_id, linger_s)
         return b
 
     async def _writes_done(self) -> None:
@@ -223,14 +224,21 @@ class GroupProduction:
                 "swap_mode": self.swap_mode,
                 "prompt_seq": seq,
             }
+            # Announced to the put batcher while it is scored: a batch about to leave waits for it, so
+            # the groups that finished generating together are written (and wake the learner) together.
+            puts = self._put_batcher()
+            puts.expect()
             try:  # off the event loop, within task.reward_timeout_s (asyncrl.actors.rewards)
                 rewards = await self.rewards.score(prompt, [s.text for s in seqs])
+                group = build_group(group_id, rewards, prompt, prompt_ids, seqs, self.actor_id, meta)
             except asyncio.CancelledError:
+                puts.unexpect()
                 # A stop with abort while it was scored: not written, the slot goes back (as above).
                 self.buffer.credit(1, self.actor_id, request_id=group_id)
                 self.counters["groups_aborted"] += 1
                 raise
             except RewardFailure as e:
+                puts.unexpect()
                 log.warning("%s: group %s dropped: %s", self.actor_id, group_id, e)
                 await self._write(self.buffer.abandon, group_id, self.actor_id, str(e))
                 # Counted once its dead letter is written: a write that fails past the Redis retry
@@ -238,7 +246,9 @@ class GroupProduction:
                 # must keep matching the dead-letter stream.
                 self.counters["groups_reward_failed"] += 1
                 continue
-            group = build_group(group_id, rewards, prompt, prompt_ids, seqs, self.actor_id, meta)
-            await self._write(self._put_batcher().put, group, written=True)
+            except BaseException:
+                puts.unexpect()
+                raise
+            await self._write(puts.put, group, True, written=True)
             self.timeline.record("group", **rec, t_written=time.time(), tokens=sum(len(s.token_ids) for s in seqs),
                                  v_start=int(v_start), v_end=int(meta["version_end"]))  # fmt: skip

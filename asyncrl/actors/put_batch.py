@@ -7,6 +7,12 @@ the core with the front end still writing the others: on the 2-core demo the las
 made while a write is in flight and sends each batch with one :meth:`ReplayBuffer.put_many` (one
 script call that does ``put``'s work for each group), so the learner is woken once per batch.
 
+Lingering: the groups of a step finish generating together but are scored in turn (one reward thread
+each), so the first scored used to leave alone and the others followed in a second batch, 2-3 ms
+later (timelines of the sync demo). A batch therefore waits, up to ``linger_s``, while the actor still
+scores groups (announced with :meth:`PutBatcher.expect`) for those to be queued: they leave together. The wait ends as soon
+as nothing more is expected; a slow reward delays the others' write by ``linger_s`` at most.
+
 Invariants: each group is written exactly as by ``put`` (same dedup, same owner tally, in the order
 queued); a put's awaiter gets its own group's entry id or validation error; a batch that fails as a
 whole (an error reply, or Redis unreachable past the retries) fails every put in it; one batch is in flight at a time,
@@ -26,20 +32,36 @@ class PutBatcher:
     """Batches ``buffer.put_many(groups, owner)`` calls from one event loop, the one running when it
     is made (not thread-safe)."""
 
-    def __init__(self, buffer: Any, owner: str | None) -> None:
+    def __init__(self, buffer: Any, owner: str | None, linger_s: float = 0.0) -> None:
         self.buffer = buffer
         self.owner = owner
         self.loop = asyncio.get_running_loop()
+        self.linger_s = linger_s
+        self.expected = 0  # groups announced by expect() and not yet put (being scored)
+        self._more = asyncio.Event()  # a put was queued, or a group expected will not be put after all
         self._queue: list[tuple[Any, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._inflight: list[tuple[Any, asyncio.Future]] = []  # the batch being sent
         self.batches = 0  # round trips made (tests, and the batch size it implies)
 
-    async def put(self, group: Any) -> str:
-        """Write ``group`` (in the next batch); returns its entry id. Cancelling the awaiter does not
-        cancel the write (the caller shields and tracks it, see GroupProduction._write)."""
+    def expect(self) -> None:
+        """A group will be put soon (it is being scored): a batch lingers for it (module doc). Ended
+        by ``put(group, expected=True)``, or by :meth:`unexpect` when it will not be put."""
+        self.expected += 1
+
+    def unexpect(self) -> None:
+        self.expected -= 1
+        self._more.set()
+
+    async def put(self, group: Any, expected: bool = False) -> str:
+        """Write ``group`` (in the next batch); returns its entry id. ``expected``: announced by
+        :meth:`expect`. Cancelling the awaiter does not cancel the write (the caller shields and tracks
+        it, see GroupProduction._write)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queue.append((group, fut))
+        if expected:
+            self.expected -= 1
+        self._more.set()
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush())
             self._flusher.add_done_callback(self._flusher_done)
@@ -50,6 +72,7 @@ class PutBatcher:
             # One pass of the loop first: groups whose last completion arrived in the same output
             # batch of the engine are scored and queued by then, and go in this batch.
             await asyncio.sleep(0)
+            await self._linger()
             self._inflight, self._queue = self._queue, []
             self.batches += 1
             batch = self._inflight
@@ -69,6 +92,19 @@ class PutBatcher:
                 else:
                     fut.set_result(res)
             self._inflight = []
+
+    async def _linger(self) -> None:
+        """Wait, up to ``linger_s``, until no group is expected any more (see the module doc)."""
+        deadline = self.loop.time() + self.linger_s
+        while self.expected > 0:
+            left = deadline - self.loop.time()
+            if left <= 0:
+                return
+            self._more.clear()
+            try:
+                await asyncio.wait_for(self._more.wait(), left)
+            except TimeoutError:
+                return
 
     def _flusher_done(self, task: asyncio.Task) -> None:
         """A flusher that ended otherwise than by emptying the queue (cancelled at the loop's teardown,

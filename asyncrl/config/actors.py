@@ -13,6 +13,13 @@ from .fields import F
 class ActorsConfig:
     num_actors: int = F(1, "Ray actors, each with its own vLLM engine.", ge=1)
     groups_in_flight: int = F(4, "Groups each actor keeps in flight (continuous batching depth).", ge=1)
+    put_linger_ms: float = F(
+        5.0,
+        "A batch of finished groups waits up to this long for the actor's groups still being scored, so "
+        "that groups finished together reach Redis (and wake the learner) in one write; it leaves as soon "
+        "as none is left. 0 = never wait.",
+        ge=0,
+    )
     group_size: int = F(8, "Completions per prompt (G); the unit of GRPO advantages.", ge=1)
     temperature: float = F(1.0, "Sampling temperature; the learner divides logits by the same value.", gt=0)
     top_p: float = F(

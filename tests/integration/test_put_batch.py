@@ -129,6 +129,44 @@ def test_batcher_sends_the_puts_queued_together_in_one_batch(buffer: ReplayBuffe
     asyncio.run(main())
 
 
+def test_batcher_lingers_for_groups_still_being_scored_and_no_longer(
+    buffer: ReplayBuffer, redis_client
+) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        # Two groups finished together; the first is scored: its batch waits for the second.
+        b = PutBatcher(buffer, "actor-0", linger_s=5.0)
+        b.expect(), b.expect()
+        first = asyncio.ensure_future(b.put(small_group(), True))
+        await asyncio.sleep(0.1)
+        assert not first.done() and b.batches == 0 and b.expected == 1
+        second = await b.put(small_group(), True)
+        assert b.batches == 1 and b.expected == 0  # one write for both
+        assert _stream_ids(redis_client, buffer)[-2:] == [await first, second]
+        # A group that will not be put after all (its reward failed): the batch leaves at once.
+        b.expect(), b.expect()
+        t0 = loop.time()
+        third = asyncio.ensure_future(b.put(small_group(), True))
+        await asyncio.sleep(0.05)
+        b.unexpect()
+        await asyncio.wait_for(third, 2.0)
+        assert b.batches == 2 and loop.time() - t0 < 2.0 and b.expected == 0
+        # A group scored for longer than linger_s (a slow reward): the others leave after linger_s.
+        slow = PutBatcher(buffer, "actor-0", linger_s=0.2)
+        slow.expect(), slow.expect()
+        t0 = loop.time()
+        await slow.put(small_group(), True)
+        assert 0.2 <= loop.time() - t0 < 2.0 and slow.batches == 1
+        # linger_s = 0: never waits.
+        eager = PutBatcher(buffer, "actor-0")
+        eager.expect(), eager.expect()
+        t0 = loop.time()
+        await eager.put(small_group(), True)
+        assert loop.time() - t0 < 0.15 and eager.batches == 1
+
+    asyncio.run(main())
+
+
 def test_batcher_fails_every_put_of_a_batch_that_fails_as_a_whole(tmp_path, run_name: str) -> None:
     buf = _buffer_on_a_killed_server(tmp_path, run_name)
 
@@ -161,9 +199,11 @@ def test_batcher_leaves_no_awaiter_hanging_when_its_flusher_is_cancelled(buffer:
 
 def test_an_actor_gets_a_new_batcher_for_a_new_buffer_client_or_event_loop(buffer: ReplayBuffer) -> None:
     from asyncrl.actors.group_worker import GroupProduction
+    from asyncrl.config import Config
 
     class Worker(GroupProduction):
         actor_id = "actor-0"
+        cfg = Config()
 
     w = Worker()
     w.buffer = buffer
@@ -174,6 +214,7 @@ def test_an_actor_gets_a_new_batcher_for_a_new_buffer_client_or_event_loop(buffe
     a1, a2 = asyncio.run(twice())
     b1, _ = asyncio.run(twice())  # a restart in a new loop: the old flusher may never run again
     assert a1 is a2 and b1 is not a1 and b1.loop is not a1.loop
+    assert a1.linger_s == Config().actors.put_linger_ms / 1000.0 > 0
 
     async def new_client() -> tuple[PutBatcher, PutBatcher]:
         before = w._put_batcher()
