@@ -10,14 +10,15 @@ script call that does ``put``'s work for each group), so the learner is woken on
 Lingering: the groups of a step finish generating together but are scored in turn (one reward thread
 each), so the first scored used to leave alone and the others followed in a second batch, 2-3 ms
 later (timelines of the sync demo). A batch therefore waits, up to ``linger_s``, while the actor still
-scores groups (announced with :meth:`PutBatcher.expect`) for those to be queued: they leave together. The wait ends as soon
-as nothing more is expected; a slow reward delays the others' write by ``linger_s`` at most.
+scores groups (announced with :meth:`PutBatcher.expect`) for those to be queued: they leave together.
+The wait ends as soon as nothing more is expected; a slow reward delays the others' write by
+``linger_s`` at most.
 
 Invariants: each group is written exactly as by ``put`` (same dedup, same owner tally, in the order
 queued); a put's awaiter gets its own group's entry id or validation error; a batch that fails as a
-whole (an error reply, or Redis unreachable past the retries) fails every put in it; one batch is in flight at a time,
-and a put queued meanwhile goes in the next; no awaiter is left hanging if the flusher is cancelled
-(the loop's teardown) or fails.
+whole (an error reply, or Redis unreachable past the retries) fails every put in it; one batch is in
+flight at a time, and a put queued meanwhile goes in the next; no awaiter is left hanging if the
+flusher is cancelled (the loop's teardown) or fails.
 """
 
 from __future__ import annotations
