@@ -19,32 +19,14 @@ from asyncrl.buffer.consumer import DEAD_MAXLEN, _s
 from asyncrl.buffer.layout import ROLLOUT_FIELD
 from asyncrl.buffer.records import Group, RecordError, encode
 
-__all__ = ["StreamProducer", "PUT_LUA", "PUT_MANY_LUA", "ABANDON_LUA"]
+__all__ = ["StreamProducer", "PUT_MANY_LUA", "ABANDON_LUA"]
 
 log = logging.getLogger(__name__)
 
-# KEYS: rollouts, inflight, dedup. ARGV: field, data, owner ('' = none), maxlen (0 = none), dedup ttl.
-# Returns the entry id; a repeat of the same group id returns the first id and appends nothing.
-PUT_LUA = """
-local prev = redis.call('GET', KEYS[3])
-if prev then return prev end
-local id
-if tonumber(ARGV[4]) > 0 then
-  id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', ARGV[1], ARGV[2])
-else
-  id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-end
-if ARGV[3] ~= '' then
-  redis.call('HINCRBY', KEYS[2], ARGV[3], -1)
-end
-redis.call('SET', KEYS[3], id, 'EX', tonumber(ARGV[5]))
-return id
-"""
-
-
 # KEYS: rollouts, inflight, then one dedup key per group. ARGV: field, owner ('' = none), maxlen
-# (0 = none), dedup ttl, then one encoded group per dedup key. PUT_LUA for each group in order, in one
-# call; returns the entry ids in that order.
+# (0 = none), dedup ttl, then one encoded group per dedup key. For each group in order: a repeat of its
+# group id returns the first entry id and appends nothing; else append it and take it off the owner's
+# in-flight tally. Returns the entry ids in that order. (``put`` is this with one group.)
 PUT_MANY_LUA = """
 local ids = {}
 for i = 3, #KEYS do
@@ -107,28 +89,21 @@ class StreamProducer:
         repeated put of the same group returns the first entry id and appends nothing, so a lost
         reply can neither train a group twice nor unbalance the admission tally.
         """
-        dedup, keys, args = self._put_call(group, owner)
-        try:
-            return _s(self._put_script(keys=keys, args=args))
-        except (redis.ConnectionError, redis.TimeoutError):
-            # It may still run later (a frozen server); settled (tombstoned if it has not) before this
-            # client's next admission, credit or reclaim, so a reclaim never counts its slot twice.
-            self._admission.uncertain("put", dedup, owner)
-            raise
+        (entry_id,) = self.put_many([group], owner)
+        if isinstance(entry_id, BaseException):
+            raise entry_id  # its validation (RecordError)
+        return entry_id
 
-    def _put_call(self, group: Group, owner: str | None) -> tuple[str, list[Any], list[Any]]:
-        """(dedup key, KEYS, ARGV) of ``group``'s PUT_LUA call; encoding validates (RecordError)."""
-        k = self.keys
-        dedup = k.request(f"put:{group.group_id}")
-        args = [ROLLOUT_FIELD, encode(group), owner or "", self._maxlen or 0, DEDUP_TTL_S]
-        return dedup, [k.rollouts, k.inflight, dedup], args
+    def _encoded(self, group: Group) -> tuple[str, bytes]:
+        """(dedup key, record bytes) of ``group``; encoding validates (RecordError)."""
+        return self.keys.request(f"put:{group.group_id}"), encode(group)
 
     def put_many(self, groups: list[Group], owner: str | None = None) -> list[str | BaseException]:
         """``put`` of several groups in one script call: per group, its entry id, or the
         :class:`RecordError` its validation raised (that group is not sent; the others are).
 
-        :data:`PUT_MANY_LUA` does for each group, in order, exactly what ``put``'s script does (dedup,
-        append, owner tally), so a repeated batch returns the first ids and appends nothing. One call,
+        :data:`PUT_MANY_LUA` does ``put``'s work (dedup, append, owner tally) for each group, in order (``put``
+        is this call with one group), so a repeated batch returns the first ids and appends nothing. One call,
         not a pipeline of ``put`` calls, for two reasons: Redis serves a reader blocked on the stream
         (the learner) once, after the script, with the whole batch (a pipeline of real-size groups is
         read by Redis in 16 KB chunks, and the learner was woken between two of them with one group);
@@ -144,11 +119,11 @@ class StreamProducer:
         sent: list[tuple[int, str, bytes]] = []
         for i, group in enumerate(groups):
             try:
-                dedup, _, args = self._put_call(group, owner)
+                dedup, data = self._encoded(group)
             except RecordError as e:  # this group's own error; the others are written
                 out[i] = e
                 continue
-            sent.append((i, dedup, args[1]))
+            sent.append((i, dedup, data))
         if not sent:
             return out  # type: ignore[return-value]
         k = self.keys
@@ -157,8 +132,9 @@ class StreamProducer:
         try:
             ids = self._put_many_script(keys=keys, args=args)
         except redis.RedisError:
-            # As put: any of them may have run (or still run later); settled before this client's next
-            # admission, so a reclaim never counts a written group's slot twice.
+            # Any of them may have run, or still run later (a frozen server): settled (tombstoned if it
+            # has not) before this client's next admission, credit or reclaim, so a reclaim never counts
+            # a written group's slot twice.
             for _, dedup, _ in sent:
                 self._admission.uncertain("put", dedup, owner)
             raise

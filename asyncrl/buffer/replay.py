@@ -28,7 +28,7 @@ from asyncrl.buffer.cluster import cluster_client, connection_kwargs, split_clus
 from asyncrl.buffer.connection import DEFAULT_RETRY_BUDGET_S, redis_options
 from asyncrl.buffer.consumer import DEAD_DATA_LIMIT, DEAD_MAXLEN, DROP_LUA, Entry, StreamConsumer, _s
 from asyncrl.buffer.layout import DEFAULT_CONSUMER_GROUP, Keys
-from asyncrl.buffer.producer import ABANDON_LUA, PUT_LUA, PUT_MANY_LUA, StreamProducer
+from asyncrl.buffer.producer import ABANDON_LUA, PUT_MANY_LUA, StreamProducer
 from asyncrl.buffer.registry import PUBLISH_WEIGHTS_LUA, RunRegistry
 
 __all__ = ["Entry", "ReplayBuffer", "DEAD_MAXLEN", "DEAD_DATA_LIMIT"]
@@ -77,7 +77,6 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
         self._max_staleness = max_staleness
         self._groups_per_step = groups_per_step
         self._admission = Admission(client, self.keys)
-        self._put_script = client.register_script(PUT_LUA)
         self._put_many_script = client.register_script(PUT_MANY_LUA)
         self._drop_script = client.register_script(DROP_LUA)
         self._abandon_script = client.register_script(ABANDON_LUA)

@@ -450,7 +450,9 @@ def test_settle_tombstones_what_has_not_run(buffer: ReplayBuffer) -> None:
     dedup = k.request(f"put:{g.group_id}")
     adm.uncertain("put", dedup, "a")
     assert adm.settle() == 0 and buffer.client.get(dedup) == b"cancelled"
-    buffer._put_script(keys=[k.rollouts, k.inflight, dedup], args=[b"g", b"x", "a", 0, 60])  # the late copy
+    buffer._put_many_script(
+        keys=[k.rollouts, k.inflight, dedup], args=[b"g", "a", 0, 60, b"x"]
+    )  # the late copy
     assert buffer.stats()["depth"] == 0 and buffer.client.hget(k.inflight, "a") is None
     # An admission that ran although the caller gave up: given back.
     late = k.request("late-admit")
