@@ -73,7 +73,7 @@ def test_no_digest_mode_writes_identical_bytes(tmp_path: Path) -> None:
 def test_threaded_hash_is_the_same_digest_and_used_only_with_a_spare_cpu(
     tmp_path: Path, monkeypatch, min_bytes: int, cpus: set, threaded: bool
 ) -> None:
-    import asyncrl.learner.publisher as publisher
+    import asyncrl.learner.safetensors_writer as publisher
 
     seen: list[bool] = []
 
@@ -93,7 +93,7 @@ def test_threaded_hash_is_the_same_digest_and_used_only_with_a_spare_cpu(
 
 
 def test_threaded_sha256_matches_hashlib_on_random_chunks() -> None:
-    from asyncrl.learner.publisher import _Sha256
+    from asyncrl.learner.safetensors_writer import _Sha256
 
     g = torch.Generator().manual_seed(3)
     data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g).numpy().tobytes()
