@@ -18,7 +18,8 @@ every hand-off the simulator models, in its own terms:
   serialization, the Redis write);
 * ``group_decode_s``: per group, from its submission to the engine to its last token, less the
   engine's swap pauses in between: the engine's speed as the group saw it, with whatever shared its
-  cores then (the planner fits the engine's per-sequence step cost to it);
+  cores then (the planner fits the engine's per-sequence step cost to it); ``group_decode_stepped_s``
+  the same less only each pause's commit (for the simulator's discrete steps: :func:`group_decodes`);
 * ``group_start_s``: per group admitted at its first attempt, from the attempt to the submission to
   the engine (the admission script's round trip, the prompt);
 * ``admission_wake_s``: per group that was refused at least once and woken by a publish's hint, from
@@ -75,6 +76,7 @@ class Handoff:
     swap_latency_cv: float | None = None
     group_overhead_s: float | None = None
     group_decode_s: float | None = None
+    group_decode_stepped_s: float | None = None  # less only each swap's commit (group_decodes)
     group_start_s: float | None = None
     admission_wake_s: float | None = None
     swap_admit_s: float | None = None
@@ -200,12 +202,21 @@ def group_overheads(groups: list[dict]) -> list[float]:
     return [g["t_written"] - g["t_gen1"] for g in groups]
 
 
-def group_decodes(groups: list[dict], swaps: list[dict]) -> list[float]:
+def group_decodes(groups: list[dict], swaps: list[dict], stopped_s: float | None = None) -> list[float]:
     """Seconds per group from its submission to the engine to its last token, less the part of its
-    actor's swap pauses that fell in between (the simulator's ``SimGroup.decode_s``)."""
+    actor's swap pauses that fell in between (the simulator's ``SimGroup.decode_s``).
+
+    ``stopped_s``: only the last ``stopped_s`` seconds of each pause count as paused (None: all of
+    it). A measured pause runs from the actor's commit call to its return, and an engine core serves
+    the call between two steps: a swap that came while the engine decoded waited for the step in
+    progress, which went on decoding; only the commit at its end stopped the engine, and the commit
+    costs what a swap of an idle engine pauses (``swap_s``). The simulator's discrete steps
+    (``engine_steps``) take that wait themselves, so their decode time leaves out only the commit."""
     pauses: dict[str, list[tuple[float, float]]] = {}
     for s in swaps:
-        pauses.setdefault(s["actor"], []).append((s["t_start"], s["t_start"] + s["pause_s"]))
+        end = s["t_start"] + s["pause_s"]
+        start = s["t_start"] if stopped_s is None else max(s["t_start"], end - stopped_s)
+        pauses.setdefault(s["actor"], []).append((start, end))
     out = []
     for g in groups:
         a, b = g["t_gen0"], g["t_gen1"]
@@ -268,9 +279,12 @@ def handoff_samples(
     publish = publish_ends(steps)
     idle, busy = swap_pauses(swaps, groups)
     lat_idle, lat_busy = swap_latencies(swaps, publish, groups)
+    # The commit's own stop: what an idle engine's swap pauses (without enough idle swaps: the whole pause).
+    commit = _mean(idle) if len(idle) >= MIN_KIND_SAMPLES else None
     return {"swap_idle": idle, "swap_busy": busy, "latency_idle": lat_idle, "latency_busy": lat_busy,
             "group_overhead": group_overheads(groups), "group_start": group_starts(groups),
             "group_decode": group_decodes(groups, swaps),
+            "group_decode_stepped": group_decodes(groups, swaps, commit),
             "swap_admit": swap_admit_waits(groups, swaps, publish),
             "admission_wake": admission_waits(groups, swaps, publish)}  # fmt: skip
 
@@ -339,6 +353,7 @@ def handoff(samples: list[dict[str, list[float]]]) -> Handoff:
         swap_latency_running_extra_s=lat_extra,
         group_overhead_s=_mean(pool.get("group_overhead", [])),
         group_decode_s=_mean(pool.get("group_decode", [])),
+        group_decode_stepped_s=_mean(pool.get("group_decode_stepped", [])),
         group_start_s=_mean(pool.get("group_start", [])),
         admission_wake_s=_mean(pool.get("admission_wake", [])),
         swap_admit_s=_mean(pool.get("swap_admit", [])),

@@ -186,7 +186,15 @@ class PlanInputs:
     # simulation
     steps: int = F(200, "Learner steps to simulate (measured after the warm-up).", ge=1)
     warmup_steps: int = F(10, "Leading steps left out of the steady-state numbers.", ge=0)
-    seed: int = F(0, "Seed of the length sampler.", ge=0)
+    seed: int = F(0, "Seed of the length sampler (and of the drawn jitters).", ge=0)
+    seeds: int = F(
+        1,
+        "Simulations averaged, with seeds seed .. seed + seeds - 1. A pipeline's sub-step timing can "
+        "lock into one of two regimes (the demo's eta-4 staleness: 1.7 or 2.1 by the seed of its length "
+        "draws, and the same for a 1% change of an input), so one simulation is a draw, not the expected "
+        "value that a real run's mean compares with.",
+        ge=1,
+    )
 
 
 def _phi(x: float) -> float:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .inputs import PlanInputs
 
-__all__ = ["EPS", "PlanResult", "StepTrace", "summarize"]
+__all__ = ["EPS", "PlanResult", "StepTrace", "average", "summarize"]
 
 EPS = 1e-9
 
@@ -93,4 +93,35 @@ def summarize(p: PlanInputs, trace: list[StepTrace]) -> PlanResult:
         learner_busy_s_per_step=(dur - sum(s.wait_s for s in window)) / len(window),
         group_decode_s=(trace[-1].decode_s_total - d0) / n_dec if n_dec else 0.0,
         steps=trace,
+    )
+
+
+def average(results: list[PlanResult]) -> PlanResult:
+    """The mean of simulations of one pipeline (different seeds): every rate, share and mean is the
+    mean of theirs, the staleness distribution the mean of theirs (its shares still sum to 1), the
+    maximum staleness the largest, the drops rounded; the step trace is the first one's."""
+    if not results:
+        raise ValueError("average of no results")
+    n = len(results)
+
+    def mean(key: str) -> float:
+        return sum(getattr(r, key) for r in results) / n
+
+    keys = sorted({k for r in results for k in r.staleness_dist})
+    return PlanResult(
+        samples_per_s=mean("samples_per_s"),
+        tokens_per_s=mean("tokens_per_s"),
+        steps_per_s=mean("steps_per_s"),
+        learner_idle_frac=mean("learner_idle_frac"),
+        actor_blocked_frac=mean("actor_blocked_frac"),
+        engine_busy_frac=mean("engine_busy_frac"),
+        staleness_mean=mean("staleness_mean"),
+        staleness_max=max(r.staleness_max for r in results),
+        staleness_dist={k: sum(r.staleness_dist.get(k, 0.0) for r in results) / n for k in keys},
+        dropped_stale=round(mean("dropped_stale")),
+        window_s=mean("window_s"),
+        train_s_per_token=mean("train_s_per_token"),
+        learner_busy_s_per_step=mean("learner_busy_s_per_step"),
+        group_decode_s=mean("group_decode_s"),
+        steps=results[0].steps,
     )

@@ -319,6 +319,31 @@ def test_a_swap_waits_for_the_decode_step_in_progress() -> None:
     assert fluid.staleness_dist == {0: pytest.approx(5 / 6), 1: pytest.approx(1 / 6)}
 
 
+def test_seeds_average_the_simulations_of_consecutive_seeds() -> None:
+    """PlanInputs.seeds: every number is the plain mean of the simulations with seeds seed, seed + 1,
+    ... (the maximum staleness the largest); lognormal lengths make the seeds differ."""
+    from asyncrl.plan.results import average
+
+    p = PlanInputs(
+        num_actors=1, groups_in_flight=4, group_size=4, engine_steps=True, gen_token_s=1e-3,
+        lengths=Lengths(kind="lognormal", mean=6.0, sigma=1.0, min_tokens=1.0, max_tokens=12.0),
+        swap_latency_s=0.012, swap_s=0.002, groups_per_step=4, max_staleness=4, learner_step_s=0.02,
+        learner_token_s=1e-4, publish_s=0.004, steps=60, warmup_steps=6, seed=3,
+    )  # fmt: skip
+    each = [simulate(replace(p, seed=s)) for s in (3, 4, 5)]
+    assert len({r.staleness_mean for r in each}) == 3  # the seeds do differ
+    got = simulate(replace(p, seeds=3))
+    for key in ("tokens_per_s", "samples_per_s", "staleness_mean", "learner_idle_frac", "group_decode_s"):
+        assert getattr(got, key) == pytest.approx(sum(getattr(r, key) for r in each) / 3, rel=1e-12), key
+    assert got.staleness_max == max(r.staleness_max for r in each)
+    assert sum(got.staleness_dist.values()) == pytest.approx(1.0)
+    assert got.steps == each[0].steps
+    with pytest.raises(ValueError, match="no results"):
+        average([])
+    with pytest.raises(ConfigError, match="seeds"):
+        load_plan_inputs(overrides=["seeds=0"])
+
+
 def test_learner_work_is_replayed_step_by_step() -> None:
     """A learner-bound pipeline (instant generation): step k's busy time is learner_step_s times the
     trace's factor k - 1, cycling through the trace."""

@@ -208,6 +208,10 @@ def test_group_decode_leaves_out_its_own_engines_swap_pauses() -> None:
               group("b", 1.0, 1.0, 1.04, 1.05),  # b's pause 1.02-1.05 overlaps 1.02-1.04: 0.02
               group("a", 2.0, 2.0, 2.1, 2.11)]  # no pause: 0.1  # fmt: skip
     assert group_decodes(groups, swaps) == pytest.approx([0.07, 0.02, 0.1], abs=1e-12)
+    # Only each pause's last 10 ms stopped the engine (its commit): a's 1.06-1.07 and 1.0-1.01, b's
+    # 1.04-1.05 (after b's group ended).
+    assert group_decodes(groups, swaps, 0.01) == pytest.approx([0.08, 0.04, 0.1], abs=1e-12)
+    assert group_decodes(groups, swaps, 1.0) == group_decodes(groups, swaps)
 
 
 def test_handoff_pools_runs_and_derives_the_simulator_inputs() -> None:
@@ -303,8 +307,9 @@ def test_calibration_takes_the_handoffs_from_the_timelines(tmp_path: Path) -> No
 def test_calibrate_run_measures_every_component_of_its_own_run(tmp_path: Path) -> None:
     """The learner's wall costs, the hand-offs and the engine's decode time all come from the one
     run; the engine's per-sequence step cost is the one whose simulated group decode time is the
-    measured one. Decode times (_run_dir): actor-0's even groups 0.049 s less the 0.035 s of their
-    swap's pause, its odd ones 0.049 s, actor-1's 0.047 s."""
+    measured one. Decode times (_run_dir): actor-0's even groups 0.049 s less the 0.015 s of their
+    swap's commit that they overlap (the last 0.03 s of its 0.05 s pause, 0.03 s being what the idle
+    swaps pause; the engine steps discretely: max_tokens 5), its odd ones 0.049 s, actor-1's 0.047 s."""
     _run_dir(tmp_path / "s1", 1)
     p, sources = calibrate_run(tmp_path / "s1")
     assert p.max_staleness == 1 and p.learner_token_s == pytest.approx(0.1 / 160)
@@ -319,7 +324,7 @@ def test_calibrate_run_measures_every_component_of_its_own_run(tmp_path: Path) -
     assert calibrate_run(tmp_path / "s1", replay=False)[0].swap_latency_work == []
     # Groups admitted from step 3's end on: actor-0's odd ones of steps 3..19 and even ones of 4..20
     # (9 each), actor-1's of steps 3..20 (18).
-    decode = (9 * 0.014 + 9 * 0.049 + 18 * 0.047) / 36
+    decode = (9 * 0.034 + 9 * 0.049 + 18 * 0.047) / 36
     assert sources["gen_token_s"] == f"fitted to the measured group decode time {decode * 1e3:.1f} ms"
     assert simulate(p).group_decode_s == pytest.approx(decode, rel=0.02)
     # actor-0's odd groups were admitted by their poll, 15 ms after their swap: not woken by it.
@@ -376,6 +381,23 @@ def test_the_extra_swap_costs_are_paid_only_with_sequences_running() -> None:
         simulate(replace(busy, swap_s=0.03)).tokens_per_s, rel=1e-9
     )
     assert with_extra.tokens_per_s == pytest.approx(10.0 / (10 * 1e-2 + 0.03), rel=1e-9)
+
+
+def test_discrete_steps_stop_only_for_the_commit_of_a_swap_that_came_while_decoding() -> None:
+    """With discrete steps a swap noticed during a step waits for its end (decoding) and then stops
+    the engine for swap_s: the measured running extra is that wait, not paid again. One group of one
+    10-token sequence in flight, 10 ms steps, every publish lands while it decodes: 10 steps + 20 ms
+    of commit per group, whatever the extra; the fluid engine pays the extra on top."""
+    base = PlanInputs(num_actors=1, groups_in_flight=1, group_size=1, lengths=_fixed(10.0), gen_token_s=1e-2,
+                      admission_events=True, admission_wake_s=0.0, swap_latency_s=0.0, swap_s=0.02,
+                      groups_per_step=1, max_staleness=4, learner_step_s=0.0, learner_token_s=0.0, publish_s=0.0,
+                      steps=60, warmup_steps=5, engine_steps=True)  # fmt: skip
+    stepped = simulate(base)
+    assert stepped.tokens_per_s == pytest.approx(10.0 / (10 * 1e-2 + 0.02), rel=1e-9)
+    extra = simulate(replace(base, swap_running_extra_s=0.03))
+    assert (extra.tokens_per_s, extra.staleness_mean) == (stepped.tokens_per_s, stepped.staleness_mean)
+    fluid = simulate(replace(base, engine_steps=False, swap_running_extra_s=0.03))
+    assert fluid.tokens_per_s == pytest.approx(10.0 / (10 * 1e-2 + 0.05), rel=1e-9)
 
 
 def test_generating_index_matches_a_scan_on_random_intervals() -> None:
