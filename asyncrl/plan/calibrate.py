@@ -276,8 +276,9 @@ HANDOFF_KEYS = ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latenc
 REPLAY_CYCLES = 5
 #: calibrate_run's prediction averages this many simulations (PlanInputs.seeds): the demo's eta-4
 #: pipeline locks into one of two timing regimes by the seed of its length draws (staleness 1.7 or
-#: 2.1 on one run's inputs, and the same for a 1% change of gen_token_s), so one simulation was a
-#: draw 10-20% off its run where the mean of 8 was within 3-8% (2026-11-28, nine eta-4 runs).
+#: 2.1 on one run's inputs, and the same for a 1% change of gen_token_s), so one simulation is a
+#: draw: +19.6% on one run where the mean of 8 was +1.4% (ten eta-4 run dirs of 2026-11-28: the
+#: mean of 8 within -1.7..+8.2% of each; README, "The commit's wait").
 PREDICT_SEEDS = 8
 #: A worker refused for stale weights admitted within this share of actors.admission_poll_s of its
 #: engine's swap end (on average) was woken by the swap; one left to its poll waits about half a period.
