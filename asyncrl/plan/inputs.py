@@ -132,7 +132,11 @@ class PlanInputs:
     )
     swap_s: float = F(0.045, "Seconds an engine is paused per weight swap (reload + KV recompute).", ge=0)
     swap_running_extra_s: float = F(
-        0.0, "Extra pause seconds of a swap while sequences are running (their KV cache is recomputed).", ge=0
+        0.0,
+        "Extra pause seconds of a swap while sequences are running (the wait for the engine's step in "
+        "progress, their KV recompute). Paid by the fluid engine; discrete steps (engine_steps) simulate "
+        "that wait themselves and stop for swap_s only.",
+        ge=0,
     )
     refuse_stale_weights: bool = F(True, "actors.refuse_stale_weights (admission also checks the sampler).")
     swap_min_lag: int = F(

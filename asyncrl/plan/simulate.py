@@ -33,11 +33,11 @@ The model follows the real roles step by step (DESIGN.md):
   later (plus ``swap_latency_running_extra_s`` if the engine is decoding then: the actor stages the
   weights on the engine's cores; times the version's factor in ``swap_latency_work``, a measured run's
   hand-offs replayed, or else a lognormal factor with mean 1 and ``swap_latency_cv``) the
-  engine pauses for ``swap_s`` (reload; plus, on the fluid engine,
+  engine pauses for ``swap_s`` (the reload or commit; plus, on the fluid engine,
   ``swap_running_extra_s`` when sequences are running: the wait for the engine's step, their KV
-  recompute; discrete steps decode until the step ends and then stop for ``swap_s`` only, the
-  extra being that wait) and then samples with that version (in-flight requests survive). A version published meanwhile waits for the swap's
-  end and then takes its own hand-off (``swap_latency_s`` from then: the latency is measured from
+  recompute; discrete steps decode until the step ends and then stop for ``swap_s`` only, that
+  wait being the extra) and then samples with that version (in-flight requests survive). A version
+  published meanwhile waits for the swap's end and then takes its own hand-off (``swap_latency_s`` from then: the latency is measured from
   when the actor was free, :func:`asyncrl.plan.handoff.swap_latencies`), so an actor whose hand-off
   outlasts a learner step lags V by a version or more, swapping every version or skipping to the
   newest at each swap's end, as the real one does. With ``swap_min_lag`` > 1 (actors.swap_min_lag) an
