@@ -6,7 +6,7 @@ uses on a real run's metrics.jsonl, so predicted and measured numbers compare li
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .inputs import PlanInputs
@@ -97,31 +97,24 @@ def summarize(p: PlanInputs, trace: list[StepTrace]) -> PlanResult:
 
 
 def average(results: list[PlanResult]) -> PlanResult:
-    """The mean of simulations of one pipeline (different seeds): every rate, share and mean is the
-    mean of theirs, the staleness distribution the mean of theirs (its shares still sum to 1), the
-    maximum staleness the largest, the drops rounded; the step trace is the first one's."""
+    """The mean of simulations of one pipeline (different seeds): every number is the mean of theirs,
+    except the maximum staleness (the largest), the drops (rounded), the staleness distribution (the
+    mean share per staleness: its shares still sum to 1) and the step trace (the first one's)."""
     if not results:
         raise ValueError("average of no results")
     n = len(results)
-
-    def mean(key: str) -> float:
-        return sum(getattr(r, key) for r in results) / n
-
-    keys = sorted({k for r in results for k in r.staleness_dist})
-    return PlanResult(
-        samples_per_s=mean("samples_per_s"),
-        tokens_per_s=mean("tokens_per_s"),
-        steps_per_s=mean("steps_per_s"),
-        learner_idle_frac=mean("learner_idle_frac"),
-        actor_blocked_frac=mean("actor_blocked_frac"),
-        engine_busy_frac=mean("engine_busy_frac"),
-        staleness_mean=mean("staleness_mean"),
-        staleness_max=max(r.staleness_max for r in results),
-        staleness_dist={k: sum(r.staleness_dist.get(k, 0.0) for r in results) / n for k in keys},
-        dropped_stale=round(mean("dropped_stale")),
-        window_s=mean("window_s"),
-        train_s_per_token=mean("train_s_per_token"),
-        learner_busy_s_per_step=mean("learner_busy_s_per_step"),
-        group_decode_s=mean("group_decode_s"),
-        steps=results[0].steps,
-    )
+    out: dict[str, Any] = {}
+    for f in fields(PlanResult):
+        xs = [getattr(r, f.name) for r in results]
+        if f.name == "steps":
+            out[f.name] = xs[0]
+        elif f.name == "staleness_max":
+            out[f.name] = max(xs)
+        elif f.name == "staleness_dist":
+            keys = sorted({k for d in xs for k in d})
+            out[f.name] = {k: sum(d.get(k, 0.0) for d in xs) / n for k in keys}
+        elif f.name == "dropped_stale":
+            out[f.name] = round(sum(xs) / n)
+        else:  # a float; a new field of another type fails here instead of averaging silently
+            out[f.name] = sum(xs) / n
+    return PlanResult(**out)

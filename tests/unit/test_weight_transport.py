@@ -73,19 +73,19 @@ def test_no_digest_mode_writes_identical_bytes(tmp_path: Path) -> None:
 def test_threaded_hash_is_the_same_digest_and_used_only_with_a_spare_cpu(
     tmp_path: Path, monkeypatch, min_bytes: int, cpus: set, threaded: bool
 ) -> None:
-    import asyncrl.learner.safetensors_writer as publisher
+    import asyncrl.learner.safetensors_writer as writer
 
     seen: list[bool] = []
 
-    class Spy(publisher._Sha256):
+    class Spy(writer._Sha256):
         def __init__(self, threaded: bool) -> None:
             seen.append(threaded)
             super().__init__(threaded)
 
-    monkeypatch.setattr(publisher, "_HASH_THREAD_MIN", min_bytes)
-    monkeypatch.setattr(publisher, "_Sha256", Spy)
+    monkeypatch.setattr(writer, "_HASH_THREAD_MIN", min_bytes)
+    monkeypatch.setattr(writer, "_Sha256", Spy)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
-    monkeypatch.setattr(publisher, "_CHUNK", 64)  # many queued chunks per tensor
+    monkeypatch.setattr(writer, "_CHUNK", 64)  # many queued chunks per tensor
     ts = _tensors(2)
     sha, _ = write_safetensors(tmp_path / "x", ts, {"k": "v"})
     assert seen == [threaded]
