@@ -78,6 +78,7 @@ class Engine(WeightSwaps):
         busy_loop_ms: float = VLLM_BUSY_LOOP_MS,
         weight_backend: str = FILE_BACKEND,
         staging: bool = False,
+        stage_replay: bool = True,
         executor: str = "auto",
         stream_tokens: bool = False,
         keep_freed_from: int | None = KEEP_FREED_FROM,
@@ -167,6 +168,8 @@ class Engine(WeightSwaps):
         self.staging = bool(staging) and weight_backend == FILE_BACKEND
         self.staging_refused: str | None = None
         self.staged_swaps = 0
+        # A stage replays the copies the first one's loaders made (asyncrl.actors.stage_replay).
+        self.stage_replay = bool(stage_replay)
         # Staged commits in one engine-core utility call, without a pause (asyncrl.actors.atomic_commit):
         # None = ask the engine core at the first staged swap; False = the paused sequence. Only asyncrl's
         # executors install that call: vLLM's own would answer the question with a logged traceback.
@@ -191,6 +194,7 @@ class Engine(WeightSwaps):
             executor=a.engine_executor,
             weight_backend="nccl" if cfg.learner.weight_transport == "nccl" else FILE_BACKEND,
             staging=a.swap_staging,
+            stage_replay=a.swap_stage_replay,
             stream_tokens=a.stream_tokens,
             keep_freed_from=KEEP_FREED_FROM if a.cpu_keep_freed_memory else None,
         )

@@ -48,6 +48,7 @@ for that engine.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import time
@@ -183,19 +184,31 @@ class _Shadow:
     """
 
     def __init__(
-        self, model: torch.nn.Module, scratch: _Scratch, complete: Callable[[int], None] | None = None
+        self,
+        model: torch.nn.Module,
+        scratch: _Scratch,
+        complete: Callable[[int], None] | None = None,
+        layers: list[torch.nn.Module] | None = None,
+        recorder: Any = None,
     ) -> None:
+        """``layers``: shadow only these (leaf) layers, with uncounted tensors (a replayed stage,
+        asyncrl.actors.stage_replay); else the whole tree, with counted loaders. ``recorder``: told of
+        every tensor built (a recorded stage)."""
         self.scratch = scratch
         self.complete = complete
+        self.recorder = recorder
+        self.counted = layers is None
         self.of: dict[int, torch.nn.Module] = {}  # id(live) -> shadow
         self.live: dict[int, torch.nn.Module] = {}  # id(shadow) -> live
         self.expected: dict[int, int] = {}  # id(shadow) -> loadable elements
         self.loaded: dict[int, int] = {}  # id(shadow) -> elements written by its loaders
         self.made: dict[int, list[torch.Tensor]] = {}  # id(shadow) -> the tensors built for it
         self.processed: set[int] = set()  # id(shadow) of layers processed (their loaders refuse)
-        self.root = self._copy(model)
+        self.root = self._copy(model) if layers is None else None
+        for live in layers or ():
+            self._copy(live, leaf=True)
 
-    def _copy(self, mod: torch.nn.Module) -> torch.nn.Module:
+    def _copy(self, mod: torch.nn.Module, leaf: bool = False) -> torch.nn.Module:
         if id(mod) in self.of:
             return self.of[id(mod)]
         sh = mod.__class__.__new__(mod.__class__)
@@ -204,7 +217,10 @@ class _Shadow:
         sh._buffers = dict(mod._buffers)
         sh._non_persistent_buffers_set = set(mod._non_persistent_buffers_set)
         self.of[id(mod)], self.live[id(sh)] = sh, mod
-        sh._modules = {k: (None if c is None else self._copy(c)) for k, c in mod._modules.items()}
+        if leaf:  # a replayed layer: never loaded through the tree, no children (the recorder checked)
+            sh._modules = dict(mod._modules)
+        else:
+            sh._modules = {k: (None if c is None else self._copy(c)) for k, c in mod._modules.items()}
         self._materialize(mod, sh)
         return sh
 
@@ -222,7 +238,10 @@ class _Shadow:
         device = info.restore_device if info is not None else torch.device("cpu")
         total = 0
         made = []
-        for store, meta in ((sh._parameters, meta_params), (sh._buffers, meta_buffers)):
+        for key, store, meta in (
+            ("_parameters", sh._parameters, meta_params),
+            ("_buffers", sh._buffers, meta_buffers),
+        ):
             names = set(meta) | {n for n, t in store.items() if t is not None}
             for name in sorted(names - SKIP_LOAD_TENSORS):
                 # Model format, as recorded at construction; else built after create_weights (e.g.
@@ -239,7 +258,10 @@ class _Shadow:
                     t = restore_layer_refs(t, sh)
                 else:
                     _rebind(t, live, sh)
-                self._count(sh, t)
+                if self.counted:
+                    self._count(sh, t)
+                if self.recorder is not None:
+                    self.recorder.target(id(sh), key, name, t)
                 store[name] = t
                 made.append(t)
                 total += get_tensor_load_numel(t)
@@ -335,15 +357,26 @@ class Stager:
         self._seconds = 0.0
         self._scratch = _Scratch(scratch_pool)  # off when the heap keeps freed memory (cpu_heap)
         self._retired: list[weakref.ref] = []  # the tensors the last commit replaced (freed after it)
+        # Replayed loads (asyncrl.actors.stage_replay): the plan the first stage recorded, why none
+        # could be recorded (the loaders' path for good), and whether the last stage was replayed.
+        self.replay = True
+        self._plan: Any = None
+        self.plan_refused: str | None = None
+        self.replayed = False
 
-    def begin(self, path: str, version: int, wait: bool = False) -> dict:
+    def begin(self, path: str, version: int, wait: bool = False, replay: bool = True) -> dict:
         """Start building the stage of ``path``; ``wait``: build it in this call (the caller's thread)
-        and return :meth:`poll`'s answer, for an engine with nothing to generate meanwhile."""
+        and return :meth:`poll`'s answer, for an engine with nothing to generate meanwhile. ``replay``:
+        replay the recorded loads when the file's names are the recorded ones (see the module doc of
+        asyncrl.actors.stage_replay), else always the loaders."""
         if self.reason is not None:
             return {"unsupported": self.reason}
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("a stage is already being built")
         self.discard()
+        self.replay = replay
+        if not replay:
+            self._plan = None
         self._version = version
         if wait:
             self._run(path, version)
@@ -358,6 +391,7 @@ class Stager:
         busy = self._thread is not None and self._thread.is_alive()
         return {"done": not busy and self._layers is not None, "busy": busy, "error": self._error,
                 "seconds": self._seconds, "recycled_bytes": self._scratch.reused,
+                "replayed": self.replayed, "plan_refused": self.plan_refused,
                 "retired_alive": sum(r() is not None for r in self._retired)}  # fmt: skip
 
     def discard(self) -> None:
@@ -404,16 +438,93 @@ class Stager:
             self._error = f"{type(e).__name__}: {e}"
 
     def _build(self, owner: dict[str, Any]) -> list[tuple[torch.nn.Module, dict]]:
+        """The new attribute dict of every loaded layer: replayed from the plan when there is one for
+        this file's names (asyncrl.actors.stage_replay), else by the loaders (recording a plan)."""
+        from asyncrl.actors.stage_replay import PlanMismatch, Recorder
+
+        self._scratch.reused = 0
+        names = tuple(sorted(owner))
+        plan = self._plan if self.replay else None
+        if plan is not None and plan.names == names:
+            try:
+                layers = self._replay(owner, plan)
+                self.replayed = True
+                return layers
+            except PlanMismatch as e:  # a file of another layout: the loaders, and a new plan
+                self._plan, self.plan_refused = None, str(e)
+        self.replayed = False
+        recorder = Recorder() if self.replay and self.plan_refused is None else None
+        shadow = _Shadow(
+            self.model, self._scratch, lambda sid: self._process(shadow, sid, recorder), recorder=recorder
+        )
+
+        def tensors() -> Iterator:
+            for name in names:  # sorted: a layer's tensors are consecutive
+                t = owner[name].get_tensor(name)
+                if recorder is not None:
+                    recorder.source(name, t)
+                yield name, t
+
+        if recorder is not None:
+            with recorder:
+                shadow.root.load_weights(tensors())
+        else:
+            shadow.root.load_weights(tensors())
+        shadow.uncount()
+        for sid in shadow.expected:
+            # partly loaded (padding): processed now, as vLLM's reload does
+            if shadow.loaded[sid] > 0 and sid not in shadow.processed:
+                self._process(shadow, sid, recorder)
+        if recorder is not None:
+            self._plan = recorder.plan(names, shadow.live)
+            self.plan_refused = recorder.why
+        return self._finish(shadow, [sid for sid in shadow.expected if shadow.loaded[sid] > 0])
+
+    def _replay(self, owner: dict[str, Any], plan: Any) -> list[tuple[torch.nn.Module, dict]]:
+        """The recorded copies, from this file into new tensors of the loaded layers, each layer
+        processed after its copies (see asyncrl.actors.stage_replay)."""
+        from asyncrl.actors.stage_replay import PlanMismatch, view_of
+
+        shadow = _Shadow(self.model, self._scratch, layers=[live for live, _ in plan.layers])
+        last = {c.src_name: i for i, (_, cs) in enumerate(plan.layers) for c in cs if c.src_name is not None}
+        read: dict[str, torch.Tensor] = {}
+        sids = []
+        for i, (live, copies) in enumerate(plan.layers):
+            sh = shadow.of[id(live)]
+            for c in copies:
+                if c.src_name is None:  # a recorded fill (padding)
+                    view_of(sh.__dict__[c.store][c.name], c.dst).fill_(c.fill)
+                    continue
+                src = read.get(c.src_name)
+                if src is None:
+                    src = read[c.src_name] = owner[c.src_name].get_tensor(c.src_name)
+                    if (src.dtype, tuple(src.size()), tuple(src.stride())) != plan.sources[c.src_name]:
+                        raise PlanMismatch(
+                            f"{c.src_name}: {src.dtype} {tuple(src.size())} is not as recorded"
+                        )
+                view_of(sh.__dict__[c.store][c.name], c.dst).copy_(view_of(src, c.src))
+            for name in [n for n, j in last.items() if j == i]:  # read by no later layer
+                read.pop(name, None)
+                del last[name]
+            self._process(shadow, id(sh), None)
+            sids.append(id(sh))
+        return self._finish(shadow, sids)
+
+    def _process(self, shadow: _Shadow, sid: int, recorder: Any) -> None:
+        """Layer ``sid``'s post-load processing (the oneDNN packing on CPU), then its dropped storages
+        to the scratch pool."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-        def process(sid: int) -> None:
-            live = shadow.live[sid]
-            sh = shadow.of[id(live)]
-            if is_deferred_attention_layer(live):
-                raise RuntimeError(f"{type(live).__name__} loads weights: not stageable")
-            shadow.processed.add(sid)  # before processing: its loaders refuse from now on
-            qm = getattr(sh, "quant_method", None)
+        live = shadow.live[sid]
+        sh = shadow.of[id(live)]
+        if is_deferred_attention_layer(live):
+            raise RuntimeError(f"{type(live).__name__} loads weights: not stageable")
+        shadow.processed.add(sid)  # before processing: its loaders refuse from now on
+        if recorder is not None:
+            recorder.processed(sid, live, sh)
+        qm = getattr(sh, "quant_method", None)
+        with recorder.paused() if recorder is not None else contextlib.nullcontext():
             if isinstance(qm, QuantizeMethodBase):
                 sh.__dict__.pop("_already_called_process_weights_after_loading", None)
                 qm.process_weights_after_loading(sh)
@@ -421,21 +532,9 @@ class Stager:
                     sh.update_param_tp_status()
             self._scratch.reclaim(sh, shadow.made.pop(sid, []))
 
-        self._scratch.reused = 0
-        shadow = _Shadow(self.model, self._scratch, process)
-
-        def tensors() -> Iterator:
-            for name in sorted(owner):  # sorted: a layer's tensors are consecutive
-                yield name, owner[name].get_tensor(name)
-
-        shadow.root.load_weights(tensors())
-        shadow.uncount()
+    def _finish(self, shadow: _Shadow, sids: list[int]) -> list[tuple[torch.nn.Module, dict]]:
         layers = []
-        for sid in shadow.expected:
-            if shadow.loaded[sid] <= 0:  # not in the checkpoint (e.g. attention scales): live tensors stay
-                continue
-            if sid not in shadow.processed:  # partly loaded (padding): processed now, as vLLM's reload does
-                process(sid)
+        for sid in sids:
             live = shadow.live[sid]
             sh = shadow.of[id(live)]
             # Prepared here, off the pause: the loaders of the new tensors act on the live layer from

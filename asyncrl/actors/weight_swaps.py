@@ -90,7 +90,7 @@ class WeightSwaps:
 
     Needs from the engine: ``llm`` (vLLM ``AsyncLLM``), ``model_path``, ``recompute_kv``, ``version``,
     the asyncio ``_swap_lock``, ``_admit`` and ``_idle`` events, ``_expected_names``, the staging
-    state (``staging``, ``staging_refused``, ``staged_swaps``, ``atomic_commit``) and the swap's
+    state (``staging``, ``staging_refused``, ``staged_swaps``, ``stage_replay``, ``atomic_commit``) and the swap's
     progress (``swapping_to``, ``swap_begun``, ``swap_settled``), all set by ``Engine.__init__``.
 
     Invariant: ``swapping_to`` is set exactly while a swap holds the lock, and ``swap_settled`` is set
@@ -105,6 +105,7 @@ class WeightSwaps:
     staging: bool
     staging_refused: str | None
     staged_swaps: int
+    stage_replay: bool
     atomic_commit: bool | None
     _swap_lock: asyncio.Lock
     _admit: asyncio.Event
@@ -174,7 +175,9 @@ class WeightSwaps:
         # polls (~5 ms of a ~17 ms tiny swap) are saved. Only for small files: a group submitted
         # meanwhile waits for the build, which must stay short.
         wait = self._active == 0 and safetensors_bytes(path) <= SYNC_STAGE_MAX_BYTES
-        begun = await self.llm.collective_rpc("asyncrl_stage_begin", args=(path, version, wait))
+        begun = await self.llm.collective_rpc(
+            "asyncrl_stage_begin", args=(path, version, wait, self.stage_replay)
+        )
         reasons = [r["unsupported"] for r in begun if "unsupported" in r]
         if reasons:
             self.staging = False

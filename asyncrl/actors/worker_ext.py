@@ -237,15 +237,16 @@ class WeightReloadExtension:
             self._asyncrl_stager_obj = stager
         return stager
 
-    def asyncrl_stage_begin(self, path: str, version: int, wait: bool = False) -> dict:
+    def asyncrl_stage_begin(self, path: str, version: int, wait: bool = False, replay: bool = True) -> dict:
         """Start building ``path`` (tagged ``version``) into a stage in a background thread; returns at
         once: ``{"started": True}``, or ``{"unsupported": reason}`` for a model that cannot be staged.
-        ``wait``: build it inside this call and return with :meth:`asyncrl_stage_poll`'s fields too."""
-        return self._asyncrl_stager().begin(path, int(version), bool(wait))
+        ``wait``: build it inside this call and return with :meth:`asyncrl_stage_poll`'s fields too.
+        ``replay``: replay the loads the first stage recorded (asyncrl.actors.stage_replay)."""
+        return self._asyncrl_stager().begin(path, int(version), bool(wait), bool(replay))
 
     def asyncrl_stage_poll(self) -> dict:
-        """``{"done", "busy", "error", "seconds", "recycled_bytes", "retired_alive"}`` of the stage being
-        built; ``retired_alive``: tensors the last commit replaced that are not freed yet (0 shortly after
+        """``{"done", "busy", "error", "seconds", "recycled_bytes", "retired_alive", "replayed",
+        "plan_refused"}`` of the stage being built; ``retired_alive``: tensors the last commit replaced that are not freed yet (0 shortly after
         the pause)."""
         return self._asyncrl_stager().poll()
 

@@ -236,6 +236,39 @@ def test_staged_swap_serves_the_new_weights_exactly_like_an_in_place_reload(rig)
         eng.staging = False
 
 
+def test_a_replayed_stage_serves_what_the_loaders_stage_serves(rig) -> None:
+    """Stages after the first replay the copies its loaders made (asyncrl.actors.stage_replay): the
+    same weights staged by the loaders and by the replay serve the same seeded groups to the bit, and
+    a replay of other weights serves those (HF fp32 recompute), not the recorded file's."""
+    eng, tr, run = rig["engine"], rig["transport"], rig["loop"].run_until_complete
+    base = (eng.version or 0) + 100
+
+    def staged(version: int, w: dict, replay: bool) -> dict:
+        eng.stage_replay = replay
+        res = run(eng.swap_weights(tr.publish(version, w, "float32").path, version, "in_flight"))
+        assert res.staged and eng.version == version
+        return run(eng.llm.collective_rpc("asyncrl_stage_poll"))[0]
+
+    w, w2 = rig["weights"](6), rig["weights"](7)
+    eng.staging = True
+    try:
+        assert staged(base, w, replay=False)["replayed"] is False  # the loaders (and no plan kept)
+        by_loaders = _seeded(rig, "loaders")
+        first = staged(base + 1, w2, replay=True)  # no plan yet: the loaders, recording one
+        assert first["replayed"] is False and first["plan_refused"] is None
+        again = staged(base + 2, w, replay=True)
+        assert again["replayed"] is True and again["error"] is None
+        by_replay = _seeded(rig, "replayed")
+        for a, b in zip(by_loaders, by_replay, strict=True):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # bitwise
+        assert all(set(s.versions) == {base + 2} for s in by_replay)
+        assert staged(base + 3, w2, replay=True)["replayed"] is True
+        s2 = _seeded(rig, "replayed-2")
+        assert _max_err(rig["hf"](w2), s2) < TOL and _max_err(rig["hf"](w), s2) > 100 * TOL
+    finally:
+        eng.staging, eng.stage_replay = False, True
+
+
 def test_streamed_and_final_only_groups_are_identical(rig) -> None:
     """actors.stream_tokens only changes how vLLM hands a group over (every decode step, or once at the
     end): the same seeded group comes back with the same tokens, logprobs, text, finish reasons and
