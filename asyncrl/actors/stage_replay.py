@@ -32,13 +32,14 @@ every version keeps the loaders' path, with the reason in ``poll``):
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Copy", "Plan", "PlanMismatch", "Recorder", "view_of"]
+__all__ = ["Copy", "Plan", "PlanMismatch", "Recorder", "Replay", "view_of"]
 
 #: (offset from the base tensor's own storage offset, size, stride), in elements.
 Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -103,6 +104,34 @@ def view_of(base: torch.Tensor, g: Geometry) -> torch.Tensor:
     """The view of ``base``'s storage that ``g`` recorded (a plain tensor: no parameter subclass)."""
     off, size, stride = g
     return base.data.as_strided(size, stride, base.storage_offset() + off)
+
+
+class Replay:
+    """Redoes a plan's writes layer by layer, reading each checkpoint tensor once (``get(name)``) and
+    dropping it after the last layer that reads it."""
+
+    def __init__(self, plan: Plan, get: Callable[[str], torch.Tensor]) -> None:
+        self.plan = plan
+        self.get = get
+        self.read: dict[str, torch.Tensor] = {}
+        self.last = {c.src_name: i for i, (_, cs) in enumerate(plan.layers) for c in cs if c.src_name}
+
+    def layer(self, i: int, attrs: dict[str, Any]) -> None:
+        """Layer ``i``'s writes into the tensors of ``attrs`` (a shadow layer's ``__dict__``)."""
+        for c in self.plan.layers[i][1]:
+            dst = view_of(attrs[c.store][c.name], c.dst)
+            if c.src_name is None:  # a recorded fill (padding)
+                dst.fill_(c.fill)
+                continue
+            src = self.read.get(c.src_name)
+            if src is None:
+                src = self.read[c.src_name] = self.get(c.src_name)
+                if (src.dtype, tuple(src.size()), tuple(src.stride())) != self.plan.sources[c.src_name]:
+                    raise PlanMismatch(f"{c.src_name}: {src.dtype} {tuple(src.size())} is not as recorded")
+            dst.copy_(view_of(src, c.src))
+        for name in [n for n, j in self.last.items() if j == i]:  # read by no later layer
+            self.read.pop(name, None)
+            del self.last[name]
 
 
 class Recorder(TorchDispatchMode):

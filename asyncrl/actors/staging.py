@@ -362,6 +362,7 @@ class Stager:
         self.replay = True
         self._plan: Any = None
         self.plan_refused: str | None = None
+        self.plan_mismatches = 0  # files whose layout differed from the plan's (loaded, then recorded)
         self.replayed = False
 
     def begin(self, path: str, version: int, wait: bool = False, replay: bool = True) -> dict:
@@ -392,6 +393,7 @@ class Stager:
         return {"done": not busy and self._layers is not None, "busy": busy, "error": self._error,
                 "seconds": self._seconds, "recycled_bytes": self._scratch.reused,
                 "replayed": self.replayed, "plan_refused": self.plan_refused,
+                "plan_mismatches": self.plan_mismatches,
                 "retired_alive": sum(r() is not None for r in self._retired)}  # fmt: skip
 
     def discard(self) -> None:
@@ -450,8 +452,9 @@ class Stager:
                 layers = self._replay(owner, plan)
                 self.replayed = True
                 return layers
-            except PlanMismatch as e:  # a file of another layout: the loaders, and a new plan
-                self._plan, self.plan_refused = None, str(e)
+            except PlanMismatch:  # a file of another layout: the loaders, recording a plan for it
+                self._plan = None
+                self.plan_mismatches += 1
         self.replayed = False
         recorder = Recorder() if self.replay and self.plan_refused is None else None
         shadow = _Shadow(
@@ -483,29 +486,14 @@ class Stager:
     def _replay(self, owner: dict[str, Any], plan: Any) -> list[tuple[torch.nn.Module, dict]]:
         """The recorded copies, from this file into new tensors of the loaded layers, each layer
         processed after its copies (see asyncrl.actors.stage_replay)."""
-        from asyncrl.actors.stage_replay import PlanMismatch, view_of
+        from asyncrl.actors.stage_replay import Replay
 
         shadow = _Shadow(self.model, self._scratch, layers=[live for live, _ in plan.layers])
-        last = {c.src_name: i for i, (_, cs) in enumerate(plan.layers) for c in cs if c.src_name is not None}
-        read: dict[str, torch.Tensor] = {}
+        replay = Replay(plan, lambda name: owner[name].get_tensor(name))
         sids = []
-        for i, (live, copies) in enumerate(plan.layers):
+        for i, (live, _) in enumerate(plan.layers):
             sh = shadow.of[id(live)]
-            for c in copies:
-                if c.src_name is None:  # a recorded fill (padding)
-                    view_of(sh.__dict__[c.store][c.name], c.dst).fill_(c.fill)
-                    continue
-                src = read.get(c.src_name)
-                if src is None:
-                    src = read[c.src_name] = owner[c.src_name].get_tensor(c.src_name)
-                    if (src.dtype, tuple(src.size()), tuple(src.stride())) != plan.sources[c.src_name]:
-                        raise PlanMismatch(
-                            f"{c.src_name}: {src.dtype} {tuple(src.size())} is not as recorded"
-                        )
-                view_of(sh.__dict__[c.store][c.name], c.dst).copy_(view_of(src, c.src))
-            for name in [n for n, j in last.items() if j == i]:  # read by no later layer
-                read.pop(name, None)
-                del last[name]
+            replay.layer(i, sh.__dict__)
             self._process(shadow, id(sh), None)
             sids.append(id(sh))
         return self._finish(shadow, sids)

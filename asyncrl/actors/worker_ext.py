@@ -246,8 +246,8 @@ class WeightReloadExtension:
 
     def asyncrl_stage_poll(self) -> dict:
         """``{"done", "busy", "error", "seconds", "recycled_bytes", "retired_alive", "replayed",
-        "plan_refused"}`` of the stage being built; ``retired_alive``: tensors the last commit replaced that are not freed yet (0 shortly after
-        the pause)."""
+        "plan_refused", "plan_mismatches"}`` of the stage being built; ``retired_alive``: tensors the
+        last commit replaced that are not freed yet (0 shortly after the pause)."""
         return self._asyncrl_stager().poll()
 
     def asyncrl_stage_commit(self, version: int) -> dict:

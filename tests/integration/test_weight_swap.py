@@ -236,10 +236,12 @@ def test_staged_swap_serves_the_new_weights_exactly_like_an_in_place_reload(rig)
         eng.staging = False
 
 
-def test_a_replayed_stage_serves_what_the_loaders_stage_serves(rig) -> None:
+def test_a_replayed_stage_serves_what_the_loaders_stage_serves(rig, tmp_path: Path) -> None:
     """Stages after the first replay the copies its loaders made (asyncrl.actors.stage_replay): the
     same weights staged by the loaders and by the replay serve the same seeded groups to the bit, and
     a replay of other weights serves those (HF fp32 recompute), not the recorded file's."""
+    from safetensors.torch import save_file
+
     eng, tr, run = rig["engine"], rig["transport"], rig["loop"].run_until_complete
     base = (eng.version or 0) + 100
 
@@ -265,6 +267,22 @@ def test_a_replayed_stage_serves_what_the_loaders_stage_serves(rig) -> None:
         assert staged(base + 3, w2, replay=True)["replayed"] is True
         s2 = _seeded(rig, "replayed-2")
         assert _max_err(rig["hf"](w2), s2) < TOL and _max_err(rig["hf"](w), s2) > 100 * TOL
+        # A file of another layout (one tensor stored in fp16; the names are the same): the loaders
+        # load it (converting), a plan is recorded for it, and the next fp32 file mismatches it again.
+        half = {k: v.half() if k.endswith("norm.weight") else v for k, v in w.items()}
+        path = tmp_path / "half.safetensors"
+        save_file(half, str(path), metadata={"asyncrl_version": str(base + 4)})
+        before = run(eng.llm.collective_rpc("asyncrl_stage_poll"))[0]["plan_mismatches"]
+        res = run(eng.swap_weights(str(path), base + 4, "in_flight"))
+        got = run(eng.llm.collective_rpc("asyncrl_stage_poll"))[0]
+        assert res.staged and got["replayed"] is False and got["plan_mismatches"] == before + 1
+        served = {k: v.float() for k, v in half.items()}
+        assert _max_err(rig["hf"](served), _seeded(rig, "half")) < TOL
+        again = staged(base + 5, w, replay=True)
+        assert again["replayed"] is False and again["plan_mismatches"] == before + 2
+        assert staged(base + 6, w, replay=True)["replayed"] is True
+        for a, b in zip(by_loaders, _seeded(rig, "replayed-3"), strict=True):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     finally:
         eng.staging, eng.stage_replay = False, True
 

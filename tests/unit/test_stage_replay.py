@@ -12,7 +12,7 @@ import gc
 
 import torch
 
-from asyncrl.actors.stage_replay import PlanMismatch, Recorder, view_of
+from asyncrl.actors.stage_replay import PlanMismatch, Recorder, Replay
 
 
 def _ckpt(seed: int) -> dict[str, torch.Tensor]:
@@ -65,18 +65,11 @@ def _record(layers: dict[str, _Layer], ck: dict[str, torch.Tensor], load=_load) 
 
 
 def _replay(plan, layers: dict[str, _Layer], ck: dict[str, torch.Tensor]) -> None:
-    by_live = {id(layer): layer for layer in layers.values()}
-    for live, copies in plan.layers:
-        layer = by_live[id(live)] if id(live) in by_live else live
-        for c in copies:
-            dst = view_of(layer.__dict__[c.store][c.name], c.dst)
-            if c.src_name is None:
-                dst.fill_(c.fill)
-            else:
-                src = ck[c.src_name]
-                if (src.dtype, tuple(src.size()), tuple(src.stride())) != plan.sources[c.src_name]:
-                    raise PlanMismatch(c.src_name)
-                dst.copy_(view_of(src, c.src))
+    """What Stager._replay does with the plan (its shadows are the layers here)."""
+    replay = Replay(plan, ck.__getitem__)
+    for i, (live, _) in enumerate(plan.layers):
+        replay.layer(i, live.__dict__)
+    assert not replay.read  # every checkpoint tensor dropped after its last reader
 
 
 def test_recorded_copies_and_fills_replay_the_loaders_to_the_bit_for_another_file() -> None:
@@ -113,8 +106,10 @@ def test_a_file_of_another_layout_stops_the_replay() -> None:
     first = _layers()
     plan = _record(first, _ckpt(0)).plan(tuple(sorted(_ckpt(0))), {id(v): v for v in first.values()})
     other = dict(_ckpt(1), k=torch.randn(2, 6, dtype=torch.float64))
+    fresh = _layers()
+    plan.layers = [(fresh[k], cs) for k, (_, cs) in zip(fresh, plan.layers, strict=True)]
     try:
-        _replay(plan, _layers(), other)
+        _replay(plan, fresh, other)
     except PlanMismatch as e:
         assert "k" in str(e)
     else:
