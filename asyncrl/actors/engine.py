@@ -170,6 +170,7 @@ class Engine(WeightSwaps):
         self.staged_swaps = 0
         # A stage replays the copies the first one's loaders made (asyncrl.actors.stage_replay).
         self.stage_replay = bool(stage_replay)
+        self.stage_replay_refused: str | None = None  # why the worker records no plan (logged once)
         # Staged commits in one engine-core utility call, without a pause (asyncrl.actors.atomic_commit):
         # None = ask the engine core at the first staged swap; False = the paused sequence. Only asyncrl's
         # executors install that call: vLLM's own would answer the question with a logged traceback.

@@ -90,8 +90,9 @@ class WeightSwaps:
 
     Needs from the engine: ``llm`` (vLLM ``AsyncLLM``), ``model_path``, ``recompute_kv``, ``version``,
     the asyncio ``_swap_lock``, ``_admit`` and ``_idle`` events, ``_expected_names``, the staging
-    state (``staging``, ``staging_refused``, ``staged_swaps``, ``stage_replay``, ``atomic_commit``) and the swap's
-    progress (``swapping_to``, ``swap_begun``, ``swap_settled``), all set by ``Engine.__init__``.
+    state (``staging``, ``staging_refused``, ``staged_swaps``, ``stage_replay``,
+    ``stage_replay_refused``, ``atomic_commit``) and the swap's progress (``swapping_to``,
+    ``swap_begun``, ``swap_settled``), all set by ``Engine.__init__``.
 
     Invariant: ``swapping_to`` is set exactly while a swap holds the lock, and ``swap_settled`` is set
     whenever it is None; when a swap settles, ``version`` is ``swapping_to`` if it served, else it is
@@ -106,6 +107,7 @@ class WeightSwaps:
     staging_refused: str | None
     staged_swaps: int
     stage_replay: bool
+    stage_replay_refused: str | None
     atomic_commit: bool | None
     _swap_lock: asyncio.Lock
     _admit: asyncio.Event
@@ -201,6 +203,10 @@ class WeightSwaps:
             raise ValueError(f"staging v{version} from {path} failed: {errors[0]}")
         if not all(s["done"] for s in states):
             raise EngineError(f"staging v{version}: the worker reports no stage after building ({states})")
+        refused = next((s["plan_refused"] for s in states if s.get("plan_refused")), None)
+        if refused and not self.stage_replay_refused:  # once: every stage runs the loaders from now on
+            self.stage_replay_refused = refused
+            log.warning("stage replay refused (%s): every stage runs the model's weight loaders", refused)
         return True
 
     def _commit_stage(self, version: int) -> Callable[[], Awaitable[None]]:

@@ -449,7 +449,7 @@ def test_staged_swap_under_running_requests_labels_every_token(rig) -> None:
 
 def test_staged_swaps_in_a_row_recycle_scratch_and_serve_what_in_place_reloads_serve(rig) -> None:
     """Two staged swaps back to back, with different weights: the second stage loads into the scratch the
-    first one's packing freed (asyncrl.actors.staging._Scratch, holding the other version's layers), and
+    first one's packing freed (asyncrl.actors.stage_shadow.Scratch, holding the other version's layers), and
     each serves, to the bit, what vLLM's in-place reload of the same weights serves."""
     eng, tr, run = rig["engine"], rig["transport"], rig["loop"].run_until_complete
     base = (eng.version or 0) + 300  # above whatever the module's other tests left serving

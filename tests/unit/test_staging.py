@@ -72,13 +72,14 @@ def test_graphs_or_compilation_are_refused() -> None:
     assert reason is not None and "enforce_eager" in reason
 
 
-# The scratch pool (asyncrl.actors.staging._Scratch): model-format storages that processing dropped are
+# The scratch pool (asyncrl.actors.stage_shadow.Scratch): model-format storages that processing dropped are
 # loaded into again by the next layer / stage. Pooled memory must never be live, nor be written through
 # the tensor that dropped it.
 
 
 def _shadow_of_one_layer(complete):
-    from asyncrl.actors.staging import _Scratch, _Shadow
+    from asyncrl.actors.stage_shadow import Scratch as _Scratch
+    from asyncrl.actors.stage_shadow import Shadow as _Shadow
 
     model = _model(_Layer())
     scratch = _Scratch()
@@ -100,7 +101,7 @@ def test_a_layer_is_processed_once_its_elements_are_loaded_and_then_refuses_load
 
 
 def test_scratch_pools_only_storages_nothing_else_references() -> None:
-    from asyncrl.actors.staging import _Scratch
+    from asyncrl.actors.stage_shadow import Scratch as _Scratch
 
     scratch = _Scratch()
     layer = _Layer()
@@ -120,7 +121,7 @@ def test_scratch_pools_only_storages_nothing_else_references() -> None:
 
 def test_scratch_off_hands_out_plain_tensors_and_pools_nothing() -> None:
     """With the heap keeping freed memory (asyncrl.actors.cpu_heap) the stage allocates from it."""
-    from asyncrl.actors.staging import _Scratch
+    from asyncrl.actors.stage_shadow import Scratch as _Scratch
 
     scratch, layer = _Scratch(enabled=False), _Layer()
     dropped = torch.ones(1024, 1025)  # > 2 MiB: would be pooled, and handed out again, when enabled
@@ -132,7 +133,7 @@ def test_scratch_off_hands_out_plain_tensors_and_pools_nothing() -> None:
 
 
 def test_large_scratch_is_a_huge_page_aligned_mapping_and_comes_back() -> None:
-    from asyncrl.actors.staging import _Scratch
+    from asyncrl.actors.stage_shadow import Scratch as _Scratch
 
     scratch, layer = _Scratch(), _Layer()
     t = scratch.empty((1024, 1025), (1025, 1), torch.float32, torch.device("cpu"))  # > 2 MiB
