@@ -417,3 +417,34 @@ def test_generating_index_matches_a_scan_on_random_intervals() -> None:
             actor, t = rng.choice("abc"), round(rng.uniform(-1, 14), 1)  # on interval edges too
             scan = any(g["actor"] == actor and g["t_gen0"] < t < g["t_gen1"] for g in groups)
             assert index(actor, t) is scan, (actor, t)
+
+
+def test_plan_predicts_an_eta_with_a_run_from_that_runs_components_and_projects_the_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`asyncrl plan --from`: a row whose eta a run had is that run's calibrate_run prediction (with the
+    overrides on top); the other rows come from the inputs fitted to all runs; a run without actor
+    timelines falls back to the fitted inputs and says why."""
+    from asyncrl.plan.report import run_plan
+
+    _run_dir(tmp_path / "s0", 0)
+    _run_dir(tmp_path / "s4", 4)
+    dirs = [str(tmp_path / "s0"), str(tmp_path / "s4")]
+    assert run_plan(None, dirs, "0,1,4", ["publish_s=0.02"], as_json=True) == 0
+    rows = {r["max_staleness"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    own0, _ = calibrate_run(dirs[0])
+    fitted, _ = calibrate(dirs)
+    want0 = simulate(replace(own0, max_staleness=0, publish_s=0.02))
+    want1 = simulate(replace(fitted, max_staleness=1, publish_s=0.02))
+    assert rows[0]["tokens_per_s"] == want0.tokens_per_s and rows[0]["measured"] is not None
+    assert rows[1]["tokens_per_s"] == want1.tokens_per_s and rows[1]["measured"] is None
+    assert "own components" in rows[0]["inputs_from"] and "own components" in rows[4]["inputs_from"]
+    assert rows[1]["inputs_from"] == "fitted to all runs" and rows[0]["own_inputs"]["publish_s"] == 0.02
+    # The two calibrations differ here (the test can tell which one a row used).
+    assert want0.tokens_per_s != simulate(replace(fitted, max_staleness=0, publish_s=0.02)).tokens_per_s
+    for f in (tmp_path / "s4" / "logs").iterdir():
+        f.unlink()
+    assert run_plan(None, dirs, "4", [], as_json=True) == 0
+    row = json.loads(capsys.readouterr().out)["results"][0]
+    assert row["inputs_from"].startswith("fitted to all runs (") and "timeline" in row["inputs_from"]
+    assert row["own_inputs"] is None
