@@ -21,8 +21,11 @@ every version keeps the loaders' path, with the reason in ``poll``):
 
 * The only writes into a layer's new tensors during loading are ``copy_`` calls whose source is a
   view of a checkpoint tensor as read from the file, still alive (matched by its storage and a weak
-  reference: a temporary at a freed checkpoint tensor's address is not taken for it). A loader that
-  converts, concatenates, fills or transforms in place (e.g. ``composed_weight_loader``) is refused.
+  reference: a temporary at a freed checkpoint tensor's address is not taken for it), and ``fill_``
+  / ``zero_`` with a number (padding). A loader that converts, concatenates or transforms in place
+  (e.g. ``composed_weight_loader``) is refused, and so is one that reads any tensor value into Python
+  during loading (``.item()``, ``bool()``, ``torch.equal``): its choices, or its fill values, could
+  depend on the file.
 * Loading sets no attribute on a loaded layer (checked at its processing: every attribute but its
   parameter/buffer dicts is still the live layer's own object), and loaded layers have no children.
 * A replay reads the same names with the same dtype, size and stride as recorded, or stops with
@@ -220,6 +223,9 @@ class Recorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _see(self, func: Any, args: tuple, kwargs: dict) -> None:
+        if func in _VALUE_READS:  # a Python value out of tensor data: the load may depend on the data
+            self.refuse(f"loading reads tensor values ({func}): it may depend on the data")
+            return
         if func is torch.ops.aten.copy_.default:
             dst, src = args[0], args[1]
             hits = self.targets.find(dst) if dst.numel() else []
@@ -275,3 +281,10 @@ class Recorder(TorchDispatchMode):
 
 _MISSING = object()
 _FILLS = (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
+#: Ops that hand tensor data to Python (``.item()``, ``bool(t)``, ``.tolist()``, ``torch.equal``): a
+#: loader that branches on, or fills with, a value of the file would replay the first file's choice.
+_VALUE_READS = (
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+)

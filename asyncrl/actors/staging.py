@@ -225,9 +225,12 @@ class Stager:
 
         def tensors() -> Iterator:
             for name in names:  # sorted: a layer's tensors are consecutive
-                t = owner[name].get_tensor(name)
-                if recorder is not None:
-                    recorder.source(name, t)
+                if recorder is None:
+                    yield name, owner[name].get_tensor(name)
+                    continue
+                with recorder.paused():  # reading the file is not the loaders' (safetensors reads a byte)
+                    t = owner[name].get_tensor(name)
+                recorder.source(name, t)
                 yield name, t
 
         if recorder is not None:

@@ -142,6 +142,15 @@ def test_writes_the_plan_cannot_express_are_refused_with_the_target() -> None:
     def rebound(layers, ck):  # no write the dispatcher sees: the tensor is replaced
         layers["mix"].a.data = ck["wt"].t().contiguous()
 
+    def value_fill(layers, ck):  # a scalar read from the file: the fill would replay the first value
+        layers["qkv"].weight.data[:4].copy_(ck["q"])
+        layers["qkv"].weight.data[4:].fill_(ck["k"][0, 0].item())
+
+    def branch(layers, ck):  # a choice made on the file's values
+        if bool((ck["q"] > 0).any()):
+            layers["qkv"].weight.data[:4].copy_(ck["q"])
+
+    assert "reads tensor values" in _refusal(value_fill) and "reads tensor values" in _refusal(branch)
     assert "a is written from a computed tensor" in _refusal(converted)
     assert "modifies a checkpoint tensor" in _refusal(source_changed)
     assert _refusal(rebound) == "loading replaced _Layer.a"
