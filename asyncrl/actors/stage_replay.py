@@ -12,8 +12,8 @@ What is recorded, by :class:`Recorder` (a ``TorchDispatchMode`` around the first
 ``load_weights``): every ``aten.copy_`` into a tensor the stage built for a layer, as (that tensor,
 the offset, size and stride of the written view, the checkpoint tensor read, the offset, size and
 stride of the read view), per layer, in order, and the order in which layers were processed. The
-replay (``Stager``) builds shadows of the loaded layers only, reads each checkpoint tensor it needs
-once, redoes the copies on views of the same geometry, and processes each layer as the first stage
+replay (``Stager._replay`` with :class:`Replay`) builds shadows of the loaded layers only, reads each
+checkpoint tensor it needs once, redoes the copies on views of the same geometry, and processes each layer as the first stage
 did (the oneDNN packing is not replayable: a new handle per version).
 
 Invariants (what makes a replay the same stage, bit for bit; anything else is not recorded, and
@@ -25,9 +25,11 @@ every version keeps the loaders' path, with the reason in ``poll``):
   / ``zero_`` with a number (padding). A loader that converts, concatenates or transforms in place
   (e.g. ``composed_weight_loader``) is refused, and so is one that reads any tensor value into Python
   during loading (``.item()``, ``bool()``, ``torch.equal``): its choices, or its fill values, could
-  depend on the file.
-* Loading sets no attribute on a loaded layer (checked at its processing: every attribute but its
-  parameter/buffer dicts is still the live layer's own object), and loaded layers have no children.
+  depend on the file. Nothing writes into a checkpoint tensor before it is copied.
+* Loading rebinds no tensor of a loaded layer (``param.data = ...`` writes nothing the dispatcher
+  sees: each tensor still has the storage it was built with when its layer is processed) and sets no
+  attribute on it (every attribute but its parameter/buffer dicts is still the live layer's own
+  object, checked at its processing); loaded layers have no children.
 * A replay reads the same names with the same dtype, size and stride as recorded, or stops with
   :class:`PlanMismatch` and the stage is built by the loaders again (and recorded anew).
 """
