@@ -119,7 +119,10 @@ class Replay:
         self.plan = plan
         self.get = get
         self.read: dict[str, torch.Tensor] = {}
-        self.last = {c.src_name: i for i, (_, cs) in enumerate(plan.layers) for c in cs if c.src_name}
+        last = {c.src_name: i for i, (_, cs) in enumerate(plan.layers) for c in cs if c.src_name}
+        self.drop: dict[int, list[str]] = {}  # layer -> the tensors no later layer reads
+        for name, i in last.items():
+            self.drop.setdefault(i, []).append(name)
 
     def layer(self, i: int, attrs: dict[str, Any]) -> None:
         """Layer ``i``'s writes into the tensors of ``attrs`` (a shadow layer's ``__dict__``)."""
@@ -134,9 +137,8 @@ class Replay:
                 if (src.dtype, tuple(src.size()), tuple(src.stride())) != self.plan.sources[c.src_name]:
                     raise PlanMismatch(f"{c.src_name}: {src.dtype} {tuple(src.size())} is not as recorded")
             dst.copy_(view_of(src, c.src))
-        for name in [n for n, j in self.last.items() if j == i]:  # read by no later layer
+        for name in self.drop.get(i, ()):
             self.read.pop(name, None)
-            del self.last[name]
 
 
 class Recorder(TorchDispatchMode):
@@ -152,7 +154,9 @@ class Recorder(TorchDispatchMode):
         # The stage's tensors: (sid, store, name, storage offset, dtype); no reference to them (a
         # processed layer's dropped tensors go to the scratch pool only when nothing else holds them).
         self.targets = _Index()
-        self.placed: dict[tuple[int, str, str], tuple[int, int]] = {}  # (sid, store, name) -> (ptr, offset)
+        self.placed: dict[
+            int, dict[tuple[str, str], tuple[int, int]]
+        ] = {}  # sid -> (store, name) -> (ptr, offset)
         self.copies: dict[int, list[Copy]] = {}  # sid -> its copies, in order
         self.layouts: dict[str, tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]] = {}
         self.order: list[int] = []  # sids in processing order
@@ -163,7 +167,10 @@ class Recorder(TorchDispatchMode):
         """A tensor the stage built for layer ``sid`` (its loaders write it)."""
         if t.numel():
             self.targets.add(t, (sid, store, name, t.storage_offset(), t.dtype))
-            self.placed[(sid, store, name)] = (t.untyped_storage().data_ptr(), t.storage_offset())
+            self.placed.setdefault(sid, {})[(store, name)] = (
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+            )
 
     def source(self, name: str, t: torch.Tensor) -> None:
         """A checkpoint tensor as read from the file, handed to the loaders."""
@@ -181,11 +188,9 @@ class Recorder(TorchDispatchMode):
                     self.refuse(f"loading set {type(live).__name__}.{k}")
         # A loader that rebinds a tensor (``param.data = loaded``, a new Parameter) writes nothing the
         # dispatcher sees: the replay would leave that tensor unwritten.
-        for (tsid, store, name), (ptr, off) in self.placed.items():
-            t = shadow.__dict__.get(store, {}).get(name) if tsid == sid else None
-            if tsid == sid and (
-                t is None or (t.untyped_storage().data_ptr(), t.storage_offset()) != (ptr, off)
-            ):
+        for (store, name), where in self.placed.get(sid, {}).items():
+            t = shadow.__dict__.get(store, {}).get(name)
+            if t is None or (t.untyped_storage().data_ptr(), t.storage_offset()) != where:
                 self.refuse(f"loading replaced {type(live).__name__}.{name}")
 
     def refuse(self, why: str) -> None:
