@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .cpu_heap import MIN_BYTES as KEEP_FREED_FROM  # ctypes only: no vLLM at import time
+from .detokenize import completion_text
 from .engine_start import standby_engine_core
 from .weight_swaps import SWAP_MODES, EngineError, SwapResult, WeightSwaps
 
@@ -246,6 +247,9 @@ class Engine(WeightSwaps):
             max_tokens=max_tokens,
             logprobs=0,  # only the sampled token's logprob
             seed=seed,
+            # The text is decoded here once a completion ends (asyncrl.actors.detokenize): vLLM then
+            # makes no string per sampled token for its logprob entries.
+            detokenize=False,
             output_kind=_output_kind(self.stream_tokens if stream is None else stream),
         )
         seqs = [SampledCompletion() for _ in range(n)]
@@ -270,7 +274,6 @@ class Engine(WeightSwaps):
                     s.logprobs.extend(
                         float(pos[tid].logprob) for pos, tid in zip(co.logprobs, ids, strict=True)
                     )
-                    s.text += co.text
                     self.progress[request_id] += len(ids)
                     if co.finish_reason is not None:
                         s.finish_reason = str(co.finish_reason)
@@ -280,10 +283,12 @@ class Engine(WeightSwaps):
             self._active -= 1
             if self._active == 0:
                 self._idle.set()
+        tokenizer = self.llm.output_processor.tokenizer  # the one vLLM's text would come from
         for i, s in enumerate(seqs):
             s.versions = _expand_spans(spans[i], len(s.token_ids), f"{request_id}[{i}]")
             if s.finish_reason not in ("stop", "length", "abort"):
                 raise EngineError(f"{request_id}[{i}]: finish reason {s.finish_reason!r}")
+            s.text = completion_text(tokenizer, prompt_ids, s.token_ids, params, s.finish_reason, request_id)
         return seqs
 
     async def heap_policy(self) -> str:

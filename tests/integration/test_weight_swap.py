@@ -365,6 +365,55 @@ def test_groups_started_together_reach_the_engine_in_one_loop_pass_as_the_raw_pr
     assert [s.token_ids for s in groups[0]] != [s.token_ids for s in groups[1]]  # the seeds differ
 
 
+def test_completion_text_is_the_text_vllm_itself_decodes(rig) -> None:
+    """generate_group asks vLLM for no text (``detokenize=False``: no string per sampled token for the
+    logprob entries) and decodes each completion once it ended with vLLM's own detokenizer
+    (asyncrl.actors.detokenize). Over many seeded completions, streamed and not, the text equals the
+    one vLLM returns for the same seeds with its detokenization on; and for completions cut by a stop
+    token the stop token is left out of the text exactly as vLLM leaves it out."""
+    from vllm import SamplingParams
+
+    from asyncrl.actors.detokenize import completion_text
+
+    eng, loop = rig["engine"], rig["loop"]
+    if eng.version is None:
+        m0 = rig["transport"].publish(0, rig["weights"](0), "float32")
+        loop.run_until_complete(eng.load_weights(m0.path, 0))
+
+    async def vllm_own(seed: int, n: int, max_tokens: int, **extra):
+        params = SamplingParams(n=n, temperature=1.5, top_p=1.0, max_tokens=max_tokens, logprobs=0, seed=seed,
+                                output_kind=eng.output_kind, **extra)  # fmt: skip
+        outs = [o async for o in eng.llm.generate({"prompt_token_ids": list(PROMPT)}, params, f"own-{seed}")]
+        return sorted(outs[-1].outputs, key=lambda c: c.index)
+
+    texts = 0
+    for k, stream in enumerate((False, True, None, True)):
+        ours = loop.run_until_complete(
+            eng.generate_group(PROMPT, 4, 1.5, 1.0, 48, f"text-{k}", seed=300 + 10 * k, stream=stream)
+        )
+        theirs = loop.run_until_complete(vllm_own(300 + 10 * k, 4, 48))
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.token_ids == list(b.token_ids) and a.finish_reason == str(b.finish_reason)
+            assert a.text == b.text, (a.token_ids, a.text, b.text)
+            texts += len(b.text)
+    assert texts > 100  # the tokens decode to text: the comparison could fail
+
+    # Completions ended by a stop token: vLLM drops that token from the text. The stop ids are tokens
+    # the seeded completions above sample, so these requests end on them.
+    ids = [t for c in loop.run_until_complete(vllm_own(300, 4, 48)) for t in c.token_ids]
+    stops = [ids[5], ids[20], ids[40]]
+    stopped = loop.run_until_complete(vllm_own(300, 4, 48, stop_token_ids=stops))
+    on_ids = [c for c in stopped if c.stop_reason in stops]  # (an EOS has stop_reason None)
+    assert len(on_ids) >= 2, [(c.finish_reason, c.stop_reason) for c in stopped]
+    plain = SamplingParams(n=4, temperature=1.5, max_tokens=48, logprobs=0, detokenize=False)
+    tok = eng.llm.output_processor.tokenizer
+    for c in stopped:
+        got = completion_text(tok, PROMPT, c.token_ids, plain, str(c.finish_reason), "stop")
+        assert got == c.text, (c.token_ids, got, c.text)
+    for c in on_ids:  # the stop token (a plain one here) is really what the text leaves out
+        assert completion_text(tok, PROMPT, c.token_ids, plain, "length", "stop") != c.text
+
+
 def test_one_call_commit_serves_what_the_paused_commit_serves_without_pausing(rig) -> None:
     """A staged swap committed by one engine-core utility call (asyncrl.actors.atomic_commit: commit,
     label, KV reset between two steps) serves, to the bit, what the paused five-call sequence serves,
