@@ -190,7 +190,9 @@ class EvalConfig:
     every: int = F(
         0,
         "Evaluate every N policy versions during a run, on the task's eval split (0 = off). Actor 0 runs it "
-        "on its engine at the version boundary; training continues (see asyncrl/evaluate.py).",
+        "on its engine at the version boundary; training continues (see asyncrl/evaluate.py). The learner "
+        "copies the results into its step records only when its own config sets this too (split roles: "
+        "give both the same value).",
         ge=0,
     )
     samples: int = F(4, "Completions per eval prompt (k of pass@k).", ge=1)

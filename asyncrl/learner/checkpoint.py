@@ -35,7 +35,7 @@ import random
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -243,7 +243,11 @@ def save_checkpoint(
     if le.rank == 0:
         state.created = time.time()
         state.world_size = le.world_size
-        _atomic_write(tag_dir / STATE_FILE, json.dumps(asdict(state)))
+        # Shallow: the fields are JSON values already, and asdict's deep copy of the ledger's ids
+        # (learner.ledger_size, 16384 strings) cost ~2.6 ms of every checkpoint (py-spy, demo).
+        _atomic_write(
+            tag_dir / STATE_FILE, json.dumps({f.name: getattr(state, f.name) for f in fields(state)})
+        )
     _fsync_tree(tag_dir)
     _barrier(le)  # every rank's shards and RNG are durable on disk before the commit
     if le.rank == 0:

@@ -254,7 +254,8 @@ def learn(
             if r0 is not None:
                 rec = _record(cfg, state, res, groups, batch, counters, start_time, t_step, train_s,
                               publish_s, published, bool(due), trainer.lr_now())  # fmt: skip
-                tracking.attach_eval(rec, r0.buffer)  # the newest periodic eval of actor 0
+                if cfg.eval.every > 0:  # the newest periodic eval of actor 0 (a Redis read per step)
+                    tracking.attach_eval(rec, r0.buffer)
                 r0.writer.write(rec)
                 if "first_step" not in marks:
                     marks["first_step"] = time.time()
