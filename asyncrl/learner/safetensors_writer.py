@@ -61,23 +61,11 @@ def write_safetensors(
     """
     import torch
 
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    order = sorted(tensors)
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        code = _ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
-        if code is None:
-            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors code")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
+    head, order, offset = safetensors_header(tensors, metadata)
     h = _Sha256(threaded=offset >= _HASH_THREAD_MIN and len(os.sched_getaffinity(0)) > 1) if digest else None
     try:
         with open(path, "r+b" if overwrite else "wb") as f:
-            for part in (struct.pack("<Q", len(head)), head):
+            for part in (head[:8], head[8:]):
                 if h is not None:
                     h.update(part)
                 f.write(part)
@@ -100,7 +88,45 @@ def write_safetensors(
     finally:
         if h is not None:
             h.close()
-    return sha, 8 + len(head) + offset
+    return sha, len(head) + offset
+
+
+def safetensors_header(
+    tensors: Mapping[str, Any], metadata: Mapping[str, str]
+) -> tuple[bytes, list[str], int]:
+    """The file's first bytes (u64 LE length + JSON header padded to 8 bytes with spaces), the tensor
+    names in file order (sorted), and the number of data bytes after the header."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    order = sorted(tensors)
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        code = _ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if code is None:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors code")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head, order, offset
+
+
+def write_into(buf: Any, tensors: Mapping[str, Any], head: bytes, order: list[str]) -> None:
+    """Copy a safetensors file (``head`` and ``order`` from :func:`safetensors_header`) into the
+    writable buffer ``buf`` (a shared mapping of a file of exactly that size): a memcpy per tensor,
+    no system call per chunk."""
+    import torch
+
+    buf[: len(head)] = head
+    pos = len(head)
+    for name in order:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        if n:
+            dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=pos)
+            dst.copy_(t.reshape(-1).view(torch.uint8))
+        pos += n
 
 
 class _Sha256:

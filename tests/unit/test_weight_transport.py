@@ -267,3 +267,60 @@ def test_shm_transport_overwrites_a_deleted_version_only_when_no_reader_has_it(t
         assert os.stat(m4.path).st_ino == ino3 and load_file(m4.path)["w"].equal(ts["w"])
     finally:
         tr.cleanup()
+
+
+def test_shm_transport_copies_recycled_versions_into_the_mapping_it_keeps(tmp_path: Path) -> None:
+    """From a file's first recycle on, the learner keeps a read-write mapping of it and copies later
+    versions into it (a memcpy, not write() calls): every file is byte for byte what write_safetensors
+    writes. The lease is asked on the descriptor behind that mapping, so the learner's own mapping never
+    blocks a recycle, while a reader's mapping still does; the mapping of an unlinked file is dropped,
+    and a version of another size goes the write() way."""
+    import mmap
+
+    tr = ShmTransport(shm_root(tmp_path, "mapped"))
+
+    def weights(v: int, rows: int = 64) -> dict:
+        g = torch.Generator().manual_seed(v)
+        return {"w": torch.randn(rows, 64, generator=g), "b": torch.randn(7, generator=g)}
+
+    def check(m, v: int, rows: int = 64) -> None:
+        ref = tmp_path / f"ref{v}"
+        write_safetensors(ref, weights(v, rows), {"format": "pt", "asyncrl_version": str(v)}, fsync=False)
+        assert Path(m.path).read_bytes() == ref.read_bytes()
+        verify(m)
+
+    try:
+        ms = {}
+        for v in range(6):  # one version kept, as Publisher with keep_versions=1: publish v, delete v-1
+            ms[v] = tr.publish(v, weights(v), "float32")
+            check(ms[v], v)
+            if v:
+                tr.delete(v - 1)
+        # v0 and v1 are new files; v2..v5 went into the two files' kept mappings.
+        assert tr.mapped_writes == 4 and len(tr._maps) == 2
+        inos = {5: os.stat(ms[5].path).st_ino}
+        # A reader maps v5 and closes its descriptor (as safetensors does); v5 is deleted under it.
+        with open(ms[5].path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        before = bytes(mapped)
+        ms[6] = tr.publish(6, weights(6), "float32")  # into v4's file: nobody reads it
+        check(ms[6], 6)
+        assert tr.mapped_writes == 5
+        tr.delete(5)
+        ms[7] = tr.publish(7, weights(7), "float32")  # v5's file is still mapped by the reader
+        check(ms[7], 7)
+        assert tr.mapped_writes == 5 and os.stat(ms[7].path).st_ino != inos[5]
+        assert inos[5] not in tr._maps and len(tr._maps) == 1  # unlinked: the learner's mapping is gone
+        assert bytes(mapped) == before  # the reader's version is intact
+        mapped.close()
+        tr.delete(6)
+        ms[8] = tr.publish(8, weights(8), "float32")
+        check(ms[8], 8)
+        assert tr.mapped_writes == 6
+        tr.delete(7)
+        ms[9] = tr.publish(9, weights(9, rows=32), "float32")  # another size: write(), cut to size
+        check(ms[9], 9, rows=32)
+        assert tr.mapped_writes == 6 and len(tr._maps) == 1
+    finally:
+        tr.cleanup()
+    assert not tr._maps and not tr.root.exists()
