@@ -123,9 +123,10 @@ def write_into(buf: Any, tensors: Mapping[str, Any], head: bytes, order: list[st
     for name in order:
         t = tensors[name]
         n = t.numel() * t.element_size()
-        if n:
-            dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=pos)
-            dst.copy_(t.reshape(-1).view(torch.uint8))
+        if n:  # no name bound to the view: nothing keeps ``buf`` exported after the call
+            torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=pos).copy_(
+                t.reshape(-1).view(torch.uint8)
+            )
         pos += n
 
 

@@ -30,7 +30,10 @@ class _Mapped:
     mm: mmap.mmap
 
     def close(self) -> None:
-        self.mm.close()
+        try:
+            self.mm.close()
+        except BufferError:  # a view of it is still alive (a failed copy's traceback): unmapped when freed
+            pass
         os.close(self.fd)
 
 
@@ -85,7 +88,11 @@ class ShmTransport(FilesystemTransport):
         if m is None:
             return super()._write(path, tensors, metadata)
         os.rename(self.root / self.SPARE, path)
-        write_into(m.mm, tensors, head, order)
+        try:
+            write_into(m.mm, tensors, head, order)
+        except BaseException:  # publish removes the half-written file: its mapping must not outlive it
+            self._drop(os.fstat(m.fd).st_ino)
+            raise
         self.mapped_writes += 1
         return "", len(head) + data
 
