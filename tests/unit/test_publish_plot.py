@@ -26,9 +26,10 @@ def test_projection_is_the_marginal_rate_from_the_largest_measurement():
 
 def test_readme_table_numbers(tmp_path):
     text = pts.table(DATA)
-    # 7B bf16 = 15.23 GB: 2.146 s + (15.23 - 1.209) GB / 0.551 GB/s = ~28 s (file, the marginal rate
-    # 1.007 GB / (2.146 - 0.317) s); shm 0.741 s + 14.02 GB / 1.704 GB/s = ~9 s
-    assert "| Qwen2.5-7B bf16 (15 GB, **projected**) | ~28 s | ~9 s |" in text
-    assert "| Qwen2.5-32B bf16 (66 GB, **projected**) | ~119 s | ~38 s |" in text
+    # 7B bf16 = 15.23 GB: 1.30 s + (15.23 - 1.209) GB / 0.947 GB/s = ~16 s (file, the marginal rate
+    # 1.007 GB / (1.30 - 0.236) s); shm 0.58 s + 14.02 GB / 2.209 GB/s (1.007 / (0.58 - 0.124)) = ~7 s.
+    # 32B (65.5 GB): file 1.30 + 64.29 / 0.947 = ~69 s; shm 0.58 + 64.29 / 2.209 = ~30 s.
+    assert "| Qwen2.5-7B bf16 (15 GB, **projected**) | ~16 s | ~7 s |" in text
+    assert "| Qwen2.5-32B bf16 (66 GB, **projected**) | ~69 s | ~30 s |" in text
     out = pts.plot(DATA, tmp_path / "p.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
