@@ -67,7 +67,8 @@ class ShmTransport(FilesystemTransport):
     kernel counts open files, and a mapping shares its descriptor's, so the learner's own mapping
     never makes the lease fail while any actor's open file or mapping still does. A mapping is
     dropped as soon as its file is unlinked (a busy spare, a second spare, :meth:`cleanup`), so it
-    never keeps a removed file's memory alive. A file of another size is written as before.
+    never keeps a removed file's memory alive (files removed some other way are forgotten at the next
+    publish). A file of another size is written as before.
     """
 
     digest = "none"
@@ -83,6 +84,7 @@ class ShmTransport(FilesystemTransport):
     # ------------------------------------------------------------------ writing
 
     def _write(self, path: Path, tensors: dict[str, Any], metadata: dict[str, str]) -> tuple[str, int]:
+        self._forget_unlinked()
         head, order, data = safetensors_header(tensors, metadata)
         m = self._mapped_spare(len(head) + data)
         if m is None:
@@ -174,6 +176,13 @@ class ShmTransport(FilesystemTransport):
         except FileNotFoundError:
             pass
         super().delete(version)
+
+    def _forget_unlinked(self) -> None:
+        """Drop the mappings of files removed by any other way than :meth:`delete` (a publish that failed
+        after its write removes its temporary directory; a person cleaning /dev/shm)."""
+        for ino, m in list(self._maps.items()):
+            if os.fstat(m.fd).st_nlink == 0:
+                self._drop(ino)
 
     def _drop(self, ino: int) -> None:
         m = self._maps.pop(ino, None)

@@ -321,6 +321,12 @@ def test_shm_transport_copies_recycled_versions_into_the_mapping_it_keeps(tmp_pa
         ms[9] = tr.publish(9, weights(9, rows=32), "float32")  # another size: write(), cut to size
         check(ms[9], 9, rows=32)
         assert tr.mapped_writes == 6 and len(tr._maps) == 1
+        # A mapped file removed behind the transport's back (v8's, still served) is forgotten at the
+        # next publish: its memory is not kept alive by the learner.
+        os.unlink(ms[8].path)
+        ms[10] = tr.publish(10, weights(10), "float32")
+        check(ms[10], 10)
+        assert not tr._maps
     finally:
         tr.cleanup()
     assert not tr._maps and not tr.root.exists()
