@@ -109,26 +109,23 @@ class ShmTransport(FilesystemTransport):
             st = os.stat(spare, follow_symlinks=False)
         except FileNotFoundError:
             return None
-        m = self._maps.get(st.st_ino)
         if st.st_size != size:
             return None
-        if m is None:
-            fd = os.open(spare, os.O_RDWR | os.O_NOFOLLOW)
-            if not self._lease_free(fd):
+        m = self._maps.get(st.st_ino)
+        fd = m.fd if m is not None else os.open(spare, os.O_RDWR | os.O_NOFOLLOW)
+        if not self._lease_free(fd):
+            if m is None:
                 os.close(fd)
-                spare.unlink(missing_ok=True)  # a reader still has it: it keeps its bytes
-                return None
+            self._drop(st.st_ino)
+            spare.unlink(missing_ok=True)  # a reader still has it: it keeps its bytes
+            return None
+        if m is None:
             try:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             except BaseException:
                 os.close(fd)
                 raise
             m = self._maps[st.st_ino] = _Mapped(fd, mm)
-            return m
-        if not self._lease_free(m.fd):
-            self._drop(st.st_ino)
-            spare.unlink(missing_ok=True)
-            return None
         return m
 
     @staticmethod
