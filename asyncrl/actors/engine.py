@@ -83,6 +83,7 @@ class Engine(WeightSwaps):
         executor: str = "auto",
         stream_tokens: bool = False,
         keep_freed_from: int | None = KEEP_FREED_FROM,
+        decode_text_once: bool = False,
     ) -> None:
         import contextlib
 
@@ -146,6 +147,9 @@ class Engine(WeightSwaps):
         # Either way the tokens, logprobs, text and per-token versions are the same (tested bitwise):
         # vLLM accumulates them per request and its weight-version spans cover the whole completion.
         self.stream_tokens = stream_tokens
+        # actors.decode_text_once: vLLM makes no text and each completion is decoded once it ended
+        # (asyncrl.actors.detokenize); the text is the same either way (tested).
+        self.decode_text_once = decode_text_once
         # request_id -> tokens received so far over all G sequences (progress, for tests/metrics); only
         # counted while generating when stream_tokens, else once the group has ended.
         self.progress: dict[str, int] = {}
@@ -198,6 +202,7 @@ class Engine(WeightSwaps):
             staging=a.swap_staging,
             stage_replay=a.swap_stage_replay,
             stream_tokens=a.stream_tokens,
+            decode_text_once=a.decode_text_once,
             keep_freed_from=KEEP_FREED_FROM if a.cpu_keep_freed_memory else None,
         )
 
@@ -247,9 +252,9 @@ class Engine(WeightSwaps):
             max_tokens=max_tokens,
             logprobs=0,  # only the sampled token's logprob
             seed=seed,
-            # The text is decoded here once a completion ends (asyncrl.actors.detokenize): vLLM then
-            # makes no string per sampled token for its logprob entries.
-            detokenize=False,
+            # decode_text_once: the text is decoded here once a completion ends
+            # (asyncrl.actors.detokenize), and vLLM makes no string per sampled token for its logprobs.
+            detokenize=not self.decode_text_once,
             output_kind=_output_kind(self.stream_tokens if stream is None else stream),
         )
         seqs = [SampledCompletion() for _ in range(n)]
@@ -274,6 +279,7 @@ class Engine(WeightSwaps):
                     s.logprobs.extend(
                         float(pos[tid].logprob) for pos, tid in zip(co.logprobs, ids, strict=True)
                     )
+                    s.text += co.text  # "" when vLLM makes no text
                     self.progress[request_id] += len(ids)
                     if co.finish_reason is not None:
                         s.finish_reason = str(co.finish_reason)
@@ -288,7 +294,10 @@ class Engine(WeightSwaps):
             s.versions = _expand_spans(spans[i], len(s.token_ids), f"{request_id}[{i}]")
             if s.finish_reason not in ("stop", "length", "abort"):
                 raise EngineError(f"{request_id}[{i}]: finish reason {s.finish_reason!r}")
-            s.text = completion_text(tokenizer, prompt_ids, s.token_ids, params, s.finish_reason, request_id)
+            if self.decode_text_once:
+                s.text = completion_text(
+                    tokenizer, prompt_ids, s.token_ids, params, s.finish_reason, request_id
+                )
         return seqs
 
     async def heap_policy(self) -> str:

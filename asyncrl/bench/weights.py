@@ -184,9 +184,9 @@ async def _generation(engine: Any, groups: int, concurrency: int, n: int, max_to
 
     prompt = [5, 17, 29, 41, 53, 7, 11]
     # exactly what Engine sends (a rendered prompt; its output kind too: FINAL_ONLY unless
-    # actors.stream_tokens), except that the raw side keeps vLLM's default detokenize=True, as a user of
-    # AsyncLLM asking for text and logprobs would: a string per sampled token for its logprob entries and
-    # the text step by step, where Engine decodes each completion once (asyncrl.actors.detokenize).
+    # actors.stream_tokens). With actors.decode_text_once the raw side still keeps vLLM's default
+    # detokenize=True, as a user of AsyncLLM asking for text and logprobs would, where Engine decodes
+    # each completion once (asyncrl.actors.detokenize).
     params = dict(temperature=1.0, top_p=1.0, max_tokens=max_tokens)
 
     async def raw(i: int) -> int:

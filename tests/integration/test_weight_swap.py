@@ -366,9 +366,9 @@ def test_groups_started_together_reach_the_engine_in_one_loop_pass_as_the_raw_pr
 
 
 def test_completion_text_is_the_text_vllm_itself_decodes(rig) -> None:
-    """generate_group asks vLLM for no text (``detokenize=False``: no string per sampled token for the
-    logprob entries) and decodes each completion once it ended with vLLM's own detokenizer
-    (asyncrl.actors.detokenize). Over many seeded completions, streamed and not, the text equals the
+    """With ``actors.decode_text_once`` generate_group asks vLLM for no text (``detokenize=False``: no
+    string per sampled token for the logprob entries) and decodes each completion once it ended with
+    vLLM's own detokenizer (asyncrl.actors.detokenize). Over many seeded completions, streamed and not, the text equals the
     one vLLM returns for the same seeds with its detokenization on; and for completions cut by a stop
     token the stop token is left out of the text exactly as vLLM leaves it out."""
     from vllm import SamplingParams
@@ -387,10 +387,15 @@ def test_completion_text_is_the_text_vllm_itself_decodes(rig) -> None:
         return sorted(outs[-1].outputs, key=lambda c: c.index)
 
     texts = 0
+    assert eng.decode_text_once is False  # the default (actors.decode_text_once=false)
     for k, stream in enumerate((False, True, None, True)):
-        ours = loop.run_until_complete(
-            eng.generate_group(PROMPT, 4, 1.5, 1.0, 48, f"text-{k}", seed=300 + 10 * k, stream=stream)
-        )
+        eng.decode_text_once = True
+        try:
+            ours = loop.run_until_complete(
+                eng.generate_group(PROMPT, 4, 1.5, 1.0, 48, f"text-{k}", seed=300 + 10 * k, stream=stream)
+            )
+        finally:
+            eng.decode_text_once = False
         theirs = loop.run_until_complete(vllm_own(300 + 10 * k, 4, 48))
         for a, b in zip(ours, theirs, strict=True):
             assert a.token_ids == list(b.token_ids) and a.finish_reason == str(b.finish_reason)
