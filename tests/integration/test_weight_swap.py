@@ -387,15 +387,16 @@ def test_completion_text_is_the_text_vllm_itself_decodes(rig) -> None:
         return sorted(outs[-1].outputs, key=lambda c: c.index)
 
     texts = 0
-    assert eng.decode_text_once is False  # the default (actors.decode_text_once=false)
+    assert eng.decode_text_once is True  # the default (actors.decode_text_once=true)
+    default = eng.decode_text_once
     for k, stream in enumerate((False, True, None, True)):
-        eng.decode_text_once = True
+        eng.decode_text_once = True  # (the default; set here so the test keeps its meaning if that changes)
         try:
             ours = loop.run_until_complete(
                 eng.generate_group(PROMPT, 4, 1.5, 1.0, 48, f"text-{k}", seed=300 + 10 * k, stream=stream)
             )
         finally:
-            eng.decode_text_once = False
+            eng.decode_text_once = default
         theirs = loop.run_until_complete(vllm_own(300 + 10 * k, 4, 48))
         for a, b in zip(ours, theirs, strict=True):
             assert a.token_ids == list(b.token_ids) and a.finish_reason == str(b.finish_reason)
