@@ -20,8 +20,8 @@ came from (``sources``: measured / fitted / config / assumed):
   ``gen_slowdown`` is fitted to its throughput. Staleness is never fitted: it is a prediction.
 
 :func:`calibrate_run` instead takes every input from the one run it is to predict, measured on its
-components (learner wall costs, the hand-offs, the engine's per-sequence step cost fitted to the
-measured decode time of a group), so that run's throughput and staleness are both predictions.
+components (learner wall costs, the hand-offs, the engine's decode step cost fitted to the measured
+decode time of a group), so that run's throughput and staleness are both predictions.
 """
 
 from __future__ import annotations
@@ -274,6 +274,22 @@ HANDOFF_KEYS = ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latenc
 #: pipeline's sub-step timing is as sensitive as a real run's (eta=1 staleness moved by up to 0.3
 #: versions between one pass and five); five keep the trace's slow and fast stretches in proportion.
 REPLAY_CYCLES = 5
+#: calibrate_run's engine: a decode step costs FLAT_STEP_SHARE of itself per running sequence on top of a
+#: fixed cost (``gen_token_s = FLAT_STEP_SHARE * gen_step_s``, ``gen_step_s`` fitted): 0, a fixed cost per
+#: step, not one per running sequence. Measured on the demo's engine alone (2026-11-28, 25 rounds):
+#: a decode step took 3.2 ms with 8 sequences and 3.6 ms with 32 (one or four groups of 5 tokens:
+#: 19.4 / 27.7 ms, less the prefill-only rounds' 6.6 / 13.4 ms, over 4 steps), and a small model's or
+#: a memory-bound GPU's decode step is the same: its cost is the step, not the batch. Fitted per
+#: sequence instead, a step of one group cost a quarter of a step of four, so the simulated groups
+#: never shared steps: they reached the buffer one by one ~5 ms apart, where real ones arrive in
+#: pairs (about half the gaps between two writes under 1 ms: groups that finish in one step go in
+#: one put_many and are re-admitted together), and waited there 48/40/21/0 ms by their place in the
+#: batch against 33/23/13/2 ms measured. Eight eta-4 demo runs of 2026-11-28 16:14-16:22 UTC, each
+#: predicted from its own dir: staleness error +8.0..+16.7% (mean +11.1%) per sequence, -8.9..+14.4%
+#: (mean +2.2%) flat; a small per-sequence share (0.5% or 2% of the step per sequence) gave means of
+#: +4.9% / +4.4%. Throughput predictions moved by under 1.5 points. Three test runs (eta 0, 1, 4): eta-4
+#: staleness +12.2 / +10.9 / +5.5% -> -1.1 / +3.8 / +0.5%; eta 1 within 1.3 points of before (README).
+FLAT_STEP_SHARE = 0.0
 #: calibrate_run's prediction averages this many simulations (PlanInputs.seeds): the demo's eta-4
 #: pipeline locks into one of two timing regimes by the seed of its length draws (staleness 1.7 or
 #: 2.1 on one run's inputs, and the same for a 1% change of gen_token_s), so one simulation is a
@@ -325,10 +341,9 @@ def calibrate_run(
     Unlike :func:`calibrate`, nothing is fitted to a pipeline output: the learner's costs are its
     measured wall seconds (per token, per step, per publish and checkpoint; co-location included, so
     no slowdown factor), the hand-offs come from the actors' timelines, and the engine's
-    per-sequence step cost ``gen_token_s`` is the one for which the simulated groups' mean decode
-    time (submission to last token, less swap pauses) equals the measured one: a component's latency,
-    which depends on how many sequences share the engine's steps, not the pipeline's throughput or
-    staleness. Those (and the learner's idle and the drops) are then the simulator's prediction.
+    decode step cost ``gen_step_s`` (fixed, see FLAT_STEP_SHARE) is the one for which the simulated
+    groups' mean decode time (submission to last token, less swap pauses) equals the measured one: a
+    component's latency, not the pipeline's throughput or staleness. Those (and the learner's idle and the drops) are then the simulator's prediction.
     With ``replay`` the learner's per-step work is the run's own, step by step
     (:func:`learner_work`), over the run's steps and window: a learner slowed for part of the run
     (another process on the machine) makes the simulated pipeline learner-bound over that part too;
@@ -354,8 +369,10 @@ def calibrate_run(
     # Discrete steps wait for the step in progress themselves (the commit's wait decodes): their
     # decode time is the one less only the commits (asyncrl.plan.handoff.group_decodes).
     decode_s = h.group_decode_stepped_s if p.engine_steps and h.group_decode_stepped_s else h.group_decode_s
-    p = replace(p, gen_token_s=_fit(lambda x: replace(p, gen_token_s=x), decode_s, 1e-7, 10.0,
-                                    decreasing=False, key="group_decode_s"))  # fmt: skip
+    # The engine's step: a fixed cost, whatever the number of sequences it runs (FLAT_STEP_SHARE).
+    step = _fit(lambda x: replace(p, gen_step_s=x, gen_token_s=FLAT_STEP_SHARE * x), decode_s, 1e-7, 10.0,
+                decreasing=False, key="group_decode_s")  # fmt: skip
+    p = replace(p, gen_step_s=step, gen_token_s=FLAT_STEP_SHARE * step)
     # The prediction is the mean of PREDICT_SEEDS simulations (the fit above, of a component's
     # latency, takes one: it is the same in every regime within 1-2%).
     p = replace(p, seeds=PREDICT_SEEDS)
@@ -364,9 +381,9 @@ def calibrate_run(
         "lengths.mean": "measured", "lengths.kind": "assumed", "lengths.sigma": "assumed",
         "learner_token_s": "measured (wall, co-location included)", "learner_step_s": "measured",
         "publish_s": "measured", "checkpoint_s": "measured", "learner_cv": "measured",
-        "learner_slowdown": "1 (in the measured wall seconds)", "gen_slowdown": "1 (in gen_token_s)",
-        "gen_step_s": "assumed",
-        "gen_token_s": f"fitted to the measured group decode time {decode_s * 1e3:.1f} ms",
+        "learner_slowdown": "1 (in the measured wall seconds)", "gen_slowdown": "1 (in gen_step_s)",
+        "gen_step_s": f"fitted to the measured group decode time {decode_s * 1e3:.1f} ms",
+        "gen_token_s": f"{FLAT_STEP_SHARE:g} x gen_step_s (a decode step's cost barely grows with its sequences)",
     })  # fmt: skip
     return p, sources
 

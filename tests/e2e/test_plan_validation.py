@@ -86,13 +86,13 @@ def test_simulator_predicts_throughput_and_staleness_of_real_runs(real_runs) -> 
         # (At eta=0 every group waits for its engine's swap: none is admitted at its first try.)
         for key in ("swap_s", "swap_latency_s", "group_overhead_s") + (("group_start_s",) if eta else ()):
             assert sources[key].startswith("measured"), (eta, key, sources[key])
-        assert sources["gen_token_s"].startswith("fitted to the measured group decode time"), sources
+        assert sources["gen_step_s"].startswith("fitted to the measured group decode time"), sources
         r = simulate(p)
         rows.append({"eta": eta, "tok/s": (round(r.tokens_per_s), round(m.tokens_per_s)),
                      "samples/s": (round(r.samples_per_s, 1), round(m.samples_per_s, 1)),
                      "staleness": (round(r.staleness_mean, 3), round(m.staleness_mean, 3)),
                      "learner idle": (round(r.learner_idle_frac, 3), round(m.learner_idle_frac, 3))})  # fmt: skip
-        inputs[eta] = {k: getattr(p, k) for k in ("gen_token_s", "learner_token_s", "learner_step_s", "publish_s",
+        inputs[eta] = {k: getattr(p, k) for k in ("gen_step_s", "learner_token_s", "learner_step_s", "publish_s",
                                                   "swap_s", "swap_running_extra_s", "swap_latency_s",
                                                   "swap_latency_running_extra_s", "group_overhead_s",
                                                   "group_start_s", "admission_wake_s", "swap_wakes_admission")}  # fmt: skip

@@ -306,7 +306,7 @@ def test_calibration_takes_the_handoffs_from_the_timelines(tmp_path: Path) -> No
 
 def test_calibrate_run_measures_every_component_of_its_own_run(tmp_path: Path) -> None:
     """The learner's wall costs, the hand-offs and the engine's decode time all come from the one
-    run; the engine's per-sequence step cost is the one whose simulated group decode time is the
+    run; the engine's decode step cost is the one whose simulated group decode time is the
     measured one. Decode times (_run_dir): actor-0's even groups 0.049 s less the 0.015 s of their
     swap's commit that they overlap (the last 0.03 s of its 0.05 s pause, 0.03 s being what the idle
     swaps pause; the engine steps discretely: max_tokens 5), its odd ones 0.049 s, actor-1's 0.047 s."""
@@ -325,7 +325,8 @@ def test_calibrate_run_measures_every_component_of_its_own_run(tmp_path: Path) -
     # Groups admitted from step 3's end on: actor-0's odd ones of steps 3..19 and even ones of 4..20
     # (9 each), actor-1's of steps 3..20 (18).
     decode = (9 * 0.034 + 9 * 0.049 + 18 * 0.047) / 36
-    assert sources["gen_token_s"] == f"fitted to the measured group decode time {decode * 1e3:.1f} ms"
+    assert sources["gen_step_s"] == f"fitted to the measured group decode time {decode * 1e3:.1f} ms"
+    assert p.gen_token_s == 0.0 and p.gen_step_s > 0  # a fixed cost per decode step (FLAT_STEP_SHARE)
     assert simulate(p).group_decode_s == pytest.approx(decode, rel=0.02)
     # actor-0's odd groups were admitted by their poll, 15 ms after their swap: not woken by it.
     assert p.swap_wakes_admission is False
