@@ -12,8 +12,9 @@ this shared 2-core box identical runs differ by up to 30% in engine and learner 
   publish's hint or by the engine's swap), and each version's hand-off replayed by version as the
   learner's steps are (they drift within a run: 60 -> 150 ms over the eta-4 run of a failed CI
   attempt, whose staleness the mean and a lognormal spread put at +17.6%);
-* fitted, the one fit: the engine's per-sequence step cost, to the measured mean decode time of a
-  group (submission to last token, less swap pauses): a component's latency, not an output;
+* fitted, the one fit: the engine's decode step cost (a fixed cost per step: FLAT_STEP_SHARE in
+  asyncrl.plan.calibrate), to the measured mean decode time of a group (submission to last token,
+  less swap pauses): a component's latency, not an output;
 * from config.yaml: the pipeline's shape (actors, concurrency, G, groups per step, eta, policies).
 
 Predicted, never fitted, at every eta: trained tokens/s and samples/s (which groups are dropped as
@@ -53,6 +54,8 @@ RUNS = {0: 40, 1: 150, 4: 400}
 #: tok/s -6.7..-1.4%; eta 4 staleness -0.9..+15.6%, tok/s -0.3..+1.9%. Eta 4 staleness stayed high (a CI
 #: attempt +21.9%) until discrete engine steps stopped for a swap's commit only and the prediction
 #: became the mean of 8 seeds (README, "The commit's wait"): ten run dirs +11.3% -> +3.4% on average.
+#: On a slower VM it came back (+5.5..+16.7% on eleven run dirs) until the engine's step became a fixed
+#: cost instead of one per running sequence (README, "A fixed cost per decode step"): +1.9% on average.
 TOLERANCE = 0.15
 
 
