@@ -18,7 +18,7 @@ every hand-off the simulator models, in its own terms:
   serialization, the Redis write);
 * ``group_decode_s``: per group, from its submission to the engine to its last token, less the
   engine's swap pauses in between: the engine's speed as the group saw it, with whatever shared its
-  cores then (the planner fits the engine's per-sequence step cost to it); ``group_decode_stepped_s``
+  cores then (the planner fits the engine's decode step cost to it); ``group_decode_stepped_s``
   the same less only each pause's commit (for the simulator's discrete steps: :func:`group_decodes`);
 * ``group_start_s``: per group admitted at its first attempt, from the attempt to the submission to
   the engine (the admission script's round trip, the prompt);
