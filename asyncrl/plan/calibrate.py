@@ -12,8 +12,8 @@ came from (``sources``: measured / fitted / config / assumed):
 * learner seconds per token, per-step overhead, publish and checkpoint costs and the mean completion
   length are measured on the run with the smallest eta (the one where learner and actors overlap
   least, so its costs are the uncontended ones);
-* the engine's per-sequence decode cost ``gen_token_s`` is fitted: the one value for which the
-  simulator reproduces that run's trained tokens/s (bisection; throughput falls monotonically as
+* the engine's decode step cost ``gen_step_s`` (a fixed cost per step: FLAT_STEP_SHARE) is fitted:
+  the one value for which the simulator reproduces that run's trained tokens/s (bisection; throughput falls monotonically as
   generation slows);
 * given a second run with a larger eta (actors and learner overlap), the co-location factors are
   calibrated on it: ``learner_slowdown`` is the measured ratio of learner seconds per token,
@@ -228,13 +228,17 @@ def calibrate(
                                f"{'<=' if p.engine_steps else '>'} {DISCRETE_STEPS_MAX_TOKENS:g}")  # fmt: skip
     sources.update({"lengths.mean": f"measured ({ref.run_dir})", "learner_token_s": "measured",
                     "learner_step_s": "measured (per-step overhead)", "publish_s": "measured",
-                    "checkpoint_s": "measured", "gen_token_s": f"fitted to {ref.tokens_per_s:.1f} tok/s",
-                    "gen_step_s": "assumed", "swap_s": "assumed", "swap_latency_s": "assumed",
+                    "checkpoint_s": "measured", "gen_step_s": f"fitted to {ref.tokens_per_s:.1f} tok/s",
+                    "gen_token_s": f"{FLAT_STEP_SHARE:g} x gen_step_s (a decode step's cost barely grows with its "
+                                   "sequences)",
+                    "swap_s": "assumed", "swap_latency_s": "assumed",
                     "group_overhead_s": "assumed", "lengths.kind": "assumed", "lengths.sigma": "assumed"})  # fmt: skip
     # The hand-offs, from the actors' timelines of every run given (each cost is the same mechanism at
     # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
     p = apply_handoffs(p, measure_handoffs(runs), sources)
-    p = replace(p, gen_token_s=_fit(lambda x: replace(p, gen_token_s=x), ref.tokens_per_s, 1e-7, 10.0))
+    # The engine's step: a fixed cost, as in calibrate_run (FLAT_STEP_SHARE).
+    step = _fit(lambda x: replace(p, gen_step_s=x, gen_token_s=FLAT_STEP_SHARE * x), ref.tokens_per_s, 1e-7, 10.0)
+    p = replace(p, gen_step_s=step, gen_token_s=FLAT_STEP_SHARE * step)
     overlap = [m for m in runs[1:] if m.max_staleness > ref.max_staleness]
     if overlap:
         # Two unknowns, two observables of the overlapping run: the learner's busy seconds per step

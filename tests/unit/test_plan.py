@@ -205,10 +205,11 @@ def _write_run(rdir: Path, p: PlanInputs) -> None:
 def test_calibration_recovers_the_inputs_that_produced_a_run(
     tmp_path: Path, steps: bool, length: float
 ) -> None:
-    """Short completions are calibrated with discrete engine steps, long ones fluid (DISCRETE_STEPS_MAX_TOKENS)."""
+    """Short completions are calibrated with discrete engine steps, long ones fluid (DISCRETE_STEPS_MAX_TOKENS);
+    the engine's step is a fixed cost (asyncrl.plan.calibrate.FLAT_STEP_SHARE), recovered from the tok/s."""
     truth = PlanInputs(
         num_actors=1, groups_in_flight=4, group_size=8, lengths=fixed(length, length + 1), engine_steps=steps,
-        gen_token_s=3e-4 * 5 / length, admission_poll_s=0.05, swap_latency_s=0.01, swap_s=0.045, groups_per_step=4,
+        gen_step_s=32 * 3e-4 * 5 / length, gen_token_s=0.0, admission_poll_s=0.05, swap_latency_s=0.01, swap_s=0.045, groups_per_step=4,
         max_staleness=0, learner_step_s=0.0, learner_token_s=2e-4, publish_s=0.01, checkpoint_s=0.0, steps=120,
         warmup_steps=12,
     )  # fmt: skip
@@ -217,7 +218,8 @@ def test_calibration_recovers_the_inputs_that_produced_a_run(
     assert m.train_s_per_token == pytest.approx(2e-4, rel=1e-6) and m.mean_length == pytest.approx(length)
     p, sources = calibrate([tmp_path / "s0"], replace(PlanInputs(), lengths=fixed(4.0, length + 1)))
     assert p.engine_steps is steps, sources["engine_steps"]
-    assert p.gen_token_s == pytest.approx(truth.gen_token_s, rel=0.01), sources["gen_token_s"]
+    assert p.gen_step_s == pytest.approx(truth.gen_step_s, rel=0.01), sources["gen_step_s"]
+    assert p.gen_token_s == 0.0 and sources["gen_step_s"].startswith("fitted to")
     assert p.learner_token_s == pytest.approx(2e-4, rel=1e-6) and sources["learner_token_s"] == "measured"
     # ... and predicts an overlapping run it never saw.
     for eta in (1, 4):
