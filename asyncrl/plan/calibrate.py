@@ -237,7 +237,9 @@ def calibrate(
     # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
     p = apply_handoffs(p, measure_handoffs(runs), sources)
     # The engine's step: a fixed cost, as in calibrate_run (FLAT_STEP_SHARE).
-    step = _fit(lambda x: replace(p, gen_step_s=x, gen_token_s=FLAT_STEP_SHARE * x), ref.tokens_per_s, 1e-7, 10.0)
+    step = _fit(
+        lambda x: replace(p, gen_step_s=x, gen_token_s=FLAT_STEP_SHARE * x), ref.tokens_per_s, 1e-7, 10.0
+    )
     p = replace(p, gen_step_s=step, gen_token_s=FLAT_STEP_SHARE * step)
     overlap = [m for m in runs[1:] if m.max_staleness > ref.max_staleness]
     if overlap:
