@@ -13,8 +13,8 @@ came from (``sources``: measured / fitted / config / assumed):
   length are measured on the run with the smallest eta (the one where learner and actors overlap
   least, so its costs are the uncontended ones);
 * the engine's decode step cost ``gen_step_s`` (a fixed cost per step: FLAT_STEP_SHARE) is fitted:
-  the one value for which the simulator reproduces that run's trained tokens/s (bisection; throughput falls monotonically as
-  generation slows);
+  the one value for which the simulator reproduces that run's trained tokens/s (bisection;
+  throughput falls monotonically as generation slows);
 * given a second run with a larger eta (actors and learner overlap), the co-location factors are
   calibrated on it: ``learner_slowdown`` is the measured ratio of learner seconds per token,
   ``gen_slowdown`` is fitted to its throughput. Staleness is never fitted: it is a prediction.
@@ -280,9 +280,9 @@ HANDOFF_KEYS = ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latenc
 #: pipeline's sub-step timing is as sensitive as a real run's (eta=1 staleness moved by up to 0.3
 #: versions between one pass and five); five keep the trace's slow and fast stretches in proportion.
 REPLAY_CYCLES = 5
-#: calibrate_run's engine: a decode step costs FLAT_STEP_SHARE of itself per running sequence on top of a
-#: fixed cost (``gen_token_s = FLAT_STEP_SHARE * gen_step_s``, ``gen_step_s`` fitted): 0, a fixed cost per
-#: step, not one per running sequence. Measured on the demo's engine alone (2026-11-28, 25 rounds):
+#: The engine of both fits (calibrate_run, calibrate): a decode step costs FLAT_STEP_SHARE of itself per
+#: running sequence on top of a fixed cost (``gen_token_s = FLAT_STEP_SHARE * gen_step_s``, ``gen_step_s``
+#: fitted): 0, a fixed cost per step, not one per running sequence. Measured on the demo's engine alone (2026-11-28, 25 rounds):
 #: a decode step took 3.2 ms with 8 sequences and 3.6 ms with 32 (one or four groups of 5 tokens:
 #: 19.4 / 27.7 ms, less the prefill-only rounds' 6.6 / 13.4 ms, over 4 steps), and a small model's or
 #: a memory-bound GPU's decode step is the same: its cost is the step, not the batch. Fitted per
@@ -349,7 +349,8 @@ def calibrate_run(
     no slowdown factor), the hand-offs come from the actors' timelines, and the engine's
     decode step cost ``gen_step_s`` (fixed, see FLAT_STEP_SHARE) is the one for which the simulated
     groups' mean decode time (submission to last token, less swap pauses) equals the measured one: a
-    component's latency, not the pipeline's throughput or staleness. Those (and the learner's idle and the drops) are then the simulator's prediction.
+    component's latency, not the pipeline's throughput or staleness. Those (and the learner's idle
+    and the drops) are then the simulator's prediction.
     With ``replay`` the learner's per-step work is the run's own, step by step
     (:func:`learner_work`), over the run's steps and window: a learner slowed for part of the run
     (another process on the machine) makes the simulated pipeline learner-bound over that part too;
