@@ -229,18 +229,13 @@ def calibrate(
     sources.update({"lengths.mean": f"measured ({ref.run_dir})", "learner_token_s": "measured",
                     "learner_step_s": "measured (per-step overhead)", "publish_s": "measured",
                     "checkpoint_s": "measured", "gen_step_s": f"fitted to {ref.tokens_per_s:.1f} tok/s",
-                    "gen_token_s": f"{FLAT_STEP_SHARE:g} x gen_step_s (a decode step's cost barely grows with its "
-                                   "sequences)",
+                    "gen_token_s": STEP_SHARE_SOURCE,
                     "swap_s": "assumed", "swap_latency_s": "assumed",
                     "group_overhead_s": "assumed", "lengths.kind": "assumed", "lengths.sigma": "assumed"})  # fmt: skip
     # The hand-offs, from the actors' timelines of every run given (each cost is the same mechanism at
     # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
     p = apply_handoffs(p, measure_handoffs(runs), sources)
-    # The engine's step: a fixed cost, as in calibrate_run (FLAT_STEP_SHARE).
-    step = _fit(
-        lambda x: replace(p, gen_step_s=x, gen_token_s=FLAT_STEP_SHARE * x), ref.tokens_per_s, 1e-7, 10.0
-    )
-    p = replace(p, gen_step_s=step, gen_token_s=FLAT_STEP_SHARE * step)
+    p = _fit_engine_step(p, ref.tokens_per_s)
     overlap = [m for m in runs[1:] if m.max_staleness > ref.max_staleness]
     if overlap:
         # Two unknowns, two observables of the overlapping run: the learner's busy seconds per step
@@ -296,6 +291,18 @@ REPLAY_CYCLES = 5
 #: +4.9% / +4.4%. Throughput predictions moved by under 1.5 points. Three test runs (eta 0, 1, 4): eta-4
 #: staleness +12.2 / +10.9 / +5.5% -> -1.1 / +3.8 / +0.5%; eta 1 within 1.3 points of before (README).
 FLAT_STEP_SHARE = 0.0
+STEP_SHARE_SOURCE = f"{FLAT_STEP_SHARE:g} x gen_step_s (a decode step's cost barely grows with its sequences)"
+
+
+def _fit_engine_step(p: PlanInputs, target: float, **fit: Any) -> PlanInputs:
+    """``p`` with the engine's decode step cost fitted (``_fit``'s ``key``, tokens/s by default, equal to
+    ``target``), ``gen_token_s`` being FLAT_STEP_SHARE of it: the one engine model of both fits."""
+    step = _fit(
+        lambda x: replace(p, gen_step_s=x, gen_token_s=FLAT_STEP_SHARE * x), target, 1e-7, 10.0, **fit
+    )
+    return replace(p, gen_step_s=step, gen_token_s=FLAT_STEP_SHARE * step)
+
+
 #: calibrate_run's prediction averages this many simulations (PlanInputs.seeds): the demo's eta-4
 #: pipeline locks into one of two timing regimes by the seed of its length draws (staleness 1.7 or
 #: 2.1 on one run's inputs, and the same for a 1% change of gen_token_s), so one simulation is a
@@ -376,10 +383,7 @@ def calibrate_run(
     # Discrete steps wait for the step in progress themselves (the commit's wait decodes): their
     # decode time is the one less only the commits (asyncrl.plan.handoff.group_decodes).
     decode_s = h.group_decode_stepped_s if p.engine_steps and h.group_decode_stepped_s else h.group_decode_s
-    # The engine's step: a fixed cost, whatever the number of sequences it runs (FLAT_STEP_SHARE).
-    step = _fit(lambda x: replace(p, gen_step_s=x, gen_token_s=FLAT_STEP_SHARE * x), decode_s, 1e-7, 10.0,
-                decreasing=False, key="group_decode_s")  # fmt: skip
-    p = replace(p, gen_step_s=step, gen_token_s=FLAT_STEP_SHARE * step)
+    p = _fit_engine_step(p, decode_s, decreasing=False, key="group_decode_s")
     # The prediction is the mean of PREDICT_SEEDS simulations (the fit above, of a component's
     # latency, takes one: it is the same in every regime within 1-2%).
     p = replace(p, seeds=PREDICT_SEEDS)
@@ -390,7 +394,7 @@ def calibrate_run(
         "publish_s": "measured", "checkpoint_s": "measured", "learner_cv": "measured",
         "learner_slowdown": "1 (in the measured wall seconds)", "gen_slowdown": "1 (in gen_step_s)",
         "gen_step_s": f"fitted to the measured group decode time {decode_s * 1e3:.1f} ms",
-        "gen_token_s": f"{FLAT_STEP_SHARE:g} x gen_step_s (a decode step's cost barely grows with its sequences)",
+        "gen_token_s": STEP_SHARE_SOURCE,
     })  # fmt: skip
     return p, sources
 
