@@ -12,16 +12,19 @@ came from (``sources``: measured / fitted / config / assumed):
 * learner seconds per token, per-step overhead, publish and checkpoint costs and the mean completion
   length are measured on the run with the smallest eta (the one where learner and actors overlap
   least, so its costs are the uncontended ones);
-* the engine's decode step cost ``gen_step_s`` (a fixed cost per step: FLAT_STEP_SHARE) is fitted:
-  the one value for which the simulator reproduces that run's trained tokens/s (bisection;
-  throughput falls monotonically as generation slows);
+* the engine's decode step cost ``gen_step_s`` (a fixed cost per step: FLAT_STEP_SHARE, plus
+  PREFILL_GROUP_SHARE of it per joining group) is fitted: the one value for which the simulator
+  reproduces that run's trained tokens/s (bisection; throughput falls monotonically as generation
+  slows); with discrete steps and actor timelines, the steps' jitter ``gen_step_cv`` is fitted to the
+  measured spread of the groups' decode times, alternately with it (_fit_step_jitter);
 * given a second run with a larger eta (actors and learner overlap), the co-location factors are
   calibrated on it: ``learner_slowdown`` is the measured ratio of learner seconds per token,
   ``gen_slowdown`` is fitted to its throughput. Staleness is never fitted: it is a prediction.
 
 :func:`calibrate_run` instead takes every input from the one run it is to predict, measured on its
-components (learner wall costs, the hand-offs, the engine's decode step cost fitted to the measured
-decode time of a group), so that run's throughput and staleness are both predictions.
+components (learner wall costs, the hand-offs, the engine's decode step cost and its jitter fitted to
+the measured decode times of its groups: their mean and spread), so that run's throughput and
+staleness are both predictions.
 """
 
 from __future__ import annotations
@@ -229,13 +232,17 @@ def calibrate(
     sources.update({"lengths.mean": f"measured ({ref.run_dir})", "learner_token_s": "measured",
                     "learner_step_s": "measured (per-step overhead)", "publish_s": "measured",
                     "checkpoint_s": "measured", "gen_step_s": f"fitted to {ref.tokens_per_s:.1f} tok/s",
-                    "gen_token_s": STEP_SHARE_SOURCE,
+                    "gen_token_s": STEP_SHARE_SOURCE, "gen_prefill_s": PREFILL_SOURCE,
                     "swap_s": "assumed", "swap_latency_s": "assumed",
                     "group_overhead_s": "assumed", "lengths.kind": "assumed", "lengths.sigma": "assumed"})  # fmt: skip
     # The hand-offs, from the actors' timelines of every run given (each cost is the same mechanism at
     # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
-    p = apply_handoffs(p, measure_handoffs(runs), sources)
+    h = measure_handoffs(runs)
+    p = apply_handoffs(p, h, sources)
     p = _fit_engine_step(p, ref.tokens_per_s)
+    if p.engine_steps and h.group_decode_stepped_cv is not None:
+        p = _fit_step_jitter(p, h.group_decode_stepped_cv, ref.tokens_per_s)
+        sources["gen_step_cv"] = _jitter_source(h.group_decode_stepped_cv)
     overlap = [m for m in runs[1:] if m.max_staleness > ref.max_staleness]
     if overlap:
         # Two unknowns, two observables of the overlapping run: the learner's busy seconds per step
@@ -291,16 +298,54 @@ REPLAY_CYCLES = 5
 #: +4.9% / +4.4%. Throughput predictions moved by under 1.5 points. Three test runs (eta 0, 1, 4): eta-4
 #: staleness +12.2 / +10.9 / +5.5% -> -1.1 / +3.8 / +0.5%; eta 1 within 1.3 points of before (README).
 FLAT_STEP_SHARE = 0.0
+#: ... and a group's prompt costs the step it joins PREFILL_GROUP_SHARE of a decode step (``gen_prefill_s
+#: = PREFILL_GROUP_SHARE * gen_step_s / group_size`` per joining sequence). Measured on the same engine
+#: alone: a prefill-only round (max_tokens 1) took 6.6 ms for one group and 13.4 ms for four, 2.3 ms
+#: more per group, against a 3.2 ms decode step: 0.7. Without it every group's first step cost what a
+#: decode step does, and only the step's jitter (gen_step_cv) spread the groups' decode times.
+PREFILL_GROUP_SHARE = 0.7
 STEP_SHARE_SOURCE = f"{FLAT_STEP_SHARE:g} x gen_step_s (a decode step's cost barely grows with its sequences)"
+PREFILL_SOURCE = f"{PREFILL_GROUP_SHARE:g} x gen_step_s per joining group (a prompt's prefill, measured on the engine alone)"
 
 
 def _fit_engine_step(p: PlanInputs, target: float, **fit: Any) -> PlanInputs:
     """``p`` with the engine's decode step cost fitted (``_fit``'s ``key``, tokens/s by default, equal to
     ``target``), ``gen_token_s`` being FLAT_STEP_SHARE of it: the one engine model of both fits."""
+    pre = PREFILL_GROUP_SHARE / p.group_size
     step = _fit(
-        lambda x: replace(p, gen_step_s=x, gen_token_s=FLAT_STEP_SHARE * x), target, 1e-7, 10.0, **fit
+        lambda x: replace(p, gen_step_s=x, gen_token_s=FLAT_STEP_SHARE * x, gen_prefill_s=pre * x),
+        target,
+        1e-7,
+        10.0,
+        **fit,
     )
-    return replace(p, gen_step_s=step, gen_token_s=FLAT_STEP_SHARE * step)
+    return replace(p, gen_step_s=step, gen_token_s=FLAT_STEP_SHARE * step, gen_prefill_s=pre * step)
+
+
+#: Rounds of the two engine fits (gen_step_s to the mean decode time, gen_step_cv to its spread):
+#: each moves the other's output a little (a jittered step makes groups wait for each other).
+STEP_JITTER_ROUNDS = 2
+#: The step spread's fit searches gen_step_cv in [lo, hi]: below lo it is 0 for the simulation.
+STEP_CV_RANGE = (1e-3, 3.0)
+
+
+def _fit_step_jitter(p: PlanInputs, decode_cv: float, target: float, **fit: Any) -> PlanInputs:
+    """``p`` with ``gen_step_cv`` fitted to the measured spread (CV) of a group's decode time, and
+    ``gen_step_s`` refitted to ``target`` (``_fit_engine_step``'s ``fit``) after each round. With every
+    step alike the simulated groups lock into phase with the learner: on the eta-4 run of the CI
+    attempt of 2026-11-28 18:47 UTC the simulated decode time had a CV of 0.02 against 0.19 measured,
+    and the predicted staleness went 1.37 / 1.28 / 1.21 / 1.15 / 1.11 for gen_step_s x 0.9 / 0.95 / 1 /
+    1.05 / 1.1 (1.626 measured); on another run 1.41 / 1.86 / 1.69 / 1.46 / 1.45."""
+    for _ in range(STEP_JITTER_ROUNDS):
+        c = _fit(lambda x, p=p: replace(p, gen_step_cv=x), decode_cv, *STEP_CV_RANGE, decreasing=False,
+                 key="group_decode_cv")  # fmt: skip
+        p = replace(p, gen_step_cv=c if c > 2 * STEP_CV_RANGE[0] else 0.0)
+        p = _fit_engine_step(p, target, **fit)
+    return p
+
+
+def _jitter_source(decode_cv: float) -> str:
+    return f"fitted to the measured spread of the group decode time (CV {decode_cv:.3f})"
 
 
 #: calibrate_run's prediction averages this many simulations (PlanInputs.seeds): the demo's eta-4
@@ -382,8 +427,12 @@ def calibrate_run(
         p = _replay_handoffs(p, run_dir, steps, sources)
     # Discrete steps wait for the step in progress themselves (the commit's wait decodes): their
     # decode time is the one less only the commits (asyncrl.plan.handoff.group_decodes).
-    decode_s = h.group_decode_stepped_s if p.engine_steps and h.group_decode_stepped_s else h.group_decode_s
+    stepped = p.engine_steps and h.group_decode_stepped_s
+    decode_s = h.group_decode_stepped_s if stepped else h.group_decode_s
     p = _fit_engine_step(p, decode_s, decreasing=False, key="group_decode_s")
+    if p.engine_steps and h.group_decode_stepped_cv is not None:
+        p = _fit_step_jitter(p, h.group_decode_stepped_cv, decode_s, decreasing=False, key="group_decode_s")
+        sources["gen_step_cv"] = _jitter_source(h.group_decode_stepped_cv)
     # The prediction is the mean of PREDICT_SEEDS simulations (the fit above, of a component's
     # latency, takes one: it is the same in every regime within 1-2%).
     p = replace(p, seeds=PREDICT_SEEDS)
@@ -394,7 +443,7 @@ def calibrate_run(
         "publish_s": "measured", "checkpoint_s": "measured", "learner_cv": "measured",
         "learner_slowdown": "1 (in the measured wall seconds)", "gen_slowdown": "1 (in gen_step_s)",
         "gen_step_s": f"fitted to the measured group decode time {decode_s * 1e3:.1f} ms",
-        "gen_token_s": STEP_SHARE_SOURCE,
+        "gen_token_s": STEP_SHARE_SOURCE, "gen_prefill_s": PREFILL_SOURCE,
     })  # fmt: skip
     return p, sources
 

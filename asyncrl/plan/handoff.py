@@ -77,6 +77,8 @@ class Handoff:
     group_overhead_s: float | None = None
     group_decode_s: float | None = None
     group_decode_stepped_s: float | None = None  # less only each swap's commit (group_decodes)
+    group_decode_cv: float | None = None  # the spread of group_decode_s's samples (population CV)
+    group_decode_stepped_cv: float | None = None  # and of group_decode_stepped_s's
     group_start_s: float | None = None
     admission_wake_s: float | None = None
     swap_admit_s: float | None = None
@@ -354,6 +356,10 @@ def handoff(samples: list[dict[str, list[float]]]) -> Handoff:
         group_overhead_s=_mean(pool.get("group_overhead", [])),
         group_decode_s=_mean(pool.get("group_decode", [])),
         group_decode_stepped_s=_mean(pool.get("group_decode_stepped", [])),
+        group_decode_cv=cv(pool["group_decode"]) if pool.get("group_decode") else None,
+        group_decode_stepped_cv=cv(pool["group_decode_stepped"])
+        if pool.get("group_decode_stepped")
+        else None,
         group_start_s=_mean(pool.get("group_start", [])),
         admission_wake_s=_mean(pool.get("admission_wake", [])),
         swap_admit_s=_mean(pool.get("swap_admit", [])),

@@ -68,6 +68,20 @@ class PlanInputs:
         "n sequences takes gen_step_s + n * gen_token_s and yields one token per sequence.",
         ge=0,
     )
+    gen_prefill_s: float = F(
+        0.0,
+        "Seconds a decode step costs per sequence that joins it: its prompt's prefill (engine_steps; the "
+        "fluid engine has no steps to join).",
+        ge=0,
+    )
+    gen_step_cv: float = F(
+        0.0,
+        "Coefficient of variation of one engine decode step's cost (engine_steps): each step draws a "
+        "lognormal factor with mean 1. 0 = every step takes exactly its cost, and a pipeline of fixed "
+        "steps can lock into a phase with the learner's steps that the real engine's jitter breaks "
+        "(calibration fits it to the spread of the measured groups' decode times).",
+        ge=0,
+    )
     group_overhead_s: float = F(
         0.0, "Seconds from a group's last token to its write into the buffer (rewards, the write).", ge=0
     )

@@ -6,6 +6,7 @@ uses on a real run's metrics.jsonl, so predicted and measured numbers compare li
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -33,6 +34,7 @@ class StepTrace:
     groups_decoded: int = 0  # cumulative: groups whose last token was sampled by the end of the step
     decode_s_total: float = 0.0  # cumulative: their decode seconds (SimGroup.decode_s)
     version: int = 0  # the newest published version V at the end of the step (after its publish, if any)
+    decode_sq_total: float = 0.0  # cumulative: the squares of their decode seconds (for the spread)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class PlanResult:
     train_s_per_token: float = 0.0  # wall seconds of train phases per trained token
     learner_busy_s_per_step: float = 0.0  # wall seconds per step not spent waiting for data
     group_decode_s: float = 0.0  # mean seconds from a group's submission to its last token, less swap pauses
+    group_decode_cv: float = 0.0  # their coefficient of variation (population)
     steps: list[StepTrace] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -75,8 +78,12 @@ def summarize(p: PlanInputs, trace: list[StepTrace]) -> PlanResult:
     workers = p.num_actors * p.groups_in_flight
     b0 = first.blocked_worker_s if first else 0.0
     u0 = first.busy_engine_s if first else 0.0
-    n0, d0 = (first.groups_decoded, first.decode_s_total) if first else (0, 0.0)
+    n0, d0, q0 = (
+        (first.groups_decoded, first.decode_s_total, first.decode_sq_total) if first else (0, 0.0, 0.0)
+    )
     n_dec = trace[-1].groups_decoded - n0
+    dec_mean = (trace[-1].decode_s_total - d0) / n_dec if n_dec else 0.0
+    dec_var = max((trace[-1].decode_sq_total - q0) / n_dec - dec_mean**2, 0.0) if n_dec else 0.0
     return PlanResult(
         samples_per_s=sum(s.sequences for s in window) / dur,
         tokens_per_s=sum(s.tokens for s in window) / dur,
@@ -91,7 +98,8 @@ def summarize(p: PlanInputs, trace: list[StepTrace]) -> PlanResult:
         window_s=dur,
         train_s_per_token=sum(s.train_s for s in window) / max(sum(s.tokens for s in window), EPS),
         learner_busy_s_per_step=(dur - sum(s.wait_s for s in window)) / len(window),
-        group_decode_s=(trace[-1].decode_s_total - d0) / n_dec if n_dec else 0.0,
+        group_decode_s=dec_mean,
+        group_decode_cv=math.sqrt(dec_var) / dec_mean if dec_mean > 0 else 0.0,
         steps=trace,
     )
 

@@ -131,7 +131,7 @@ class LearnerEvents:
         self.trace.append(
             StepTrace(self.step, self.t, wait, tokens, seqs, hist, dropped,
                       sum(e.blocked_s for e in self.engines), sum(e.busy_s for e in self.engines),
-                      self.train_s, self.decoded, self.decode_total, self.V)
+                      self.train_s, self.decoded, self.decode_total, self.V, self.decode_sq)
         )  # fmt: skip
         self.set_learner_busy(False)
         self.learner_waiting = True

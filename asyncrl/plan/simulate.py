@@ -103,6 +103,7 @@ class _Sim(LearnerEvents):
         self.dropped = 0
         self.decoded = 0  # groups whose last token was sampled, and their decode seconds in all
         self.decode_total = 0.0
+        self.decode_sq = 0.0  # and the sum of their squares
         self.step = 0
         self.trace: list[StepTrace] = []
         # learner: remaining work of its current phases [[kind, seconds of own-device work], ...]
@@ -123,6 +124,11 @@ class _Sim(LearnerEvents):
         self.handoff_jitter = random.Random(p.seed + 2)
         self.ho_sigma = math.sqrt(math.log1p(p.swap_latency_cv**2))
         self.ho_mu = -(self.ho_sigma**2) / 2
+        # Per decode step factor: lognormal with mean 1 and coefficient of variation gen_step_cv (its
+        # own stream, so the other draws stay the same with or without it).
+        self.step_jitter = random.Random(p.seed + 3)
+        self.st_sigma = math.sqrt(math.log1p(p.gen_step_cv**2))
+        self.st_mu = -(self.st_sigma**2) / 2
 
     # ------------------------------------------------------------------ events
 
@@ -151,11 +157,16 @@ class _Sim(LearnerEvents):
             # requests arriving after it, even at the same simulated instant (real ones never are:
             # the writes and admissions of a step's groups are spread over a few ms), join the next.
             if not e.stepping and not e.paused and (e.running or e.waiting):
+                before = len(e.running)
                 self.fill(e)
                 e.stepping = True
-                self.at(
-                    self.t + (self.p.gen_step_s + len(e.running) * self.p.gen_token_s) * e.slow, "estep", e
-                )
+                joined = len(e.running) - before
+                cost = (
+                    self.p.gen_step_s + len(e.running) * self.p.gen_token_s + joined * self.p.gen_prefill_s
+                ) * e.slow
+                if self.st_sigma > 0:
+                    cost *= math.exp(self.step_jitter.gauss(self.st_mu, self.st_sigma))
+                self.at(self.t + cost, "estep", e)
             self.engines_changed()
             return
         e.epoch += 1
@@ -283,6 +294,7 @@ class _Sim(LearnerEvents):
                 g.decode_s = self.t - g.t_gen0 - (e.paused_s - g.paused0)
                 self.decoded += 1
                 self.decode_total += g.decode_s
+                self.decode_sq += g.decode_s**2
                 self.at(self.t + self.p.group_overhead_s, "written", g)
 
     def on_written(self, g: SimGroup) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.plan import Lengths, PlanInputs, load_plan_inputs, simulate
-from asyncrl.plan.calibrate import calibrate, learner_work, measure
+from asyncrl.plan.calibrate import PREFILL_GROUP_SHARE, calibrate, learner_work, measure
 from asyncrl.plan.inputs import LengthSampler, lognormal_mu_for_mean
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,13 +206,15 @@ def test_calibration_recovers_the_inputs_that_produced_a_run(
     tmp_path: Path, steps: bool, length: float
 ) -> None:
     """Short completions are calibrated with discrete engine steps, long ones fluid (DISCRETE_STEPS_MAX_TOKENS);
-    the engine's step is a fixed cost (asyncrl.plan.calibrate.FLAT_STEP_SHARE), recovered from the tok/s."""
+    the engine's step is a fixed cost (asyncrl.plan.calibrate.FLAT_STEP_SHARE) plus each joining group's
+    prefill (PREFILL_GROUP_SHARE of a step), recovered from the tok/s."""
     truth = PlanInputs(
         num_actors=1, groups_in_flight=4, group_size=8, lengths=fixed(length, length + 1), engine_steps=steps,
         gen_step_s=32 * 3e-4 * 5 / length, gen_token_s=0.0, admission_poll_s=0.05, swap_latency_s=0.01, swap_s=0.045, groups_per_step=4,
         max_staleness=0, learner_step_s=0.0, learner_token_s=2e-4, publish_s=0.01, checkpoint_s=0.0, steps=120,
         warmup_steps=12,
     )  # fmt: skip
+    truth = replace(truth, gen_prefill_s=PREFILL_GROUP_SHARE * truth.gen_step_s / truth.group_size)
     _write_run(tmp_path / "s0", truth)
     m = measure(tmp_path / "s0")
     assert m.train_s_per_token == pytest.approx(2e-4, rel=1e-6) and m.mean_length == pytest.approx(length)
@@ -220,6 +222,7 @@ def test_calibration_recovers_the_inputs_that_produced_a_run(
     assert p.engine_steps is steps, sources["engine_steps"]
     assert p.gen_step_s == pytest.approx(truth.gen_step_s, rel=0.01), sources["gen_step_s"]
     assert p.gen_token_s == 0.0 and sources["gen_step_s"].startswith("fitted to")
+    assert p.gen_prefill_s == pytest.approx(truth.gen_prefill_s, rel=0.01), sources["gen_prefill_s"]
     assert p.learner_token_s == pytest.approx(2e-4, rel=1e-6) and sources["learner_token_s"] == "measured"
     # ... and predicts an overlapping run it never saw.
     for eta in (1, 4):

@@ -4,6 +4,7 @@ with exact expected values, and the simulator's extra swap pause with sequences 
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -225,6 +226,13 @@ def test_handoff_pools_runs_and_derives_the_simulator_inputs() -> None:
     assert h.group_overhead_s == pytest.approx(0.005) and h.admission_wake_s == pytest.approx(0.002)
     assert h.group_start_s == pytest.approx(0.0015)
     assert (h.swaps, h.groups, h.woken) == (4, 3, 1)
+    assert h.group_decode_cv is None and h.group_decode_stepped_cv is None  # no decode samples
+    # The decode times' spread: the population CV of every run's samples pooled.
+    h = handoff(
+        [{"group_decode": [0.03, 0.05], "group_decode_stepped": [0.02]}, {"group_decode": [0.04, 0.06]}]
+    )
+    assert h.group_decode_cv == pytest.approx(statistics.pstdev([0.03, 0.05, 0.04, 0.06]) / 0.045, rel=1e-12)
+    assert h.group_decode_stepped_cv == 0.0 and h.group_decode_s == pytest.approx(0.045)
     # Only busy swaps: swap_s is their mean, the extra unmeasured; a negative mean latency clips to 0.
     h = handoff([{"swap_busy": [0.05, 0.07], "latency_busy": [-0.003, 0.001]}])
     assert h.swap_s == pytest.approx(0.06) and h.swap_running_extra_s is None and h.swap_latency_s == 0.0
@@ -327,7 +335,20 @@ def test_calibrate_run_measures_every_component_of_its_own_run(tmp_path: Path) -
     decode = (9 * 0.034 + 9 * 0.049 + 18 * 0.047) / 36
     assert sources["gen_step_s"] == f"fitted to the measured group decode time {decode * 1e3:.1f} ms"
     assert p.gen_token_s == 0.0 and p.gen_step_s > 0  # a fixed cost per decode step (FLAT_STEP_SHARE)
-    assert simulate(p).group_decode_s == pytest.approx(decode, rel=0.02)
+    # ... and the spread of its steps (gen_step_cv) the one whose simulated decode times spread as the
+    # measured ones do (population CV). The fits take one simulation; the prediction's mean of eight
+    # spreads the same and is as long within a few percent (a 20-step run: 100 steps replayed).
+    spread = statistics.pstdev([0.034] * 9 + [0.049] * 9 + [0.047] * 18) / decode
+    assert (
+        sources["gen_step_cv"] == f"fitted to the measured spread of the group decode time (CV {spread:.3f})"
+    )
+    assert p.gen_step_cv > 0 and p.gen_prefill_s == pytest.approx(0.7 * p.gen_step_s / 8)
+    one = simulate(replace(p, seeds=1))
+    assert one.group_decode_s == pytest.approx(decode, rel=0.01) and one.group_decode_cv == pytest.approx(
+        spread, rel=0.02
+    )
+    assert simulate(p).group_decode_s == pytest.approx(decode, rel=0.05)
+    assert simulate(p).group_decode_cv == pytest.approx(spread, rel=0.05)
     # actor-0's odd groups were admitted by their poll, 15 ms after their swap: not woken by it.
     assert p.swap_wakes_admission is False
     assert sources["swap_wakes_admission"] == "measured (stale-weights admissions 15.0 ms after a swap)"
