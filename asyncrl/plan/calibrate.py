@@ -12,11 +12,11 @@ came from (``sources``: measured / fitted / config / assumed):
 * learner seconds per token, per-step overhead, publish and checkpoint costs and the mean completion
   length are measured on the run with the smallest eta (the one where learner and actors overlap
   least, so its costs are the uncontended ones);
-* the engine's decode step cost ``gen_step_s`` (a fixed cost per step: FLAT_STEP_SHARE, plus
+* the engine's decode step cost ``gen_step_s`` (a fixed cost per step: FLAT_STEP_SHARE in engine_fit, plus
   PREFILL_GROUP_SHARE of it per joining group) is fitted: the one value for which the simulator
   reproduces that run's trained tokens/s (bisection; throughput falls monotonically as generation
   slows); with discrete steps and actor timelines, the steps' jitter ``gen_step_cv`` is fitted to the
-  measured spread of the groups' decode times, alternately with it (_fit_step_jitter);
+  measured spread of the groups' decode times, alternately with it (fit_step_jitter);
 * given a second run with a larger eta (actors and learner overlap), the co-location factors are
   calibrated on it: ``learner_slowdown`` is the measured ratio of learner seconds per token,
   ``gen_slowdown`` is fitted to its throughput. Staleness is never fitted: it is a prediction.
@@ -29,7 +29,6 @@ staleness are both predictions.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,14 @@ from omegaconf import OmegaConf
 
 from asyncrl.learner.records import METRICS_FILE, read_jsonl
 
+from .engine_fit import (
+    PREFILL_SOURCE,
+    STEP_SHARE_SOURCE,
+    fit_engine_step,
+    fit_input,
+    fit_step_jitter,
+    jitter_source,
+)
 from .handoff import (
     Handoff,
     cv,
@@ -178,20 +185,6 @@ def inputs_from_run_config(run_dir: str | Path, base: PlanInputs | None = None) 
     )
 
 
-def _fit(make, target: float, lo: float, hi: float, decreasing: bool = True, iters: int = 24,
-         key: str = "tokens_per_s") -> float:  # fmt: skip
-    """x in [lo, hi] (log-bisection) with simulate(make(x)).<key> == target; clamps at the ends."""
-    a, b = math.log(lo), math.log(hi)
-    for _ in range(iters):
-        mid = 0.5 * (a + b)
-        got = getattr(simulate(make(math.exp(mid))), key)
-        if (got > target) == decreasing:
-            a = mid
-        else:
-            b = mid
-    return math.exp(0.5 * (a + b))
-
-
 def _measured_run(m: Measured, base: PlanInputs | None) -> tuple[PlanInputs, dict[str, str]]:
     """The shape of run ``m`` (its config) with its completion lengths and learner costs measured."""
     p = inputs_from_run_config(m.run_dir, base)
@@ -239,10 +232,10 @@ def calibrate(
     # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
     h = measure_handoffs(runs)
     p = apply_handoffs(p, h, sources)
-    p = _fit_engine_step(p, ref.tokens_per_s)
+    p = fit_engine_step(p, ref.tokens_per_s)
     if p.engine_steps and h.group_decode_stepped_cv is not None:
-        p = _fit_step_jitter(p, h.group_decode_stepped_cv, ref.tokens_per_s)
-        sources["gen_step_cv"] = _jitter_source(h.group_decode_stepped_cv)
+        p = fit_step_jitter(p, h.group_decode_stepped_cv, ref.tokens_per_s)
+        sources["gen_step_cv"] = jitter_source(h.group_decode_stepped_cv)
     overlap = [m for m in runs[1:] if m.max_staleness > ref.max_staleness]
     if overlap:
         # Two unknowns, two observables of the overlapping run: the learner's busy seconds per step
@@ -250,14 +243,17 @@ def calibrate(
         o = overlap[-1]
         q = replace(p, max_staleness=o.max_staleness, learner_cv=o.learner_cv)
         for _ in range(3):
-            ls = _fit(lambda x, q=q: replace(q, learner_slowdown=x), o.learner_busy_s_per_step, 1.0, 50.0,
+            ls = fit_input(lambda x, q=q: replace(q, learner_slowdown=x), o.learner_busy_s_per_step, 1.0, 50.0,
                       decreasing=False, key="learner_busy_s_per_step")  # fmt: skip
             q = replace(q, learner_slowdown=ls)
             # The smallest engine slowdown that explains the throughput: a learner-bound run's tok/s
             # does not depend on it, and then the engines are taken as unslowed.
             if simulate(replace(q, gen_slowdown=1.0)).tokens_per_s > o.tokens_per_s * (1 + GEN_FIT_SLACK):
                 q = replace(
-                    q, gen_slowdown=_fit(lambda x, q=q: replace(q, gen_slowdown=x), o.tokens_per_s, 1.0, 50.0)
+                    q,
+                    gen_slowdown=fit_input(
+                        lambda x, q=q: replace(q, gen_slowdown=x), o.tokens_per_s, 1.0, 50.0
+                    ),
                 )
             else:
                 q = replace(q, gen_slowdown=1.0)
@@ -282,72 +278,6 @@ HANDOFF_KEYS = ("swap_s", "swap_running_extra_s", "swap_latency_s", "swap_latenc
 #: pipeline's sub-step timing is as sensitive as a real run's (eta=1 staleness moved by up to 0.3
 #: versions between one pass and five); five keep the trace's slow and fast stretches in proportion.
 REPLAY_CYCLES = 5
-#: The engine of both fits (calibrate_run, calibrate): a decode step costs FLAT_STEP_SHARE of itself per
-#: running sequence on top of a fixed cost (``gen_token_s = FLAT_STEP_SHARE * gen_step_s``, ``gen_step_s``
-#: fitted): 0, a fixed cost per step, not one per running sequence. Measured on the demo's engine alone (2026-11-28, 25 rounds):
-#: a decode step took 3.2 ms with 8 sequences and 3.6 ms with 32 (one or four groups of 5 tokens:
-#: 19.4 / 27.7 ms, less the prefill-only rounds' 6.6 / 13.4 ms, over 4 steps), and a small model's or
-#: a memory-bound GPU's decode step is the same: its cost is the step, not the batch. Fitted per
-#: sequence instead, a step of one group cost a quarter of a step of four, so the simulated groups
-#: never shared steps: they reached the buffer one by one ~5 ms apart, where real ones arrive in
-#: pairs (about half the gaps between two writes under 1 ms: groups that finish in one step go in
-#: one put_many and are re-admitted together), and waited there 48/40/21/0 ms by their place in the
-#: batch against 33/23/13/2 ms measured. Eight eta-4 demo runs of 2026-11-28 16:14-16:22 UTC, each
-#: predicted from its own dir: staleness error +8.0..+16.7% (mean +11.1%) per sequence, -8.9..+14.4%
-#: (mean +2.2%) flat; a small per-sequence share (0.5% or 2% of the step per sequence) gave means of
-#: +4.9% / +4.4%. Throughput predictions moved by under 1.5 points. Three test runs (eta 0, 1, 4): eta-4
-#: staleness +12.2 / +10.9 / +5.5% -> -1.1 / +3.8 / +0.5%; eta 1 within 1.3 points of before (README).
-FLAT_STEP_SHARE = 0.0
-#: ... and a group's prompt costs the step it joins PREFILL_GROUP_SHARE of a decode step (``gen_prefill_s
-#: = PREFILL_GROUP_SHARE * gen_step_s / group_size`` per joining sequence). Measured on the same engine
-#: alone: a prefill-only round (max_tokens 1) took 6.6 ms for one group and 13.4 ms for four, 2.3 ms
-#: more per group, against a 3.2 ms decode step: 0.7. Without it every group's first step cost what a
-#: decode step does, and only the step's jitter (gen_step_cv) spread the groups' decode times.
-PREFILL_GROUP_SHARE = 0.7
-STEP_SHARE_SOURCE = f"{FLAT_STEP_SHARE:g} x gen_step_s (a decode step's cost barely grows with its sequences)"
-PREFILL_SOURCE = f"{PREFILL_GROUP_SHARE:g} x gen_step_s per joining group (a prompt's prefill, measured on the engine alone)"
-
-
-def _fit_engine_step(p: PlanInputs, target: float, **fit: Any) -> PlanInputs:
-    """``p`` with the engine's decode step cost fitted (``_fit``'s ``key``, tokens/s by default, equal to
-    ``target``), ``gen_token_s`` being FLAT_STEP_SHARE of it: the one engine model of both fits."""
-    pre = PREFILL_GROUP_SHARE / p.group_size
-    step = _fit(
-        lambda x: replace(p, gen_step_s=x, gen_token_s=FLAT_STEP_SHARE * x, gen_prefill_s=pre * x),
-        target,
-        1e-7,
-        10.0,
-        **fit,
-    )
-    return replace(p, gen_step_s=step, gen_token_s=FLAT_STEP_SHARE * step, gen_prefill_s=pre * step)
-
-
-#: Rounds of the two engine fits (gen_step_s to the mean decode time, gen_step_cv to its spread):
-#: each moves the other's output a little (a jittered step makes groups wait for each other).
-STEP_JITTER_ROUNDS = 2
-#: The step spread's fit searches gen_step_cv in [lo, hi]: below lo it is 0 for the simulation.
-STEP_CV_RANGE = (1e-3, 3.0)
-
-
-def _fit_step_jitter(p: PlanInputs, decode_cv: float, target: float, **fit: Any) -> PlanInputs:
-    """``p`` with ``gen_step_cv`` fitted to the measured spread (CV) of a group's decode time, and
-    ``gen_step_s`` refitted to ``target`` (``_fit_engine_step``'s ``fit``) after each round. With every
-    step alike the simulated groups lock into phase with the learner: on the eta-4 run of the CI
-    attempt of 2026-11-28 18:47 UTC the simulated decode time had a CV of 0.02 against 0.19 measured,
-    and the predicted staleness went 1.37 / 1.28 / 1.21 / 1.15 / 1.11 for gen_step_s x 0.9 / 0.95 / 1 /
-    1.05 / 1.1 (1.626 measured); on another run 1.41 / 1.86 / 1.69 / 1.46 / 1.45."""
-    for _ in range(STEP_JITTER_ROUNDS):
-        c = _fit(lambda x, p=p: replace(p, gen_step_cv=x), decode_cv, *STEP_CV_RANGE, decreasing=False,
-                 key="group_decode_cv")  # fmt: skip
-        p = replace(p, gen_step_cv=c if c > 2 * STEP_CV_RANGE[0] else 0.0)
-        p = _fit_engine_step(p, target, **fit)
-    return p
-
-
-def _jitter_source(decode_cv: float) -> str:
-    return f"fitted to the measured spread of the group decode time (CV {decode_cv:.3f})"
-
-
 #: calibrate_run's prediction averages this many simulations (PlanInputs.seeds): the demo's eta-4
 #: pipeline locks into one of two timing regimes by the seed of its length draws (staleness 1.7 or
 #: 2.1 on one run's inputs, and the same for a 1% change of gen_token_s), so one simulation is a
@@ -429,10 +359,10 @@ def calibrate_run(
     # decode time is the one less only the commits (asyncrl.plan.handoff.group_decodes).
     stepped = p.engine_steps and h.group_decode_stepped_s
     decode_s = h.group_decode_stepped_s if stepped else h.group_decode_s
-    p = _fit_engine_step(p, decode_s, decreasing=False, key="group_decode_s")
+    p = fit_engine_step(p, decode_s, decreasing=False, key="group_decode_s")
     if p.engine_steps and h.group_decode_stepped_cv is not None:
-        p = _fit_step_jitter(p, h.group_decode_stepped_cv, decode_s, decreasing=False, key="group_decode_s")
-        sources["gen_step_cv"] = _jitter_source(h.group_decode_stepped_cv)
+        p = fit_step_jitter(p, h.group_decode_stepped_cv, decode_s, decreasing=False, key="group_decode_s")
+        sources["gen_step_cv"] = jitter_source(h.group_decode_stepped_cv)
     # The prediction is the mean of PREDICT_SEEDS simulations (the fit above, of a component's
     # latency, takes one: it is the same in every regime within 1-2%).
     p = replace(p, seeds=PREDICT_SEEDS)

@@ -13,7 +13,7 @@ this shared 2-core box identical runs differ by up to 30% in engine and learner 
   learner's steps are (they drift within a run: 60 -> 150 ms over the eta-4 run of a failed CI
   attempt, whose staleness the mean and a lognormal spread put at +17.6%);
 * fitted, the engine's two fits: its decode step cost (a fixed cost per step: FLAT_STEP_SHARE in
-  asyncrl.plan.calibrate, plus PREFILL_GROUP_SHARE of it per joining group) to the measured mean
+  asyncrl.plan.engine_fit, plus PREFILL_GROUP_SHARE of it per joining group) to the measured mean
   decode time of a group (submission to last token, less swap pauses), and the spread of its steps
   (gen_step_cv) to the measured spread of that decode time: a component's latency, not an output;
 * from config.yaml: the pipeline's shape (actors, concurrency, G, groups per step, eta, policies).

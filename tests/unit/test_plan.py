@@ -16,7 +16,8 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.plan import Lengths, PlanInputs, load_plan_inputs, simulate
-from asyncrl.plan.calibrate import PREFILL_GROUP_SHARE, calibrate, learner_work, measure
+from asyncrl.plan.calibrate import calibrate, learner_work, measure
+from asyncrl.plan.engine_fit import PREFILL_GROUP_SHARE
 from asyncrl.plan.inputs import LengthSampler, lognormal_mu_for_mean
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,7 +207,7 @@ def test_calibration_recovers_the_inputs_that_produced_a_run(
     tmp_path: Path, steps: bool, length: float
 ) -> None:
     """Short completions are calibrated with discrete engine steps, long ones fluid (DISCRETE_STEPS_MAX_TOKENS);
-    the engine's step is a fixed cost (asyncrl.plan.calibrate.FLAT_STEP_SHARE) plus each joining group's
+    the engine's step is a fixed cost (asyncrl.plan.engine_fit.FLAT_STEP_SHARE) plus each joining group's
     prefill (PREFILL_GROUP_SHARE of a step), recovered from the tok/s."""
     truth = PlanInputs(
         num_actors=1, groups_in_flight=4, group_size=8, lengths=fixed(length, length + 1), engine_steps=steps,
