@@ -40,10 +40,8 @@ from asyncrl.learner.records import METRICS_FILE, read_jsonl
 from .engine_fit import (
     PREFILL_SOURCE,
     STEP_SHARE_SOURCE,
-    fit_engine_step,
+    fit_engine,
     fit_input,
-    fit_step_jitter,
-    jitter_source,
 )
 from .handoff import (
     Handoff,
@@ -232,10 +230,7 @@ def calibrate(
     # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
     h = measure_handoffs(runs)
     p = apply_handoffs(p, h, sources)
-    p = fit_engine_step(p, ref.tokens_per_s)
-    if p.engine_steps and h.group_decode_stepped_cv is not None:
-        p = fit_step_jitter(p, h.group_decode_stepped_cv, ref.tokens_per_s)
-        sources["gen_step_cv"] = jitter_source(h.group_decode_stepped_cv)
+    p = fit_engine(p, ref.tokens_per_s, h.group_decode_stepped_cv, sources)
     overlap = [m for m in runs[1:] if m.max_staleness > ref.max_staleness]
     if overlap:
         # Two unknowns, two observables of the overlapping run: the learner's busy seconds per step
@@ -359,10 +354,7 @@ def calibrate_run(
     # decode time is the one less only the commits (asyncrl.plan.handoff.group_decodes).
     stepped = p.engine_steps and h.group_decode_stepped_s
     decode_s = h.group_decode_stepped_s if stepped else h.group_decode_s
-    p = fit_engine_step(p, decode_s, decreasing=False, key="group_decode_s")
-    if p.engine_steps and h.group_decode_stepped_cv is not None:
-        p = fit_step_jitter(p, h.group_decode_stepped_cv, decode_s, decreasing=False, key="group_decode_s")
-        sources["gen_step_cv"] = jitter_source(h.group_decode_stepped_cv)
+    p = fit_engine(p, decode_s, h.group_decode_stepped_cv, sources, decreasing=False, key="group_decode_s")
     # The prediction is the mean of PREDICT_SEEDS simulations (the fit above, of a component's
     # latency, takes one: it is the same in every regime within 1-2%).
     p = replace(p, seeds=PREDICT_SEEDS)

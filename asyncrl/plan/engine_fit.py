@@ -21,6 +21,7 @@ from .simulate import simulate
 __all__ = [
     "FLAT_STEP_SHARE",
     "PREFILL_GROUP_SHARE",
+    "fit_engine",
     "fit_engine_step",
     "fit_input",
     "fit_step_jitter",
@@ -106,3 +107,16 @@ def fit_step_jitter(p: PlanInputs, decode_cv: float, target: float, **fit: Any) 
 
 def jitter_source(decode_cv: float) -> str:
     return f"fitted to the measured spread of the group decode time (CV {decode_cv:.3f})"
+
+
+def fit_engine(
+    p: PlanInputs, target: float, decode_cv: float | None, sources: dict[str, str], **fit: Any
+) -> PlanInputs:
+    """Both engine fits, as every calibration runs them: ``gen_step_s`` to ``target``, then (discrete
+    steps with a measured spread ``decode_cv``) ``gen_step_cv`` alternately with it, naming the
+    jitter's source in ``sources``. Without a measured spread the steps stay alike (cv 0)."""
+    p = fit_engine_step(p, target, **fit)
+    if p.engine_steps and decode_cv is not None:
+        p = fit_step_jitter(p, decode_cv, target, **fit)
+        sources["gen_step_cv"] = jitter_source(decode_cv)
+    return p
