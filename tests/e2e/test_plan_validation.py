@@ -51,16 +51,16 @@ RUNS = {0: 40, 1: 150, 4: 400}
 #: it swapped an engine straight to the newest version when a publish came during a hand-off, skipping
 #: every other version where the real actor swaps each one: eta 4 staleness came out 14-17% low (1.64
 #: vs 1.93 and 1.69 vs 1.98 on two 300-step runs) and the test asserted max(25%, 0.5 versions). Those
-#: runs and five 200-step attempts of this test now (README table): eta 1 staleness -3.4..-0.4%,
+#: runs and five 200-step attempts of this test now (docs/planning.md table): eta 1 staleness -3.4..-0.4%,
 #: tok/s -6.7..-1.4%; eta 4 staleness -0.9..+15.6%, tok/s -0.3..+1.9%. Eta 4 staleness stayed high (a CI
-#: attempt +21.9%) until discrete engine steps stopped for a swap's commit only and the prediction
-#: became the mean of 8 seeds (README, "The commit's wait"): ten run dirs +11.3% -> +3.4% on average.
-#: On a slower VM it came back (+5.5..+16.7% on eleven run dirs) until the engine's step became a fixed
-#: cost instead of one per running sequence (README, "A fixed cost per decode step"): +1.9% on average.
+#: attempt +21.9%) until discrete engine steps stopped for a swap's commit only and the prediction became
+#: the mean of 8 seeds (docs/planning.md, "The commit's wait"): ten run dirs +11.3% -> +3.4% on average.
+#: On a slower VM it came back (+5.5..+16.7% on eleven run dirs) until the engine's step became a fixed cost
+#: instead of one per running sequence (docs/planning.md, "A fixed cost per decode step"): +1.9% on average.
 #: Its next CI attempt (18:47 UTC) measured 1.626 and predicted 1.21 (-25.6%): every simulated step
 #: alike, its groups locked into phase with the learner (a decode-time CV of 0.02 against 0.19
 #: measured; the prediction 1.37..1.11 for gen_step_s x 0.9..1.1). The step's jitter is fitted to that
-#: spread now, and a joining group's prefill costs its step (README, "The engine step's jitter"):
+#: spread now, and a joining group's prefill costs its step (docs/planning.md, "The engine step's jitter"):
 #: that run -7.1%, sixteen eta-4 run dirs -7.1..+11.7% (mean +1.8%), six eta-1 ones -3.2..-8.5%.
 TOLERANCE = 0.15
 
