@@ -158,7 +158,7 @@ class ActorsConfig:
         "equivalent to a spawn is spawned, with the reason logged; used once per actor process (an "
         "engine restart spawns). On 2 cores the first step comes 3-5.5 s sooner (medians 19.9 vs 25.4 s, and "
         "24.8 vs 27.7 s on a slower day), and the steady state is the same: in 22 pairs of 300-step demo runs "
-        "the standby's steps/s differed by +0.2% on average (95% interval -5.5..+6.0%; README, Start-up). "
+        "the standby's steps/s differed by +0.2% on average (95% interval -5.5..+6.0%; docs/startup.md). "
         "false: spawn when vLLM starts the engine, as vLLM does.",
     )
     tensor_parallel_size: int = F(

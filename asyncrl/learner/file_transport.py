@@ -21,7 +21,7 @@ run leaves behind: the next publish (and ``close``) first waits for the previous
 time, and raises its error (the disk refused the data: the run stops as it did when the fsync was
 inline). What it takes off a publish: the fsync of the demo's 1.3 MB costs 0.3-1.7 ms on the 2-core
 VM (an A/B there showed no change in the learner's publish); at 300M (1.2 GB) on that VM, 0.2-0.3 s of
-a 1.0-1.7 s publish in an A/B of two pairs (README); of 1.26 GB alone, 0.52-0.65 s on the GPU boxes
+a 1.0-1.7 s publish in an A/B of two pairs (docs/benchmarks.md); of 1.26 GB alone, 0.52-0.65 s on the GPU boxes
 (README, "The learner's CUDA path"), not yet measured inside a publish there.
 
 Atomicity: a version is written into ``.tmp-v{N}-...`` and only then renamed to ``v{N}``; the

@@ -277,7 +277,7 @@ REPLAY_CYCLES = 5
 #: pipeline locks into one of two timing regimes by the seed of its length draws (staleness 1.7 or
 #: 2.1 on one run's inputs, and the same for a 1% change of gen_token_s), so one simulation is a
 #: draw: +19.6% on one run where the mean of 8 was +1.4% (ten eta-4 run dirs of 2026-11-28: the
-#: mean of 8 within -1.7..+8.2% of each; README, "The commit's wait").
+#: mean of 8 within -1.7..+8.2% of each; docs/planning.md, "The commit's wait").
 PREDICT_SEEDS = 8
 #: A worker refused for stale weights admitted within this share of actors.admission_poll_s of its
 #: engine's swap end (on average) was woken by the swap; one left to its poll waits about half a period.

@@ -57,7 +57,7 @@ def fit_input(make, target: float, lo: float, hi: float, decreasing: bool = True
 #: predicted from its own dir: staleness error +8.0..+16.7% (mean +11.1%) per sequence, -8.9..+14.4%
 #: (mean +2.2%) flat; a small per-sequence share (0.5% or 2% of the step per sequence) gave means of
 #: +4.9% / +4.4%. Throughput predictions moved by under 1.5 points. Three test runs (eta 0, 1, 4): eta-4
-#: staleness +12.2 / +10.9 / +5.5% -> -1.1 / +3.8 / +0.5%; eta 1 within 1.3 points of before (README).
+#: staleness +12.2 / +10.9 / +5.5% -> -1.1 / +3.8 / +0.5%; eta 1 within 1.3 points of before (docs/planning.md).
 FLAT_STEP_SHARE = 0.0
 #: ... and a group's prompt costs the step it joins PREFILL_GROUP_SHARE of a decode step (``gen_prefill_s
 #: = PREFILL_GROUP_SHARE * gen_step_s / group_size`` per joining sequence). Measured on the same engine
