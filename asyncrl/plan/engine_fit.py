@@ -21,6 +21,8 @@ from .simulate import simulate
 __all__ = [
     "FLAT_STEP_SHARE",
     "PREFILL_GROUP_SHARE",
+    "PREFILL_SOURCE",
+    "STEP_SHARE_SOURCE",
     "fit_engine",
     "fit_engine_step",
     "fit_input",
@@ -29,8 +31,15 @@ __all__ = [
 ]
 
 
-def fit_input(make, target: float, lo: float, hi: float, decreasing: bool = True, iters: int = 24,
-         key: str = "tokens_per_s") -> float:  # fmt: skip
+def fit_input(
+    make,
+    target: float,
+    lo: float,
+    hi: float,
+    decreasing: bool = True,
+    iters: int = 24,
+    key: str = "tokens_per_s",
+) -> float:
     """x in [lo, hi] (log-bisection) with simulate(make(x)).<key> == target; clamps at the ends."""
     a, b = math.log(lo), math.log(hi)
     for _ in range(iters):
@@ -98,8 +107,13 @@ def fit_step_jitter(p: PlanInputs, decode_cv: float, target: float, **fit: Any) 
     and the predicted staleness went 1.37 / 1.28 / 1.21 / 1.15 / 1.11 for gen_step_s x 0.9 / 0.95 / 1 /
     1.05 / 1.1 (1.626 measured); on another run 1.41 / 1.86 / 1.69 / 1.46 / 1.45."""
     for _ in range(STEP_JITTER_ROUNDS):
-        c = fit_input(lambda x, p=p: replace(p, gen_step_cv=x), decode_cv, *STEP_CV_RANGE, decreasing=False,
-                 key="group_decode_cv")  # fmt: skip
+        c = fit_input(
+            lambda x, p=p: replace(p, gen_step_cv=x),
+            decode_cv,
+            *STEP_CV_RANGE,
+            decreasing=False,
+            key="group_decode_cv",
+        )
         p = replace(p, gen_step_cv=c if c > 2 * STEP_CV_RANGE[0] else 0.0)
         p = fit_engine_step(p, target, **fit)
     return p
