@@ -230,7 +230,7 @@ def calibrate(
     # any eta; pooling gives more samples). A run dir without timelines keeps the assumed values.
     h = measure_handoffs(runs)
     p = apply_handoffs(p, h, sources)
-    p = fit_engine(p, ref.tokens_per_s, h.group_decode_stepped_cv, sources)
+    p = fit_engine(p, ref.tokens_per_s, h.decode(p.engine_steps)[1], sources)
     overlap = [m for m in runs[1:] if m.max_staleness > ref.max_staleness]
     if overlap:
         # Two unknowns, two observables of the overlapping run: the learner's busy seconds per step
@@ -352,9 +352,8 @@ def calibrate_run(
         p = _replay_handoffs(p, run_dir, steps, sources)
     # Discrete steps wait for the step in progress themselves (the commit's wait decodes): their
     # decode time is the one less only the commits (asyncrl.plan.handoff.group_decodes).
-    stepped = p.engine_steps and h.group_decode_stepped_s
-    decode_s = h.group_decode_stepped_s if stepped else h.group_decode_s
-    p = fit_engine(p, decode_s, h.group_decode_stepped_cv, sources, decreasing=False, key="group_decode_s")
+    decode_s, decode_cv = h.decode(p.engine_steps)
+    p = fit_engine(p, decode_s, decode_cv, sources, decreasing=False, key="group_decode_s")
     # The prediction is the mean of PREDICT_SEEDS simulations (the fit above, of a component's
     # latency, takes one: it is the same in every regime within 1-2%).
     p = replace(p, seeds=PREDICT_SEEDS)

@@ -86,6 +86,15 @@ class Handoff:
     groups: int = 0
     woken: int = 0  # groups whose admission wait was measured
 
+    def decode(self, engine_steps: bool) -> tuple[float | None, float | None]:
+        """(mean, CV) of the group decode time that the engine fits target, both of the same samples.
+        Discrete steps (``engine_steps``) wait for the step in progress themselves, so theirs is the
+        time less only the swaps' commits (``group_decode_stepped_s``) where the run measured it;
+        otherwise, and for a run without commit times, the time less whole swap pauses."""
+        if engine_steps and self.group_decode_stepped_s:
+            return self.group_decode_stepped_s, self.group_decode_stepped_cv
+        return self.group_decode_s, self.group_decode_cv
+
 
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None

@@ -233,6 +233,13 @@ def test_handoff_pools_runs_and_derives_the_simulator_inputs() -> None:
     )
     assert h.group_decode_cv == pytest.approx(statistics.pstdev([0.03, 0.05, 0.04, 0.06]) / 0.045, rel=1e-12)
     assert h.group_decode_stepped_cv == 0.0 and h.group_decode_s == pytest.approx(0.045)
+    # What the engine fits target: a mean and the CV of the same samples, stepped only for discrete steps.
+    assert h.decode(True) == (pytest.approx(0.02), 0.0)
+    assert h.decode(False) == (pytest.approx(0.045), h.group_decode_cv)
+    # A run without commit times (no stepped samples): discrete steps fall back to the plain pair.
+    h = handoff([{"group_decode": [0.03, 0.05]}])
+    assert h.decode(True) == (pytest.approx(0.04), pytest.approx(0.25, rel=1e-12)) == h.decode(False)
+    assert handoff([{}]).decode(True) == (None, None)
     # Only busy swaps: swap_s is their mean, the extra unmeasured; a negative mean latency clips to 0.
     h = handoff([{"swap_busy": [0.05, 0.07], "latency_busy": [-0.003, 0.001]}])
     assert h.swap_s == pytest.approx(0.06) and h.swap_running_extra_s is None and h.swap_latency_s == 0.0
