@@ -7,13 +7,22 @@ import time
 from asyncrl.config import Config
 
 
+def groups_per_version(cfg: Config) -> int:
+    """Groups admission lets in per policy version: the learner consumes ``groups_per_step`` groups per
+    step and bumps the version every ``publish_every`` steps (ReplayBuffer.from_config sizes admission
+    this way; the status test checks the two agree)."""
+    return cfg.buffer.groups_per_step * cfg.learner.publish_every
+
+
 def collect_status(cfg: Config, url: str) -> dict:
     from asyncrl.buffer import ReplayBuffer
 
     buf = ReplayBuffer.from_config(cfg, url)
     try:
         stats = buf.stats()
-        stats["bound"] = buf.admission_bound(cfg.buffer.max_staleness, cfg.buffer.groups_per_step)
+        # The bound of the buffer built from the config, i.e. the one admission enforces (per-version group
+        # count and adaptive staleness bound included), not one recomputed here from groups_per_step alone.
+        stats["bound"] = buf.admission_bound()
         return {"buffer": stats, "actors": buf.actors(), "learner": buf.learner_status()}
     finally:
         buf.close()
@@ -22,11 +31,17 @@ def collect_status(cfg: Config, url: str) -> dict:
 def format_status(cfg: Config, st: dict, now: float | None = None) -> str:
     now = now or time.time()
     b = st["buffer"]
+    eta = b.get("staleness_bound")
+    adaptive = f", adaptive bound {eta}" if eta is not None and eta < cfg.buffer.max_staleness else ""
+    per_version = (
+        f"{groups_per_version(cfg)} groups per version = groups_per_step {cfg.buffer.groups_per_step}"
+        f" x publish_every {cfg.learner.publish_every}"
+    )
     lines = [
         f"run {cfg.run.name}   policy version v{b.get('version', 0)}",
         f"buffer   depth {b.get('depth', 0)}   pending {b.get('pending', 0)}   dead letters {b.get('dead', 0)}",
         f"admission admitted {b.get('admitted', 0)} / bound {b.get('bound', 0)}   credits {b.get('credits', 0)}"
-        f"   (max_staleness {cfg.buffer.max_staleness}, groups_per_step {cfg.buffer.groups_per_step})",
+        f"   (max_staleness {cfg.buffer.max_staleness}{adaptive}; {per_version})",
     ]
     ln = st["learner"] or {}
     if ln:

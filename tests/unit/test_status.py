@@ -1,0 +1,107 @@
+"""`asyncrl status` (asyncrl.status) against a real redis-server: what it collects and prints."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from asyncrl.buffer import ReplayBuffer
+from asyncrl.config import Config, load_config
+from asyncrl.status import collect_status, format_status, print_status
+
+
+@pytest.fixture
+def cfg(run_name: str) -> Config:
+    # publish_every 2: admission counts groups per *version*, twice groups_per_step here.
+    return load_config(overrides=[f"run.name={run_name}", "buffer.groups_per_step=4", "buffer.max_staleness=1",
+                                  "learner.publish_every=2"])  # fmt: skip
+
+
+@pytest.fixture
+def run_buffer(cfg: Config, redis_url: str) -> Iterator[ReplayBuffer]:
+    """The buffer the run itself would use (same settings as the actors' admission)."""
+    buf = ReplayBuffer.from_config(cfg, redis_url)
+    try:
+        yield buf
+    finally:
+        buf.delete_run()
+        buf.close()
+
+
+def _fill(buf: ReplayBuffer, n: int) -> int:
+    admitted = 0
+    while admitted < n and buf.try_admit():
+        admitted += 1
+    return admitted
+
+
+def test_status_reports_the_bound_admission_enforces(cfg: Config, redis_url: str, run_buffer: ReplayBuffer):
+    run_buffer.set_version(0)
+    # Admission fills up to its real bound: (V + max_staleness + 1) * groups_per_step * publish_every = 16.
+    assert _fill(run_buffer, 100) == 16
+    st = collect_status(cfg, redis_url)
+    assert st["buffer"]["bound"] == run_buffer.admission_bound() == 16
+    assert st["buffer"]["admitted"] == 16
+    text = format_status(cfg, st, now=0.0)
+    assert "admission admitted 16 / bound 16" in text
+    assert "8 groups per version = groups_per_step 4 x publish_every 2" in text
+    assert "adaptive" not in text
+
+
+def test_status_follows_version_credits_and_adaptive_bound(
+    cfg: Config, redis_url: str, run_buffer: ReplayBuffer
+):
+    run_buffer.set_version(3)
+    run_buffer.credit(2)
+    run_buffer.set_staleness_bound(0)  # the adaptive controller tightened admission to eta 0
+    st = collect_status(cfg, redis_url)
+    # (3 + 0 + 1) * 8 + 2 credits
+    assert st["buffer"]["bound"] == run_buffer.admission_bound() == 34
+    assert _fill(run_buffer, 100) == 34  # exactly what the status said admission would let in
+    text = format_status(cfg, collect_status(cfg, redis_url), now=0.0)
+    assert "policy version v3" in text
+    assert "admission admitted 34 / bound 34   credits 2" in text
+    assert "max_staleness 1, adaptive bound 0;" in text
+
+
+def test_status_lists_learner_and_actors(cfg: Config, redis_url: str, run_buffer: ReplayBuffer, capsys):
+    text = format_status(cfg, collect_status(cfg, redis_url), now=100.0)
+    assert "learner  not seen" in text and "actors   0" in text
+    run_buffer.set_learner_status({"step": 7, "version": 3, "time": 90.0})
+    run_buffer.heartbeat("actor-1", {"version": 3, "groups": 12, "in_flight": 2, "time": 95.0})
+    run_buffer.heartbeat("actor-0", {"version": 2, "groups_written": 5, "in_flight": 0, "time": 99.0})
+    lines = format_status(cfg, collect_status(cfg, redis_url), now=100.0).splitlines()
+    assert lines[0] == f"run {cfg.run.name}   policy version v0"
+    assert "learner  step 7   version v3   last seen 10s ago" in lines
+    assert lines[-3] == "actors   2"
+    assert lines[-2].split() == [
+        "actor-0",
+        "v2",
+        "groups",
+        "5",
+        "in",
+        "flight",
+        "0",
+        "last",
+        "seen",
+        "1s",
+        "ago",
+    ]
+    assert lines[-1].split()[:4] == ["actor-1", "v3", "groups", "12"]
+    assert print_status(cfg, redis_url) == 0
+    out = capsys.readouterr().out
+    assert "actors   2" in out and "bound 16" in out
+
+
+def test_status_of_a_config_without_publish_every(run_name: str, redis_url: str):
+    # The default (publish_every 1): groups per version is groups_per_step.
+    cfg = Config()
+    cfg.run.name = run_name
+    try:
+        text = format_status(cfg, collect_status(cfg, redis_url), now=0.0)
+    finally:
+        with ReplayBuffer.from_config(cfg, redis_url) as buf:
+            buf.delete_run()
+    g, s = cfg.buffer.groups_per_step, cfg.buffer.max_staleness
+    assert f"bound {(s + 1) * g}" in text and f"{g} groups per version" in text
