@@ -28,7 +28,16 @@ from .base import (
 from .chat import prompt_token_ids, uses_chat_template
 from .data import dataset_task, load_prompt_splits, load_rows, rows_to_prompts
 from .math import Gsm8kTask, extract_answer, load_gsm8k, parse_number
-from .registry import BUILTIN_TASKS, ENTRY_POINT_GROUP, TINY_TASKS, TaskNotFound, make_task, resolve_factory
+from .registry import (
+    BUILTIN_TASKS,
+    DATA_KEYS,
+    ENTRY_POINT_GROUP,
+    TINY_TASKS,
+    TaskNotFound,
+    check_task_config,
+    make_task,
+    resolve_factory,
+)
 from .tiny import AdditionTask, CopyTask, CountTask, ReverseTask, TinyTask, char_reward
 
 __all__ = [
@@ -48,6 +57,8 @@ __all__ = [
     "TINY_TASKS",
     "BUILTIN_TASKS",
     "ENTRY_POINT_GROUP",
+    "DATA_KEYS",
+    "check_task_config",
     "char_reward",
     "check_reward",
     "extract_answer",

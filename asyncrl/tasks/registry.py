@@ -4,7 +4,9 @@
 
 1. a built-in name (:data:`BUILTIN_TASKS`: the tiny tasks and ``gsm8k``);
 2. a name registered by an installed package under the entry-point group :data:`ENTRY_POINT_GROUP`
-   (``[project.entry-points."asyncrl.tasks"] mytask = "mypkg.tasks:make_task"``);
+   (``[project.entry-points."asyncrl.tasks"] mytask = "mypkg.tasks:make_task"``); a plug-in that
+   registers a built-in's name is an error when that name is selected (it would otherwise be silently
+   replaced by the built-in: :func:`check_task_config`);
 3. an import path ``pkg.module:factory`` (the module must be importable: installed, or on
    ``PYTHONPATH``), or a file path ``path/to/file.py:factory``.
 
@@ -26,6 +28,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config import ConfigError, TaskConfig
+
 from .base import Task
 from .math import Gsm8kTask
 from .tiny import AdditionTask, CopyTask, CountTask, EchoTask, ReverseTask, TinyTask
@@ -35,6 +39,8 @@ __all__ = [
     "BUILTIN_TASKS",
     "TINY_TASKS",
     "TaskNotFound",
+    "DATA_KEYS",
+    "check_task_config",
     "registered_names",
     "resolve_factory",
     "make_task",
@@ -71,6 +77,48 @@ BUILTIN_TASKS: dict[str, Callable[[Any, int], Task]] = {
 
 class TaskNotFound(ValueError):
     """``task.name`` names no built-in, no registered plug-in and no importable factory."""
+
+
+#: ``task.*`` keys only data-backed tasks read. A tiny task generates its prompts from the seed, so a value
+#: set here would be silently ignored (a user pointing ``task.data_path`` at their data would train on
+#: generated strings): :func:`check_task_config` rejects it instead.
+DATA_KEYS = ("data_path", "split", "eval_data_path", "eval_split", "eval_fraction", "prompt_column",
+             "target_column", "params")  # fmt: skip
+
+
+def _check_not_shadowed(name: str, key: str) -> None:
+    """A plug-in registering a built-in's name would be silently replaced by the built-in (built-ins win
+    the lookup, and its data and reward would be ignored): an error instead, with both ways out."""
+    ep = _registered().get(name) if name in BUILTIN_TASKS else None
+    if ep is not None:
+        dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
+        raise ConfigError(
+            f"{key}={name!r} is a built-in task, but {dist} also registers {name!r} under the "
+            f"{ENTRY_POINT_GROUP!r} entry-point group ({ep.value}); a plug-in cannot replace a built-in: "
+            f"rename its entry point, or select the plug-in by its import path: {key}={ep.value!r}"
+        )
+
+
+def check_task_config(task_cfg: Any, prefix: str = "task.") -> None:
+    """Reject a ``task`` section a built-in would silently misread; :class:`ConfigError` naming the key.
+
+    * a built-in ``task.name`` that an installed plug-in also registers;
+    * a tiny task with a non-default :data:`DATA_KEYS` value (tiny tasks read no data).
+
+    Reads entry-point metadata only (no plug-in module is imported), so config validation may call it.
+    """
+    name = task_cfg.name
+    _check_not_shadowed(name, f"{prefix}name")
+    if name in TINY_TASKS:
+        defaults = TaskConfig()
+        for key in DATA_KEYS:
+            value = getattr(task_cfg, key, getattr(defaults, key))
+            if value != getattr(defaults, key):
+                raise ConfigError(
+                    f"{prefix}{key}={value!r}: the built-in task {name!r} generates its prompts and does not "
+                    f"read {prefix}{key}; remove it, or use a task that reads data (gsm8k, or a plug-in: "
+                    "docs/custom_tasks.md)"
+                )
 
 
 def _registered() -> dict[str, Any]:
@@ -113,8 +161,10 @@ def _load_module(spec: str) -> Any:
 
 
 def resolve_factory(name: str) -> Callable[[Any, int], Task]:
-    """The factory ``task.name`` refers to; :class:`TaskNotFound` (listing the choices) if none."""
+    """The factory ``task.name`` refers to; :class:`TaskNotFound` (listing the choices) if none, a
+    :class:`ConfigError` if a plug-in registers a built-in's name."""
     if name in BUILTIN_TASKS:
+        _check_not_shadowed(name, "task.name")
         return BUILTIN_TASKS[name]
     registered = _registered()
     if name in registered:
@@ -132,6 +182,7 @@ def resolve_factory(name: str) -> Callable[[Any, int], Task]:
 
 def make_task(task_cfg: Any, seed: int) -> Task:
     """The task named by ``task_cfg.name`` (a :class:`asyncrl.config.TaskConfig`), built for ``seed``."""
+    check_task_config(task_cfg)
     task = resolve_factory(task_cfg.name)(task_cfg, seed)
     if not isinstance(task, Task):
         raise TypeError(

@@ -18,10 +18,12 @@ from asyncrl.tasks import (
     Prompt,
     TaskDataError,
     TaskNotFound,
+    check_task_config,
     holdout_split,
     load_prompt_splits,
     make_task,
     prompt_token_ids,
+    resolve_factory,
 )
 
 FIXTURE = Path(__file__).resolve().parents[1] / "e2e" / "custom_task"
@@ -91,6 +93,56 @@ def test_entry_point_plugin_is_found_and_listed(tmp_path):
     first, second = out.stdout.splitlines()
     assert first == "ep 0.5"
     assert "installed plug-ins (asyncrl.tasks): mytask" in second and "built-in tasks: copy" in second
+
+
+def _install_plugin(root: Path, pkg: str, entry: str) -> None:
+    """A package ``pkg`` on ``root`` whose dist-info registers ``entry = pkg:make`` under asyncrl.tasks."""
+    (root / pkg).mkdir()
+    (root / pkg / "__init__.py").write_text(
+        "from asyncrl.tasks import FunctionTask, Prompt\n"
+        "def make(cfg, seed):\n    return FunctionTask('mine', [Prompt('a', 'x')], lambda p, c, m: 0.5)\n"
+    )
+    dist = root / f"{pkg}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {pkg}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[asyncrl.tasks]\n{entry} = {pkg}:make\n")
+
+
+def test_plugin_named_like_a_builtin_is_an_error_not_silently_replaced(tmp_path, monkeypatch):
+    """A plug-in registered as `echo` (the docs' old example) used to be replaced by the built-in echo."""
+    pkg = f"shadow_{tmp_path.name.replace('-', '_')}"
+    _install_plugin(tmp_path, pkg, "echo")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for call in (lambda: make_task(TaskConfig(name="echo"), 0), lambda: resolve_factory("echo")):
+        with pytest.raises(ConfigError) as e:
+            call()
+        msg = str(e.value)
+        assert "task.name='echo' is a built-in task" in msg and f"{pkg} also registers 'echo'" in msg
+        assert f"task.name='{pkg}:make'" in msg  # the way to select the plug-in anyway
+    assert pkg not in sys.modules  # the check read entry-point metadata only
+    assert make_task(TaskConfig(name="copy"), 0).name == "copy"  # other built-ins are unaffected
+    assert make_task(TaskConfig(name=f"{pkg}:make"), 0).name == "mine"  # the way out works
+    sys.modules.pop(pkg, None)
+
+
+@pytest.mark.parametrize("name", ["copy", "echo", "addition"])
+@pytest.mark.parametrize(
+    "key, value",
+    [("data_path", "d.jsonl"), ("split", "test"), ("eval_data_path", "e.jsonl"), ("eval_split", "test"),
+     ("eval_fraction", 0.1), ("prompt_column", "question"), ("target_column", "answer"), ("params", {"n": 1})],
+)  # fmt: skip
+def test_tiny_tasks_reject_data_keys_they_would_ignore(name, key, value):
+    cfg = TaskConfig(name=name, **{key: value})
+    with pytest.raises(
+        ConfigError, match=rf"^task\.{key}=.*the built-in task '{name}' generates its prompts"
+    ):
+        make_task(cfg, 0)
+    with pytest.raises(ConfigError, match=rf"^tasks\.x\.{key}="):
+        check_task_config(cfg, prefix="tasks.x.")
+    check_task_config(
+        TaskConfig(name=name, eval_size=3, num_prompts=7, alphabet="xy")
+    )  # what tiny tasks read
+    check_task_config(TaskConfig(name="gsm8k", **{key: value}))  # not a tiny task: not this check's business
 
 
 def test_unknown_names_fail_clearly():
