@@ -17,14 +17,16 @@ Order inside a step (V = the version at step start):
    without loss tokens runs no forward and no optimizer step (weights and Adam moments unchanged).
 
 The proximal policy pi_prox (the step-start policy, see asyncrl.learner.objectives.importance) of
-update u = epoch * mini_batches + mini-batch index: u = 0 uses the detached current logprob (it IS
-the step-start logprob, exact and free); ``exact_prox`` uses the no-grad recompute of step 3 for
-every u; otherwise u > 0 uses A-3PO with prox_offset = since_publish / publish_every and progress =
+a mini-batch after u optimizer updates of this step were applied (an empty mini-batch or a vetoed
+update moves nothing and is not counted): u = 0 uses the detached current logprob (it IS the
+step-start logprob, exact and free); ``exact_prox`` uses the no-grad recompute of step 3 for every
+u; otherwise u > 0 uses A-3PO with prox_offset = since_publish / publish_every and progress =
 u / (mini_batches * epochs * publish_every) (versions are publications; with publish_every > 1 the
 step-start weights are since_publish steps past the weights published as V). The drift split
-(engine mismatch at s = 0, staleness at s >= 1) is measured on step-start logprobs only: the first
-mini-batch, or every mini-batch with exact_prox, in the first epoch; the s = 0 bucket counts as
-engine mismatch only when since_publish = 0 (otherwise the learner's weights are not those V names).
+(engine mismatch at s = 0, staleness at s >= 1) is measured on step-start logprobs only: the
+mini-batches before the first applied update, or every mini-batch with exact_prox, in the first
+epoch; the s = 0 bucket counts as engine mismatch only when since_publish = 0 (otherwise the
+learner's weights are not those V names).
 
 Entropy: a full-vocabulary pass per token (one more [B, L, vocab] tensor). It is computed only when a
 term uses it (``learner.loss.entropy_coef > 0``) or ``learner.entropy_metric`` asks for the metric;
@@ -130,19 +132,23 @@ class ProxPlan:
     measure: bool = False  # step-start logprobs available and not yet measured: drift metrics
 
 
-def prox_plan(epoch: int, mini: int, mini_batches: int, epochs: int, exact: bool, since_publish: int,
+def prox_plan(applied: int, epoch: int, mini_batches: int, epochs: int, exact: bool, since_publish: int,
               publish_every: int) -> ProxPlan:  # fmt: skip
-    """pi_prox source of update ``epoch * mini_batches + mini`` (pure; tested in unit tests)."""
-    u = epoch * mini_batches + mini
-    measure = epoch == 0 and (mini == 0 or exact)
+    """pi_prox source of a mini-batch in epoch ``epoch`` after ``applied`` optimizer updates of this
+    step took effect (pure; tested in unit tests). Counted by updates applied, not by position: a
+    mini-batch without loss tokens and a vetoed (non-finite) update move nothing, so the mini-batch
+    after them still sees the step-start weights and its exact pi_prox is free."""
+    # Step-start logprobs exist while nothing moved (or always, recomputed, with exact_prox); each
+    # mini-batch's samples are measured once, in the first epoch.
+    measure = epoch == 0 and (applied == 0 or exact)
     if exact:
         return ProxPlan("exact", measure=measure)
-    if u == 0:
+    if applied == 0:
         return ProxPlan("current", measure=measure)
     return ProxPlan(
         "loglinear",
         prox_offset=since_publish / publish_every,
-        progress=u / (mini_batches * epochs * publish_every),
+        progress=applied / (mini_batches * epochs * publish_every),
         measure=measure,
     )
 
@@ -327,15 +333,16 @@ class Trainer:
         terms: dict[str, float] = {}
         sums: dict[str, float] = {}
         for epoch in range(lc.epochs):
-            for mi, (mbs, dens) in enumerate(minis):
+            for mbs, dens in minis:
                 if dens.tokens == 0 or not mbs:
                     # Nothing carries loss (e.g. all overlong-masked): an optimizer call would still move
                     # the weights (momentum, weight decay) and the Adam moments. Every rank agrees (global N).
                     res.empty_skipped += 1
                     continue
                 plan = prox_plan(
-                    epoch, mi, len(minis), lc.epochs, lc.exact_prox, since_publish, lc.publish_every
-                )
+                    res.optimizer_steps, epoch, len(minis), lc.epochs, lc.exact_prox, since_publish,
+                    lc.publish_every,
+                )  # fmt: skip
                 nonfinite = False
                 # The results stay on the device until the mini-batch's last backward: no host sync
                 # inside the loop, so a GPU learner's host queues micro-batch k+1 while the device

@@ -191,6 +191,47 @@ def test_empty_loss_mask_makes_no_optimizer_call(tiny, fresh) -> None:
     assert not _states_equal(fresh.optimizer.state_dict(), s1)
 
 
+def test_pi_prox_stays_exact_after_a_mini_batch_that_moved_nothing(tiny, fresh) -> None:
+    """Mini-batch 1 after a mini-batch 0 without loss tokens still sees the step-start weights: it must
+    train exactly as the same samples alone (pi_prox = the free detached current logprob), not with
+    A-3PO's interpolation as if the weights had moved (pi_prox -> mu at s = 0)."""
+    snap = _snapshot(fresh)
+    v = tiny.cfg.buffer.max_staleness + 1
+    groups = copy.deepcopy(tiny.groups)
+    for g in groups[:2]:  # samples 0-7, mini-batch 0: every token past max_staleness at version v
+        for c in g.completions:
+            c.versions = np.zeros_like(c.versions)
+    for g in groups[2:]:
+        for i, c in enumerate(g.completions):
+            c.versions = np.full_like(c.versions, v)  # s = 0
+            c.reward = float(i % 2)  # advantages != 0: the policy loss acts
+            # The engine's logprobs e^1 below the learner's (an engine mismatch): pi_prox / mu is past
+            # the IS cap (2) for the exact pi_prox and 1 for A-3PO's, so the two sources give
+            # different updates and the comparison below can fail (with mu ~ pi only w * r = pi / mu
+            # would enter the gradient).
+            c.logprobs = c.logprobs - np.float32(1.0)
+    res = Trainer(clone_cfg(tiny.cfg, mini_batches=2), fresh, None, pad_id=0).train(groups, v)
+    assert (res.optimizer_steps, res.empty_skipped) == (1, 1) and res.tokens > 0
+    assert res.metrics["mismatch_tokens"] == res.tokens  # measured on step-start logprobs
+    assert res.metrics["is_trunc_frac"] > 0.5  # the exact pi_prox's weight hit the cap
+    two = _flat(fresh)
+    _restore(fresh, snap)
+    one = Trainer(tiny.cfg, fresh, None, pad_id=0).train(groups[2:], v)
+    assert one.optimizer_steps == 1 and one.tokens == res.tokens
+    torch.testing.assert_close(_flat(fresh), two, rtol=0, atol=1e-7)
+    # Negative control: the same mini-batch with A-3PO at progress 1/2 (what it got before) differs.
+    _restore(fresh, snap)
+    tr = Trainer(tiny.cfg, fresh, None, pad_id=0)
+    samples, _ = tr.samples(groups[2:])
+    mb = tr.prepare(collate(samples, list(range(len(samples))), 0))
+    fresh.engine.set_gradient_accumulation_boundary(True)
+    tr.micro_batch(
+        mb, v, Denominators(one.tokens, len(samples), len(samples)), ProxPlan("loglinear", progress=0.5)
+    )
+    assert fresh.optimizer_step(False).applied
+    assert (_flat(fresh) - two).abs().max() > 1e-5
+
+
 @pytest.mark.parametrize("poison", [float("inf"), float("nan")])
 def test_nonfinite_logits_skip_step_bitwise(tiny, fresh, poison) -> None:
     tr = Trainer(tiny.cfg, fresh, None, pad_id=0)

@@ -191,6 +191,10 @@ def ref_policy(logp, logp_behav, adv, mask, versions, cfg, logp_prox=None, offse
         w = ref_weights(anchor_t, logp_behav, lmt, *is_args)
     else:
         w = [[1.0] * T for _ in range(B)]
+    # Truncated: a positive weight below the untruncated ratio at its level (only tis truncates; with
+    # is_mode none, or no IS at all, nothing is). The untruncated ratio: icepop's with no bounds.
+    weighted = cfg.is_mode != "none" and (mask_loss or cfg.anchor == "prox")
+    w_raw = ref_weights(prox_t, logp_behav, lmt, "icepop", math.inf, 0.0, cfg.is_level) if weighted else w
     m2keep = ref_m2po_keep(logp, anchor_t, lmt, cfg.m2po_tau) if cfg.policy_loss == "m2po" else None
     seq_log = {}
     for b in range(B):
@@ -200,7 +204,23 @@ def ref_policy(logp, logp_behav, adv, mask, versions, cfg, logp_prox=None, offse
     loss = [[0.0] * T for _ in range(B)]
     grad = [[0.0] * T for _ in range(B)]
     acc = {
-        k: [] for k in ["ratio", "dl", "dh", "m2", "cl", "ch", "dual", "w", "k1", "k2", "k3", "kis", "chi2"]
+        k: []
+        for k in [
+            "ratio",
+            "dl",
+            "dh",
+            "m2",
+            "cl",
+            "ch",
+            "dual",
+            "w",
+            "k1",
+            "k2",
+            "k3",
+            "kis",
+            "chi2",
+            "trunc",
+        ]
     }
     for b, t in cells(mask):
         if not lm[b][t]:
@@ -250,6 +270,7 @@ def ref_policy(logp, logp_behav, adv, mask, versions, cfg, logp_prox=None, offse
                      ("dual", dual), ("w", wt), ("k1", -d), ("k2", d * d / 2), ("k3", math.exp(d) - 1 - d),
                      ("kis", d * math.exp(d) - (math.exp(d) - 1)), ("chi2", rho * rho - 1)]:  # fmt: skip
             acc[k].append(float(v))
+        acc["trunc"].append(float(0.0 < wt < w_raw[b][t]))
     stale = [VERSION - int(versions[b, t]) for b, t in cells(mask) if mask[b, t]]
 
     def mean(xs):
@@ -266,6 +287,7 @@ def ref_policy(logp, logp_behav, adv, mask, versions, cfg, logp_prox=None, offse
         "clip_frac_high": mean(acc["ch"]),
         "dual_clip_frac": mean(acc["dual"]),
         "is_weight_mean": mean(ws),
+        "is_trunc_frac": mean(acc["trunc"]),
         "is_weight_max": max(ws) if ws else 0.0,
         "ess": (sum(ws) ** 2 / (len(ws) * sum(x * x for x in ws)))
         if ws and sum(x * x for x in ws) > 0

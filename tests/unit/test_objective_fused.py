@@ -2,11 +2,17 @@
 
 ``objective_terms`` forms every intermediate the policy loss, the rollout-KL term, the metrics and the
 drift sums share once (sanitised inputs, log-ratios to mu and pi_prox, their exps) instead of once per
-function. Its values, gradients and metrics must be those of ``policy_loss`` + ``rollout_kl_loss`` +
-``policy_metrics`` (from the logprobs alone) + ``drift_sums`` (from the logprobs), bit for bit, on
-random inputs and at the edges: masked garbage (-inf / NaN), huge ratios, underflowing probabilities,
-empty masks; and the backward stays finite. The float64 reference tests of the formulas themselves
-are in test_objectives*.py (they run ``policy_loss``, which is now a view of ``objective_terms``).
+function. What is checked here, bit for bit, on random inputs and at the edges (masked garbage -inf /
+NaN, huge ratios, underflowing probabilities, empty masks), with a finite backward:
+
+- its rollout-KL term, gradient and drift sums against ``rollout_kl_loss`` and ``drift_sums`` computed
+  from the logprobs alone;
+- its policy term and metrics against ``policy_loss``, which is a view of ``objective_terms`` without
+  the rollout-KL term: this half only shows that adding the KL term changes nothing else;
+- ``policy_metrics`` given the loss's intermediates against the same metrics recomputed (defaults).
+
+The policy term, its gradient and every metric are checked against slow float64 reference code in
+test_objectives_losses.py (``_objective_refs.ref_policy``); that is where a wrong formula fails.
 """
 
 from __future__ import annotations

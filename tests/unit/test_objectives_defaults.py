@@ -1,7 +1,9 @@
 """The objective at the DEFAULT config: composition, version convention, edge cases, config parity.
 
 Issue 11: each named mechanism (DPPO mask against mu, k2 rollout KL, staleness-aware IS weight,
-ratio cap) acts at the defaults; staleness 0 in fp32 reduces exactly to the on-policy gradient;
+ratio cap) acts at the default objective; the ratio cap only once the weights moved within a step
+(several mini-batches or epochs): at the demo's one update per step r = 1 and w <= is_cap (2) < 3,
+so it cannot fire there. Staleness 0 in fp32 reduces exactly to the on-policy gradient;
 k1 is refused as a loss; the entropy gradient stays finite when a probability underflows; the
 bf16 DeepSpeed config accumulates and reduces gradients in fp32; config and objective agree.
 """
@@ -117,7 +119,8 @@ def test_staleness_zero_fp32_is_exactly_the_on_policy_gradient(reduction):
 
 def test_ratio_cap_bounds_a_negative_advantage_token_by_default():
     """A < 0, mu = 1e-6, pi = 0.5 at a later update (pi_prox = 1.5 mu): DPPO keeps it (pi moved up,
-    A pushes it down), w = 1.5, r = pi / pi_prox ~ 2.2e5. The default cap 3 keeps loss 3|A|, no grad."""
+    A pushes it down), w = 1.5, r = pi / pi_prox ~ 2.2e5. The default cap 3 keeps loss 3|A|, no grad.
+    (A later update: with one update per step pi_prox = pi, r = 1 and w * r <= is_cap < 3.)"""
     lp = torch.tensor([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     behav = torch.tensor([[math.log(1e-6)]], dtype=torch.float64)
     prox = behav + math.log(1.5)
@@ -141,14 +144,23 @@ def test_ratio_cap_bounds_a_negative_advantage_token_by_default():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_prox_plan_uses_the_free_exact_prox_at_update_zero():
-    assert prox_plan(0, 0, 1, 1, False, 0, 1).source == "current"
-    p = prox_plan(0, 1, 2, 1, False, 0, 1)
+def test_prox_plan_uses_the_free_exact_prox_until_an_update_applies():
+    # prox_plan(applied, epoch, mini_batches, epochs, exact, since_publish, publish_every)
+    p = prox_plan(0, 0, 1, 1, False, 0, 1)
+    assert (p.source, p.measure) == ("current", True)
+    p = prox_plan(1, 0, 2, 1, False, 0, 1)
     assert (p.source, p.prox_offset, p.progress, p.measure) == ("loglinear", 0.0, 0.5, False)
-    p = prox_plan(1, 0, 2, 2, False, 1, 2)  # publish_every 2, second step, update 2 of 4
+    p = prox_plan(2, 1, 2, 2, False, 1, 2)  # publish_every 2, second step, update 2 of 4
     assert (p.source, p.prox_offset, p.progress) == ("loglinear", 0.5, 2 / 8)
-    assert prox_plan(1, 1, 2, 2, True, 0, 1).source == "exact"
-    assert prox_plan(0, 1, 2, 2, True, 0, 1).measure and not prox_plan(1, 0, 2, 2, True, 0, 1).measure
+    # The first mini-batch moved nothing (no loss tokens, or vetoed): the second still sees the
+    # step-start weights, so its pi_prox is exact and its drift is measured.
+    p = prox_plan(0, 0, 2, 1, False, 0, 1)
+    assert (p.source, p.measure) == ("current", True)
+    # Nothing applied in the whole first epoch: exact again in the second, but measured only once.
+    p = prox_plan(0, 1, 2, 2, False, 0, 1)
+    assert (p.source, p.measure) == ("current", False)
+    assert prox_plan(3, 1, 2, 2, True, 0, 1).source == "exact"
+    assert prox_plan(1, 0, 2, 2, True, 0, 1).measure and not prox_plan(2, 1, 2, 2, True, 0, 1).measure
 
 
 def test_drift_split_by_staleness_and_publication():

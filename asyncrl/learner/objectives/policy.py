@@ -34,7 +34,6 @@ from asyncrl.learner.objectives.common import (
 )
 from asyncrl.learner.objectives.diagnostics import policy_metrics
 from asyncrl.learner.objectives.importance import (
-    level_log_rho,
     loglinear_prox_logp,
     staleness_mask,
     weights_from_log_rho,
@@ -172,11 +171,11 @@ def objective_terms(logp: Tensor, logp_behav: Tensor, advantages: Tensor, mask: 
     # (w = 1, ratios of sanitised inputs = 1, caps 0), so pg is already +-0 there, and its gradient 0.
 
     with torch.no_grad():
-        if w_raw is None:  # is_trunc_frac compares w with the untruncated ratio (w_num / mu at level)
-            w_num_log_rho = (
-                log_rho if cfg.policy_loss in MASK_LOSSES or cfg.anchor == "prox" else d.new_zeros(())
-            )
-            w_raw = torch.exp(level_log_rho(w_num_log_rho.expand_as(d), loss_mask, cfg.is_level))
+        # is_trunc_frac compares w with the untruncated ratio at its level; only tis truncates, so with
+        # is_mode none (w = 1, or 0 where vetoed) and without IS (ratio-clip losses anchored at mu)
+        # w is its own untruncated value and nothing counts as truncated.
+        if w_raw is None:
+            w_raw = w
         metrics = policy_metrics(
             logp=logp.detach(), logp_behav=behav, logp_prox=prox, ratio=ratio.detach(), w=w, w_raw=w_raw,
             sides=sides, loss_mask=loss_mask, in_mask=in_mask, token_versions=token_versions,
