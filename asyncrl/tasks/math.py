@@ -1,8 +1,10 @@
 """GSM8K-format math word problems with an exact final-answer reward.
 
-Data: JSONL, one object per line with ``question`` (str) and ``answer`` (str whose final answer
-follows a ``#### `` marker, as in GSM8K). Blank lines are skipped; anything else that is not such
-an object is a :class:`TaskDataError` naming the file and the 1-based line number.
+Data: rows with ``question`` (str) and ``answer`` (str whose final answer follows a ``#### `` marker,
+as in GSM8K), in any format ``task.data_path`` takes (asyncrl.tasks.data): a JSONL file, one object
+per line (blank lines skipped; a bad line is a :class:`TaskDataError` naming the file and its 1-based
+line number), a Parquet file, or a ``save_to_disk`` directory (a DatasetDict indexed by ``task.split``,
+e.g. Hugging Face's ``openai/gsm8k`` saved as is; a bad row is an error naming the 0-based row).
 
 Reward: 1.0 when the number extracted from the completion equals the reference number exactly
 (as decimals, so ``1,000`` == ``1000`` == ``1000.0`` and ``$5`` == ``5``), else 0.0.
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from decimal import Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from .base import Prompt, Task, TaskDataError, holdout_split
 
@@ -57,25 +61,51 @@ def extract_answer(text: str) -> Decimal | None:
     return None if last is None else parse_number(last)
 
 
-def load_gsm8k(path: str | Path | None = None) -> list[Prompt]:
-    """Prompts of a GSM8K-format JSONL file (default: the shipped examples)."""
-    if path:
-        p = Path(path).expanduser()
-        if not p.exists():
-            raise TaskDataError(f"{p}: task data file not found")
-        text, name = p.read_text(encoding="utf-8"), str(p)
-    else:
+def load_gsm8k(path: str | Path | None = None, split: str = "train") -> list[Prompt]:
+    """Prompts of GSM8K-format data (see the module doc; default: the shipped examples).
+
+    ``split`` picks the split of a saved DatasetDict directory; files have none."""
+    if not path:
         res = resources.files("asyncrl.data").joinpath(EXAMPLES_FILE)
-        text, name = res.read_text(encoding="utf-8"), str(res)
+        return _jsonl_problems(res.read_text(encoding="utf-8"), str(res))
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise TaskDataError(f"{p}: task data file not found")
+    if p.is_dir() or p.suffix == ".parquet":
+        # Columnar data goes through the loader every data-backed task uses (``datasets``, imported only
+        # here): reading it as text failed with a UnicodeDecodeError or IsADirectoryError.
+        from .data import load_rows
+
+        rows = load_rows(p, split)
+        return _problems(((f"{p}: row {i}", row) for i, row in enumerate(rows)), str(p))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TaskDataError(
+            f"{p}: not a UTF-8 text file; gsm8k reads JSONL (one object per line), .parquet or a "
+            "save_to_disk directory"
+        ) from None
+    return _jsonl_problems(text, str(p))
+
+
+def _jsonl_problems(text: str, name: str) -> list[Prompt]:
+    def objects():
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            where = f"{name}:{lineno}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskDataError(f"{where}: not valid JSON ({e.msg})") from None
+
+    return _problems(objects(), name)
+
+
+def _problems(objects: Iterable[tuple[str, Any]], name: str) -> list[Prompt]:
+    """Prompts of ``(where, object)`` pairs; ``where`` (file and line, or row) names a bad one."""
     prompts: list[Prompt] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{name}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskDataError(f"{where}: not valid JSON ({e.msg})") from None
+    for where, obj in objects:
         if not isinstance(obj, dict):
             raise TaskDataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         for key in ("question", "answer"):
@@ -95,7 +125,7 @@ def load_gsm8k(path: str | Path | None = None) -> list[Prompt]:
             )
         )
     if not prompts:
-        raise TaskDataError(f"{name}: no problems in the file")
+        raise TaskDataError(f"{name}: no problems in the data")
     return prompts
 
 
@@ -105,11 +135,21 @@ class Gsm8kTask(Task):
     name = "gsm8k"
 
     def __init__(self, path: str | Path | None = None, *, eval_path: str | Path | None = None,
-                 eval_fraction: float = 0.0, eval_size: int = 0, seed: int = 0) -> None:  # fmt: skip
-        """Train on ``path``; evaluate on ``eval_path``, else on a held-out ``eval_fraction`` of it."""
-        prompts = load_gsm8k(path)
+                 eval_fraction: float = 0.0, eval_size: int = 0, seed: int = 0, split: str = "train",
+                 eval_split: str = "") -> None:  # fmt: skip
+        """Train on ``path`` (its ``split`` when it is a saved DatasetDict); evaluate on ``eval_path``, else on
+        the saved DatasetDict's ``eval_split``, else on a held-out ``eval_fraction`` of the training data (the
+        order asyncrl.tasks.data.load_prompt_splits uses)."""
+        prompts = load_gsm8k(path, split)
         if eval_path:
-            evals = load_gsm8k(eval_path)
+            evals = load_gsm8k(eval_path, eval_split or "train")
+        elif eval_split:
+            if not path or not Path(path).expanduser().is_dir():
+                raise TaskDataError(
+                    f"task.eval_split={eval_split!r} picks a split of a save_to_disk directory, but "
+                    f"task.data_path={str(path or '')!r} is not one; set task.eval_data_path or task.eval_fraction"
+                )
+            evals = load_gsm8k(path, eval_split)
         else:
             prompts, evals = holdout_split(prompts, eval_fraction, seed)
         super().__init__(prompts, evals[:eval_size] if eval_size else evals)

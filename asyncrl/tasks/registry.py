@@ -65,8 +65,9 @@ def _tiny_factory(cls: type[TinyTask]) -> Callable[[Any, int], Task]:
 
 
 def _gsm8k(cfg: Any, seed: int) -> Task:
-    return Gsm8kTask(cfg.data_path or None, eval_path=cfg.eval_data_path or None,
-                     eval_fraction=cfg.eval_fraction, eval_size=cfg.eval_size, seed=seed)  # fmt: skip
+    return Gsm8kTask(cfg.data_path or None, eval_path=cfg.eval_data_path or None, split=cfg.split,
+                     eval_split=cfg.eval_split, eval_fraction=cfg.eval_fraction, eval_size=cfg.eval_size,
+                     seed=seed)  # fmt: skip
 
 
 BUILTIN_TASKS: dict[str, Callable[[Any, int], Task]] = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 from decimal import Decimal
@@ -187,3 +188,70 @@ def test_gsm8k_malformed_lines_name_file_and_line(tmp_path, line, msg):
 def test_gsm8k_missing_file(tmp_path):
     with pytest.raises(TaskDataError, match="not found"):
         make_task(TaskConfig(name="gsm8k", data_path=str(tmp_path / "nope.jsonl")), 0)
+
+
+GSM8K_ROWS = [{"question": f"{i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(10)]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "saved_dict", "saved_dataset"])
+def test_gsm8k_reads_parquet_and_saved_datasets(tmp_path, fmt):
+    """task.data_path takes every format the docs advertise; these were read as text before."""
+    import datasets
+
+    ds = datasets.Dataset.from_list(GSM8K_ROWS)
+    if fmt == "parquet":
+        path = tmp_path / "train.parquet"
+        ds.to_parquet(str(path))
+    elif fmt == "saved_dict":  # e.g. Hugging Face's openai/gsm8k saved as is: train and test splits
+        path = tmp_path / "gsm8k"
+        test = datasets.Dataset.from_list([{"question": "7 * 3?", "answer": "#### 21"}])
+        datasets.DatasetDict({"train": ds, "test": test}).save_to_disk(str(path))
+    else:
+        path = tmp_path / "gsm8k"
+        ds.save_to_disk(str(path))
+    extra = {"eval_split": "test"} if fmt == "saved_dict" else {"eval_fraction": 0.2}
+    task = make_task(TaskConfig(name="gsm8k", data_path=str(path), **extra), 0)
+    if fmt == "saved_dict":
+        assert len(task.prompts) == 10 and [p.target for p in task.eval_prompts] == ["21"]
+        assert task.eval_prompts[0].text == "Question: 7 * 3?\nAnswer:"
+        # the split of a saved DatasetDict is task.split
+        assert [p.target for p in load_gsm8k(path, "test")] == ["21"]
+    else:
+        assert len(task.prompts) == 8 and len(task.eval_prompts) == 2
+        got = sorted(int(p.target) for p in task.prompts + task.eval_prompts)
+        assert got == [2 * i for i in range(10)]
+    p = task.prompts[0]
+    assert task.reward(p, f"#### {p.target}") == 1.0
+
+
+def test_gsm8k_bad_rows_and_files_are_clear_errors(tmp_path):
+    import datasets
+
+    path = tmp_path / "bad.parquet"
+    datasets.Dataset.from_list([GSM8K_ROWS[0], {"question": "q?", "answer": "42"}]).to_parquet(str(path))
+    with pytest.raises(
+        TaskDataError, match=rf"^{re.escape(str(path))}: row 1: answer has no '#### <number>'"
+    ):
+        load_gsm8k(path)
+    path = tmp_path / "cols.parquet"
+    datasets.Dataset.from_list([{"prompt": "q?", "target": "1"}]).to_parquet(str(path))
+    with pytest.raises(
+        TaskDataError, match=rf"^{re.escape(str(path))}: row 0: missing or empty string field 'question'"
+    ):
+        make_task(TaskConfig(name="gsm8k", data_path=str(path)), 0)
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(GSM8K_ROWS)}).save_to_disk(str(saved))
+    with pytest.raises(TaskDataError, match="no split 'validation'; splits: train"):
+        make_task(TaskConfig(name="gsm8k", data_path=str(saved), split="validation"), 0)
+    binary = tmp_path / "data.arrow"
+    binary.write_bytes(b"\xff\xfe\x00ARROW1\x00\x00\x9c")
+    with pytest.raises(
+        TaskDataError, match=rf"^{re.escape(str(binary))}: not a UTF-8 text file; gsm8k reads JSONL.*parquet"
+    ):
+        make_task(TaskConfig(name="gsm8k", data_path=str(binary)), 0)
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
+    with pytest.raises(
+        TaskDataError, match=r"task\.eval_split='test' picks a split of a save_to_disk directory"
+    ):
+        make_task(TaskConfig(name="gsm8k", data_path=str(jsonl), eval_split="test"), 0)
