@@ -33,9 +33,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from asyncrl.config import ConfigError
 from asyncrl.tasks import Prompt, Task, prompt_token_ids
 
-__all__ = ["EvalResult", "evaluate_llm", "PeriodicEval", "eval_model_dir"]
+__all__ = ["EvalResult", "evaluate_llm", "PeriodicEval", "eval_model_dir", "require_eval_prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +58,11 @@ class EvalResult:
 async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: int = -1,
                        request_prefix: str = "eval") -> EvalResult:  # fmt: skip
     """Score ``task.eval_prompts`` with the vLLM ``AsyncLLM`` ``llm`` (see the module doc)."""
+    prompts = require_eval_prompts(task)
     from vllm import SamplingParams
     from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
-    prompts: list[Prompt] = task.eval_prompts
-    if not prompts:
-        raise ValueError(
-            f"task {task.name!r} has no eval prompts (task.eval_size / eval_split / eval_fraction)"
-        )
     e = cfg.eval
     k = e.samples
     t0 = time.perf_counter()
@@ -90,6 +87,17 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
     return EvalResult(version=version, prompts=len(prompts), samples=k,
                       reward_mean=sum(rewards) / len(rewards), pass_at_k=passed / len(prompts),
                       length_mean=sum(lengths) / len(lengths), seconds=time.perf_counter() - t0)  # fmt: skip
+
+
+def require_eval_prompts(task: Task) -> list[Prompt]:
+    """``task.eval_prompts``, or a :class:`ConfigError` (a ValueError; `asyncrl` prints it without a
+    traceback) naming the keys that give the task an eval split."""
+    if not task.eval_prompts:
+        raise ConfigError(
+            f"task {task.name!r} has no eval prompts: set task.eval_data_path, task.eval_split (a saved "
+            "DatasetDict) or task.eval_fraction > 0 (data tasks such as gsm8k), or task.eval_size > 0 (tiny tasks)"
+        )
+    return task.eval_prompts
 
 
 class PeriodicEval:
@@ -128,12 +136,16 @@ class PeriodicEval:
 
 def eval_model_dir(cfg: Any, model_dir: str, version: int = -1) -> EvalResult:
     """``asyncrl eval`` on a Hugging Face model directory: a fresh engine, the task's eval split."""
-    from transformers import AutoTokenizer
-
-    from asyncrl.actors.engine import Engine
     from asyncrl.tasks import make_task
 
     task = make_task(cfg.task, cfg.run.seed)
+    # Before the tokenizer and the engine: a vLLM start costs from ~30 s (tiny model, CPU) to minutes,
+    # all of it wasted when there is nothing to score (gsm8k's defaults hold no eval split).
+    require_eval_prompts(task)
+    from transformers import AutoTokenizer
+
+    from asyncrl.actors.engine import Engine
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     async def main() -> EvalResult:
