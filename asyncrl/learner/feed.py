@@ -54,7 +54,8 @@ def batch_order_key(group: Any) -> tuple[int, int, str]:
     """Where a group goes in a step's batch: by actor, then by its prompt's position in that actor's
     stream (``meta.prompt_seq``, see asyncrl.actors.seeding), then by id. A batch of the same groups
     is then trained in the same order however they arrived, so a ``max_staleness=0`` run and the
-    synchronous reference loop (asyncrl.reference) do the same float operations in the same order."""
+    synchronous reference loop (asyncrl.reference) do the same float operations in the same order.
+    Only groups that passed ``check_group`` are sorted: it guarantees both keys are integers or absent."""
     meta = group.meta or {}
     return (int(meta.get("actor_index", -1)), int(meta.get("prompt_seq", -1)), str(group.group_id))
 

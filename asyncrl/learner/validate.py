@@ -50,6 +50,10 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+#: meta keys the learner orders a batch by; absent is fine (sorted first, as -1).
+ORDER_KEYS = ("actor_index", "prompt_seq")
+
+
 def _check_meta(meta: dict[str, Any]) -> str | None:
     if "temperature" in meta:
         t = _number(meta["temperature"])
@@ -59,6 +63,14 @@ def _check_meta(meta: dict[str, Any]) -> str | None:
         p = _number(meta["top_p"])
         if p is None or not 0 < p <= 1:
             return f"meta['top_p']: {meta['top_p']!r} (must be in (0, 1])"
+    # The batch is sorted by these (asyncrl.learner.feed.batch_order_key, which relies on this check):
+    # anything but an integer would raise there, after delivery and before the acknowledgement, and
+    # crash-loop the learner until max_deliveries quarantined the whole batch without the reason.
+    for key in ORDER_KEYS:
+        if key in meta:
+            v = meta[key]
+            if isinstance(v, bool) or not isinstance(v, int):
+                return f"meta[{key!r}]: {v!r} (orders the step's batch: must be an integer)"
     return None
 
 

@@ -59,6 +59,11 @@ def test_twenty_poison_records_of_each_kind_are_dead_lettered_with_credit(
             "completions[0]: prompt + completion": lambda i: _group(i, vocab, tokens=[6] * 30),
             "completions[0].versions: token sampled by v1": lambda i: _group(i, vocab, version=1),
             "meta['temperature']": lambda i: _group(i, vocab, temperature=0.0),
+            # Sort keys of the batch: these raised inside gather and crash-looped the learner.
+            "meta['actor_index']": lambda i: _group(i, vocab, actor_index="x"),
+            "meta['prompt_seq']": lambda i: _group(
+                i, vocab, prompt_seq=float("inf") if i % 2 else float("nan")
+            ),
         }
         codec = {  # rejected before validation, by the wire codec
             "record: not valid msgpack": lambda i: b"\xc1" + bytes([i]),

@@ -67,6 +67,12 @@ def test_a_fitting_group_passes_at_the_edges() -> None:
         (group(meta={"temperature": True}), 0, "meta['temperature']: True"),
         (group(meta={"top_p": 0.0}), 0, "meta['top_p']: 0.0"),
         (group(meta={"top_p": 1.5}), 0, "meta['top_p']: 1.5"),
+        # The batch's sort keys (feed.batch_order_key): anything else raised inside gather.
+        (group(meta={"actor_index": "x"}), 0, "meta['actor_index']: 'x' (orders the step's batch"),
+        (group(meta={"prompt_seq": float("nan")}), 0, "meta['prompt_seq']: nan"),
+        (group(meta={"prompt_seq": float("inf")}), 0, "meta['prompt_seq']: inf"),
+        (group(meta={"prompt_seq": 3.0}), 0, "meta['prompt_seq']: 3.0"),
+        (group(meta={"actor_index": True}), 0, "meta['actor_index']: True"),
         (
             group(logprobs=np.array([-0.5, np.inf], dtype=np.float32)),
             0,
@@ -79,6 +85,16 @@ def test_a_fitting_group_passes_at_the_edges() -> None:
 def test_each_poison_kind_is_named(g: Group, version: int, field: str) -> None:
     reason = check_group(g, SPEC, version)
     assert reason is not None and reason.startswith(field), reason
+
+
+def test_every_group_that_passes_can_be_ordered() -> None:
+    """batch_order_key is total on what check_group accepts (integer keys of any size, or none)."""
+    from asyncrl.learner.feed import batch_order_key
+
+    for meta in ({}, {"actor_index": 2, "prompt_seq": 2**62}, {"prompt_seq": -1}, {"actor_index": 0}):
+        g = group(meta=meta)
+        assert check_group(g, SPEC, 0) is None
+        assert batch_order_key(g)[:2] == (meta.get("actor_index", -1), meta.get("prompt_seq", -1))
 
 
 def test_random_groups_agree_with_a_slow_reference() -> None:
