@@ -55,14 +55,16 @@ class ActorSupervisor:
         self.redis_back = 0.0  # end of the last Redis outage seen by poll()
         self._redis_down = False
 
+    def _pool_index(self) -> int:
+        """This pool's leased number (0 for ``asyncrl run`` and the first ``serve-actors``)."""
+        return int(getattr(getattr(getattr(self.pool, "cfg", None), "actors", None), "pool_index", 0) or 0)
+
     def _heartbeats(self) -> dict[int, dict[str, Any]]:
         """Slot index -> newest heartbeat of this pool's actor of that slot.
 
         Only this pool's actor ids count: several ``serve-actors`` pools of one run share the registry
         and their slot indices (a live slot 0 of another pool must not vouch for a dead one here)."""
-        pool_index = int(
-            getattr(getattr(getattr(self.pool, "cfg", None), "actors", None), "pool_index", 0) or 0
-        )
+        pool_index = self._pool_index()
         out: dict[int, dict[str, Any]] = {}
         for actor_id, hb in self.buffer.actors().items():
             i = hb.get("index")
@@ -116,7 +118,10 @@ class ActorSupervisor:
                     f"actor slot {i} failed {self.restarts[i]} times (run.max_restarts={self.max_restarts}); "
                     f"last: {why}"
                 )
-            actor_id = (hb or {}).get("actor_id") or f"actor-{i}"
+            # A slot that died before its first heartbeat (during engine start-up) has no id on record:
+            # its id is still this pool's, never pool 0's ``actor-{i}``, whose in-flight admission slots
+            # reclaiming would turn into credits while that actor is alive (admission too wide for good).
+            actor_id = (hb or {}).get("actor_id") or slot_actor_id(self._pool_index(), i)
             reclaimed: list[int] = []
 
             def reclaim(actor_id: str = actor_id, box: list[int] = reclaimed) -> None:

@@ -5,8 +5,11 @@ slot 0 of pool 1 must not vouch for a dead slot 0 of pool 0 (or the other way ro
 
 from __future__ import annotations
 
+import logging
 import time
 from types import SimpleNamespace
+
+import pytest
 
 from asyncrl.actors.supervision import ActorSupervisor, slot_actor_id
 
@@ -30,3 +33,34 @@ def test_heartbeats_of_other_pools_do_not_count(buffer) -> None:
     # Pool 0's slot 0 is judged by its own stale heartbeat, not pool 1's fresh one of the same index.
     assert set(pool0) == {0} and pool0[0]["pid"] == 1
     assert {i: hb["pid"] for i, hb in pool1.items()} == {0: 2, 1: 3}
+
+
+class _Replacing(SimpleNamespace):
+    """The pool side of a replacement: run the supervisor's reclaim, then "spawn" (nothing to spawn here)."""
+
+    def replace_actor(self, i: int, before_spawn) -> None:
+        before_spawn()
+
+
+def test_a_slot_without_heartbeat_reclaims_its_own_pools_id(buffer) -> None:
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        # Pool 0's live actor-1 holds two admission slots; pool 2's slot 1 held one and died during
+        # engine start-up, before any heartbeat (so the registry has no actor id for it).
+        for owner in ("actor-1", "actor-1", "actor-2-1"):
+            assert buffer.try_admit(max_staleness=1, groups_per_step=4, owner=owner)
+        cfg = SimpleNamespace(actors=SimpleNamespace(pool_index=2))
+        # A ready ref whose value is None: each slot's run call "returned although the run was not stopping".
+        pool = _Replacing(cfg=cfg, actors=[None, None], run_refs=[ray.put(None), ray.put(None)])
+        sup = ActorSupervisor(pool, buffer, heartbeat_timeout_s=60, max_restarts=1)
+        done = sup.poll()
+        assert len(done) == 2 and "(actor-2-0)" in done[0] and "(actor-2-1)" in done[1]
+        assert "1 admission slots reclaimed" in done[1]
+        # Pool 0's actor-1 still holds both of its slots: nothing of it became a credit.
+        assert buffer.reclaim_inflight("actor-1") == 2
+    finally:
+        if started:
+            ray.shutdown()
