@@ -12,11 +12,26 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.config import ConfigError, explain, load_config, run_dir, to_yaml
+from asyncrl.config import (
+    ConfigError,
+    check_data_paths,
+    check_model_dir,
+    explain,
+    load_config,
+    run_dir,
+    to_yaml,
+)
+from asyncrl.tasks.base import TaskDataError  # asyncrl.tasks imports neither torch, vllm nor ray
+from asyncrl.tasks.registry import TaskNotFound
+
+#: What a user's mistake raises: printed as one `asyncrl: error:` line with exit status 2, no traceback.
+USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, TaskDataError, TaskNotFound)
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", default=None, help="YAML config (default: configs/default.yaml)")
+def _add_config_args(
+    p: argparse.ArgumentParser, help_text: str = "YAML config (default: configs/default.yaml)", **kw
+) -> None:
+    p.add_argument("--config", "-c", default=None, help=help_text, **kw)
     p.add_argument(
         "overrides", nargs="*", help="dotlist overrides, e.g. learner.lr=1e-5 buffer.max_staleness=2"
     )
@@ -45,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print inputs, sources and results as JSON")
     p.add_argument("overrides", nargs="*", help="simulator inputs, e.g. num_actors=8 lengths.sigma=1.2")
     p = sub.add_parser("sweep", help="staleness x objective sweep")
-    _add_config_args(p)
+    _add_config_args(p, "sweep YAML (grid + base config), e.g. configs/sweep_staleness.yaml", required=True)
     p = sub.add_parser("export", help="a run's policy version as a Hugging Face model directory")
     p.add_argument("run_dir")
     p.add_argument("out_dir")
@@ -54,7 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="model dir (e.g. from asyncrl export) or run dir")
     p.add_argument("--version", type=int, default=None, help="run dir: policy version (default: newest)")
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
-    _add_config_args(p)
+    _add_config_args(
+        p,
+        "model dir only: YAML config (default: the export's config, else configs/default.yaml); "
+        "a run dir uses its own config.yaml",
+    )
     p = sub.add_parser(
         "bench", help="benchmark: one table of ratios with targets, and JSON (see asyncrl.bench)"
     )
@@ -87,15 +106,12 @@ def _redis_url(cfg, rdir: Path) -> str:
     )
 
 
-def _check_model_path(cfg) -> None:
-    """Fail before any role starts (and before minutes of engine start-up) when the model is missing."""
-    if cfg.model.path:
-        p = Path(cfg.model.path).expanduser()
-        if not (p / "config.json").exists():
-            raise FileNotFoundError(
-                f"model.path={cfg.model.path!r}: no Hugging Face model directory at {p} "
-                "(config.json missing); models are never downloaded at run time"
-            )
+def _check_model_path(cfg, data: bool = True) -> None:
+    """Fail before any role starts (and before minutes of engine start-up) when the model or, with
+    ``data`` (roles that build the task), the task's data files are missing or do not fit the config."""
+    check_model_dir(cfg)
+    if data:
+        check_data_paths(cfg)
 
 
 def _learner_metrics(cfg):
@@ -144,13 +160,23 @@ def _export_or_eval(args) -> int:
     target = Path(args.target)
     with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
         if (target / "config.yaml").exists() and not (target / "config.json").exists():  # a run dir
+            if args.config:
+                raise ConfigError(
+                    f"--config applies to a model dir; the run dir {target} is evaluated with its own "
+                    "config.yaml (change it with key=value overrides)"
+                )
             cfg = load_run_config(target, args.overrides)
+            check_data_paths(cfg)
             model_dir = export_version(target, Path(tmp) / "model", args.version)
         elif (target / "config.json").exists():  # a model dir: the run's config when it is an export
             if args.version is not None:
                 raise ConfigError("--version applies to a run dir, not to a model dir")
             run_cfg = target / EXPORT_CONFIG
-            cfg = load_config(args.config or (run_cfg if run_cfg.exists() else None), args.overrides)
+            # model.path = the dir under evaluation, so the model checks (chat template, max_model_len)
+            # look at it rather than at the tiny model or the base model the config was written for.
+            overrides = [f"model.path={target}", *args.overrides]
+            cfg = load_config(args.config or (run_cfg if run_cfg.exists() else None), overrides)
+            _check_model_path(cfg)
             model_dir = target
         else:
             raise FileNotFoundError(
@@ -195,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg.redis.password = cfg.redis.password or os.environ.get("ASYNCRL_REDIS_PASSWORD", "")
         rdir = run_dir(cfg)
         if args.cmd == "config":
-            print("\n".join(explain()) if args.explain else to_yaml(cfg), end="\n")
+            print("\n".join(explain(cfg)) if args.explain else to_yaml(cfg), end="\n")
             return 0
         if args.cmd in ("run", "learn", "serve-actors"):
-            _check_model_path(cfg)
+            _check_model_path(cfg, data=args.cmd != "learn")  # the learner never reads the task's data
         if args.cmd == "run":
             from asyncrl.orchestrator import run_all
 
@@ -234,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop_metrics()
                 shutdown_distributed()  # this process owns its rank (see the function)
             return 0
-    except (ConfigError, FileNotFoundError, FileExistsError) as e:
+    except USER_ERRORS as e:
         print(f"asyncrl: error: {e}", file=sys.stderr)
         return 2
     raise AssertionError(args.cmd)

@@ -6,8 +6,9 @@ and its allowed range in ``field(metadata=...)`` so that ``asyncrl config --expl
 
 Modules: ``fields`` (the ``F`` helper, ``ConfigError``), ``sections`` (run, redis, ray, model, task,
 eval, tracking, console, metrics), ``actors`` (actors, buffer, adaptive staleness), ``learner`` (loss,
-learner), ``loading`` (the root ``Config``, validation, ``load_config``, YAML, ``explain``); every name
-is re-exported here, so ``from asyncrl.config import X`` is the one way to import them.
+learner), ``checks`` (checks across fields at load; model and data files before a role starts),
+``loading`` (the root ``Config``, validation, ``load_config``, YAML, ``explain``); every name is
+re-exported here, so ``from asyncrl.config import X`` is the one way to import them.
 
 Invariant: this package imports neither torch, vllm nor ray (the CLI and the buffer read it in
 processes that must start fast and that may not have those installed).
@@ -16,6 +17,7 @@ processes that must start fast and that may not have those installed).
 from __future__ import annotations
 
 from .actors import ActorsConfig, AdaptiveStalenessConfig, BufferConfig
+from .checks import REDIS_SCHEMES, check_config, check_data_paths, check_model_dir
 from .fields import CONFIG_DIR, ConfigError, F, _copy
 from .learner import KL_LOSS_KINDS, OBJECTIVE_AT_DEFAULTS, LearnerConfig, LossConfig, _check_loss
 from .loading import (
@@ -45,6 +47,10 @@ from .sections import (
 
 __all__ = [
     "CONFIG_DIR",
+    "REDIS_SCHEMES",
+    "check_config",
+    "check_data_paths",
+    "check_model_dir",
     "ConfigError",
     "F",
     "_copy",

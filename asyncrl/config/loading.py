@@ -5,6 +5,8 @@ Part of :mod:`asyncrl.config` (imports neither torch, vllm nor ray)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from .actors import ActorsConfig, BufferConfig
+from .checks import check_config, validate_task_name
 from .fields import CONFIG_DIR, ConfigError, F
 from .learner import LearnerConfig, LossConfig, _check_loss
 from .sections import (
@@ -50,6 +53,9 @@ class Config:
     console: ConsoleConfig = F(ConsoleConfig(), "What `asyncrl run` shows on the terminal.")
 
 
+_YAML_BOOL_WORDS = {"True": ("on", "yes", "true", "y"), "False": ("off", "no", "false", "n")}
+
+
 def _validate(obj: Any, prefix: str) -> None:
     if isinstance(obj, LossConfig):
         _check_loss(obj, prefix)
@@ -60,10 +66,13 @@ def _validate(obj: Any, prefix: str) -> None:
             _validate(value, key + ".")
             continue
         m = f.metadata
-        # YAML 1.1 reads a bare on/off as a boolean, which a str field then holds as "True"/"False".
-        if m.get("choices") is not None and value in ("True", "False") and {"on", "off"} & set(m["choices"]):
-            value = "on" if value == "True" else "off"
-            setattr(obj, f.name, value)
+        # YAML 1.1 reads a bare on/off/yes/no as a boolean, which a str field then holds as "True"/"False"
+        # (a YAML file: appendfsync: no); map it back to the word among the allowed values.
+        if m.get("choices") is not None and value in _YAML_BOOL_WORDS:
+            word = next((w for w in _YAML_BOOL_WORDS[value] if w in m["choices"]), None)
+            if word is not None:
+                value = word
+                setattr(obj, f.name, value)
         if m.get("choices") is not None and value not in m["choices"]:
             raise ConfigError(
                 f"{key}={value!r} is not allowed; allowed values: {', '.join(map(repr, m['choices']))}"
@@ -119,69 +128,93 @@ def _validate(obj: Any, prefix: str) -> None:
             raise ConfigError(f"{prefix}num_heads must be a multiple of {prefix}num_kv_heads")
     if isinstance(obj, TaskConfig):
         _validate_task_name(obj.name, f"{prefix}name")
+    if isinstance(obj, Config):
+        check_config(obj)
 
 
-def _validate_task_name(name: str, key: str) -> None:
-    """Reject a task name that names nothing, without importing a plug-in (that happens at role start)."""
-    import importlib.util
-
-    from asyncrl.tasks.registry import BUILTIN_TASKS, ENTRY_POINT_GROUP, registered_names
-
-    if name in BUILTIN_TASKS or name in registered_names():
-        return
-    module, _, attr = name.rpartition(":")
-    if module and attr:
-        if module.endswith(".py"):
-            if Path(module).expanduser().is_file():
-                return
-            raise ConfigError(f"{key}={name!r}: file {module} not found")
-        try:
-            if importlib.util.find_spec(module) is not None:
-                return
-        except (ImportError, ValueError):
-            pass
-        raise ConfigError(
-            f"{key}={name!r}: module {module!r} is not importable (installed, or on PYTHONPATH?)"
-        )
-    plugins = registered_names()
-    raise ConfigError(
-        f"{key}={name!r} is not a known task; built-in tasks: {', '.join(BUILTIN_TASKS)}"
-        + (f"; installed plug-ins ({ENTRY_POINT_GROUP}): {', '.join(plugins)}" if plugins else "")
-        + "; or a factory 'pkg.module:make_task' / 'path/to/file.py:make_task'"
-    )
+_validate_task_name = validate_task_name  # its old name, re-exported by asyncrl.config
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load ``path`` (default ``configs/default.yaml`` when it exists) merged with dotlist overrides.
+    """Load ``path`` (default ``configs/default.yaml``) merged with dotlist overrides.
 
     Raises ``ConfigError`` naming the full key path for unknown keys, wrong types and out-of-range values.
     """
-    schema = OmegaConf.structured(Config)
-    layers: list[DictConfig] = []
-    if path is None and (CONFIG_DIR / "default.yaml").exists():
+    if path is None:
         path = CONFIG_DIR / "default.yaml"
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file not found: {p}")
-        layers.append(OmegaConf.load(p))
+        if not path.exists():
+            # configs/ lives in the source tree, not in an installed wheel: falling back to the schema
+            # defaults silently would run a different demo from the one the README describes.
+            raise ConfigError(
+                f"no config given and the default config {path} is missing (a non-editable install does "
+                "not ship configs/): pass --config FILE (e.g. the repository's configs/default.yaml)"
+            )
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file not found: {p}")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.path=value")
-    if overrides:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
     try:
-        merged = OmegaConf.merge(schema, *layers)
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(p))
     except (ConfigKeyError, ConfigAttributeError) as e:
-        key = getattr(e, "full_key", None) or str(e)
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        allowed = _allowed_keys(parent)
-        raise ConfigError(f"unknown config key {key!r}; allowed keys here: {', '.join(allowed)}") from None
+        raise _unknown_key(e) from None
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{getattr(e, 'full_key', '?')}: {e.msg if hasattr(e, 'msg') else e}") from None
+        where = ": ".join(str(w) for w in (p, getattr(e, "full_key", None)) if w)
+        raise ConfigError(f"{where}: {_first_line(e)}") from None
+    for item in overrides or []:
+        _apply_override(merged, item)
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     _validate(cfg, "")
     return cfg
+
+
+def _apply_override(merged: DictConfig, item: str) -> None:
+    """One ``key=value`` onto the merged config; the errors name the override's key."""
+    key, _, raw = item.partition("=")
+    tp = _field_type(key)
+    try:
+        if tp is str and not (len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""):
+            # The raw text: YAML would read 0123 as 83, 1e3 as 1000.0 and on/no/yes as booleans, which
+            # a str field then holds as '83', '1000.0', 'True'. A quoted value still goes through YAML.
+            OmegaConf.update(merged, key, raw, merge=True)
+        else:
+            merged.merge_with_dotlist([item])
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        raise _unknown_key(e) from None
+    except OmegaConfBaseException as e:
+        if dataclasses.is_dataclass(tp):
+            raise ConfigError(
+                f"{key}={raw!r}: {key} is a section, not a value; set its keys ({key}.KEY=VALUE), "
+                f"allowed keys: {', '.join(_allowed_keys(key))}"
+            ) from None
+        raise ConfigError(f"{getattr(e, 'full_key', None) or key}={raw!r}: {_first_line(e)}") from None
+
+
+def _unknown_key(e: OmegaConfBaseException) -> ConfigError:
+    key = getattr(e, "full_key", None) or str(e)
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    allowed = _allowed_keys(parent)
+    return ConfigError(f"unknown config key {key!r}; allowed keys here: {', '.join(allowed)}")
+
+
+def _first_line(e: OmegaConfBaseException) -> str:
+    # OmegaConf appends full_key/object_type lines to its messages; the key is named by the caller.
+    msg = getattr(e, "msg", None) or str(e)
+    return str(msg).splitlines()[0] if str(msg).strip() else type(e).__name__
+
+
+@functools.cache
+def _field_type(key: str) -> Any:
+    """The schema type of ``key`` (``str``, ``int``, a section's class...), None when it names no field."""
+    node: Any = Config
+    for part in key.split("."):
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return None  # inside a dict field (task.params) or past a leaf
+        node = typing.get_type_hints(node).get(part)
+        if node is None:
+            return None
+    return node
 
 
 def _allowed_keys(parent: str) -> list[str]:
