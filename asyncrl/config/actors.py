@@ -239,9 +239,6 @@ class BufferConfig:
         ge=0,
     )
     groups_per_step: int = F(4, "Groups the learner consumes per optimizer step.", ge=1)
-    maxlen: int = F(
-        100000, "Approximate cap on the rollouts stream length (admission is the real bound).", ge=1
-    )
     adaptive: AdaptiveStalenessConfig = F(
         AdaptiveStalenessConfig(), "Adaptive admission bound (off by default; asyncrl.learner.adaptive)."
     )

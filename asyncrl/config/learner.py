@@ -60,7 +60,9 @@ class LossConfig:
         3.0,
         "Ratio cap c for A < 0 tokens, every policy loss (dual clip, Ye et al. 2020): a negative-advantage "
         "token whose loss would exceed c*|A| (weight w*r > c) keeps that value and no gradient. Must be "
-        "> 1; 0 = off (then a kept A < 0 token can weigh up to e^20).",
+        "> 1; 0 = off (then a kept A < 0 token can weigh up to e^20). It acts once the weights moved within "
+        "a step (mini_batches * epochs > 1): at one update per step r = 1 and w <= is_cap, so with "
+        "is_cap < dual_clip (the defaults: 2 < 3) it cannot fire.",
         ge=0,
     )
     is_mode: str = F(
@@ -132,7 +134,11 @@ class LearnerConfig:
     mini_batches: int = F(1, "Optimizer steps per consumed batch (the batch is split into this many).", ge=1)
     epochs: int = F(1, "Passes over each consumed batch.", ge=1)
     exact_prox: bool = F(
-        False, "Recompute proximal logprobs with a no-grad forward at step start (else A-3PO)."
+        False,
+        "Recompute proximal logprobs with a no-grad forward at step start (else A-3PO). Only matters with "
+        "several updates per step (mini_batches * epochs > 1; the first applied update always uses the "
+        "exact step-start logprob): A-3PO then sets pi_prox = mu for tokens of the current version, so "
+        "their engine mismatch rides uncapped in r instead of being truncated by is_cap.",
     )
     dynamic_sampling: bool = F(False, "Drop groups whose rewards have zero variance (credit returned).")
     overlong_mask: bool = F(False, "Mask the loss of completions that ended by length.")
