@@ -6,9 +6,11 @@ share the budget and task (the sweep's common overrides) and differ only in ``ru
 ``buffer.max_staleness`` and the objective's overrides; the same seed in two cells means the same
 initial weights, prompt order and sampling seeds, which is what makes the paired comparison of
 objectives at one staleness level meaningful. Seeds are the outer loop, so an interrupted sweep has
-complete grids for its first seeds. The sweep is resumable: a run whose dir holds ``summary.json``
-and that did not fail is not re-run. The sweep file format is documented in
-``configs/sweep_staleness.yaml``; the report (statistics, csv, markdown, plots) is
+complete grids for its first seeds. The sweep is resumable: a finished run (its ``summary.json`` says
+``"finished": true``, i.e. it reached ``run.max_steps``, and the sweep recorded no failure) is not
+re-run; a failed, interrupted or incomplete one (stopped early, e.g. by ``run.max_wall_s``: ``asyncrl
+run`` exits 0 then) is re-run from scratch. Only finished runs enter the report's statistics. The
+sweep file format is documented in ``configs/sweep_staleness.yaml``; the report (statistics, csv, markdown, plots) is
 :mod:`asyncrl.sweep_report`.
 """
 
@@ -30,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.launch import stop_process
+from asyncrl.orchestrator import read_summary
 from asyncrl.sweep_report import CellSpec, SeedRun, write_report
 from asyncrl.sweep_runs import Marks
 
@@ -307,10 +310,28 @@ def _write_marker(run: SeedRun, **info: Any) -> None:
     (run.dir / MARKER).write_text(json.dumps(info, indent=2))
 
 
+def _reached_max_steps(summary: dict[str, Any]) -> bool:
+    """A run's summary.json says ``finished`` (the orchestrator sets it when the learner reached
+    ``run.max_steps`` and exited 0). A run writes its summary at every end, a wall-budget stop and a
+    crash included, so the file's presence alone says nothing."""
+    return summary.get("finished") is True
+
+
 def is_finished(run: SeedRun) -> bool:
-    """summary.json exists and the sweep did not record a failure or interruption (a run writes its
-    summary even when its learner crashed or it was stopped, so summary.json alone is not success)."""
-    return (run.dir / "summary.json").exists() and read_marker(run).get("status", "ok") == "ok"
+    """Reached run.max_steps (summary.json) and the sweep did not record a failure or interruption."""
+    return _reached_max_steps(read_summary(run.dir)) and read_marker(run).get("status", "ok") == "ok"
+
+
+def disk_status(run: SeedRun) -> str:
+    """The status of a run the sweep did not run this time, from its dir: ok, incomplete (exited 0 but
+    stopped before run.max_steps; a marker written before "incomplete" existed says ok), failed,
+    interrupted, running (the sweep died during it) or missing."""
+    if is_finished(run):
+        return "ok"
+    marker = read_marker(run).get("status")
+    if marker in (None, "ok") and (run.dir / "summary.json").exists():
+        return "incomplete"
+    return marker or "missing"
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
@@ -350,13 +371,28 @@ def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
             code = proc.returncode
         _write_marker(run, status="interrupted", started=started, ended=time.time(), exit_code=code, cmd=cmd)
         raise
-    status = "ok" if proc.returncode == 0 and not timed_out else "failed"
+    summary = read_summary(run.dir)
+    if proc.returncode != 0 or timed_out:
+        status = "failed"
+    else:
+        # `asyncrl run` exits 0 on a wall-budget stop too (a normal stop for a plain run, resumable), but a
+        # truncated run would enter the paired statistics with fewer steps than its pair: not ok here.
+        status = "ok" if _reached_max_steps(summary) else "incomplete"
     _write_marker(run, status=status, started=started, ended=time.time(), exit_code=proc.returncode,
-                  timed_out=timed_out, cmd=cmd)  # fmt: skip
+                  timed_out=timed_out, run_status=summary.get("status"), steps=summary.get("steps"),
+                  cmd=cmd)  # fmt: skip
     return status, proc.returncode
 
 
 def _status_line(run: SeedRun, status: str, code: int | None, elapsed: float | None) -> str:
+    if status == "incomplete":
+        summary = read_summary(run.dir)
+        stopped = summary.get("status", "?")
+        hint = "; raise run.max_wall_s" if stopped == "wall_budget" else ""
+        return (
+            f"INCOMPLETE (stopped at step {summary.get('steps', '?')}, status {stopped}{hint}; "
+            f"left out of the statistics, re-run next time)  log: {run.dir / 'run.log'}"
+        )
     if status != "ok":
         why = "timed out" if read_marker(run).get("timed_out") else f"exit {code}"
         return f"FAILED ({why})  log: {run.dir / 'run.log'}"
@@ -407,9 +443,7 @@ def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None
             signal.signal(s, h)
     for run in runs:  # runs not reached (interrupt) still get a row, with whatever is on disk
         if run.name not in statuses:
-            marker = read_marker(run)
-            done = is_finished(run)
-            statuses[run.name] = ("ok" if done else marker.get("status", "missing"), marker.get("exit_code"))
+            statuses[run.name] = (disk_status(run), read_marker(run).get("exit_code"))
     write_report(spec.cells(), spec.seeds, statuses, spec.marks, spec.out_dir, spec.baseline)
     failed = [n for n, (st, _) in statuses.items() if st != "ok"]
     print(

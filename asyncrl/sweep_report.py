@@ -194,8 +194,20 @@ MD_COLUMNS = ("steps", "final_reward", "reward_mean_steps", "reward_auc_time", "
               "learner_wait_frac", "staleness_mean", "rollout_kl_mean", "dropped_groups")  # fmt: skip
 
 
-def write_markdown(rows: Sequence[dict], marks: Marks, comps: Sequence[dict], path: Path) -> Path:
-    """results.md: 'mean [lo, hi]' of the main columns per cell, then the paired comparisons."""
+#: What a run status other than ok means, for the report's list of left-out runs.
+STATUS_NOTES = {
+    "incomplete": "stopped before run.max_steps, e.g. by run.max_wall_s",
+    "failed": "non-zero exit or cell_timeout_s",
+    "interrupted": "the sweep was stopped during it",
+    "running": "the sweep died during it",
+    "missing": "not run yet",
+}
+
+
+def write_markdown(rows: Sequence[dict], marks: Marks, comps: Sequence[dict], path: Path,
+                   left_out: Sequence[tuple[str, str]] = ()) -> Path:  # fmt: skip
+    """results.md: 'mean [lo, hi]' of the main columns per cell, then the paired comparisons, then the
+    ``left_out`` runs ((name, status), status not ok) none of the numbers include."""
     cols = [c for c in (*MD_COLUMNS[:3], *(step_column(n) for n in marks.steps), *MD_COLUMNS[3:])]
     lines = ["| cell | seeds ok | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
     for r in rows:
@@ -217,6 +229,13 @@ def write_markdown(rows: Sequence[dict], marks: Marks, comps: Sequence[dict], pa
             lines.append(
                 f"| {c['max_staleness']} | {c['objective']} - {c['baseline']} | {c['metric']} | {d} | {c['n']} | {sig} |"
             )
+    if left_out:
+        # Named, not only counted in "seeds ok": results.md read alone must say which runs its numbers lack, and why.
+        lines += ["", "Left out of every mean, interval and comparison above (only finished runs count):", ""]
+        lines += [
+            f"- {name}: {st}" + (f" ({STATUS_NOTES[st]})" if st in STATUS_NOTES else "")
+            for name, st in left_out
+        ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -231,7 +250,9 @@ def write_report(
 ) -> list[dict[str, Any]]:
     """runs.csv, results.csv, results.md, comparison.csv, staleness.csv and the plots; returns the cell rows.
 
-    ``statuses``: SeedRun.name -> (status, exit code); a run not in it is reported as "missing".
+    ``statuses``: SeedRun.name -> (status, exit code); a run not in it is reported as "missing". Only
+    "ok" runs (finished: reached run.max_steps) enter the statistics and plots; runs.csv lists them all
+    with their status, results.md names the others.
     """
     from asyncrl.sweep_plots import plot_all
 
@@ -255,7 +276,9 @@ def write_report(
         "excludes_zero",
     ]
     _write_csv(comps, comp_cols, out_dir / "comparison.csv")
-    write_markdown(rows, marks, comps, out_dir / "results.md")
+    left_out = [(r.name, st) for c in cells for r in (SeedRun(c, s) for s in seeds)
+                if (st := statuses.get(r.name, ("missing", None))[0]) != "ok"]  # fmt: skip
+    write_markdown(rows, marks, comps, out_dir / "results.md", left_out)
     dist = []
     for c in cells:  # pooled over the ok seeds
         hist: dict[int, int] = {}

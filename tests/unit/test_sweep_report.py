@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from asyncrl.config import ConfigError, load_config, to_yaml
-from asyncrl.sweep import SweepSpec, is_finished, load_spec, parse_spec
+from asyncrl.sweep import SweepSpec, disk_status, is_finished, load_spec, parse_spec
 from asyncrl.sweep_plots import PNGS
 from asyncrl.sweep_report import CellSpec, SeedRun, columns, run_columns, write_report
 from asyncrl.sweep_runs import (
@@ -368,19 +368,53 @@ def test_shipped_sweep_configs_validate(name, monkeypatch):
         assert "task.name=echo" in spec.overrides
 
 
-def test_finished_means_summary_and_no_failure_marker(tmp_path: Path):
+def test_finished_means_summary_finished_and_no_failure_marker(tmp_path: Path):
     cell = SeedRun(CellSpec("s0-naive", 0, "naive", tmp_path / "s0-naive"), 1)
     cell.dir.mkdir(parents=True)
-    assert not is_finished(cell)
-    (cell.dir / "summary.json").write_text("{}")
-    assert is_finished(cell)  # a summary without a marker: finished (the sweep died after the cell)
-    for status, done in (("running", False), ("failed", False), ("interrupted", False), ("ok", True)):
+    assert not is_finished(cell) and disk_status(cell) == "missing"
+    # What the orchestrator writes when run.max_wall_s stops a run (and `asyncrl run` exits 0).
+    (cell.dir / "summary.json").write_text(
+        json.dumps({"steps": 3, "finished": False, "status": "wall_budget"})
+    )
+    assert not is_finished(cell) and disk_status(cell) == "incomplete"
+    (cell.dir / "sweep_cell.json").write_text(
+        json.dumps({"status": "ok"})
+    )  # a marker from before "incomplete"
+    assert not is_finished(cell) and disk_status(cell) == "incomplete"
+    (cell.dir / "summary.json").write_text("{}")  # no "finished" key: not known to be finished
+    assert not is_finished(cell) and disk_status(cell) == "incomplete"
+    (cell.dir / "sweep_cell.json").unlink()
+    (cell.dir / "summary.json").write_text(json.dumps({"steps": 5, "finished": True, "status": "finished"}))
+    assert is_finished(cell)  # a finished summary without a marker: finished (the sweep died after the cell)
+    for status, done in (("running", False), ("failed", False), ("interrupted", False), ("incomplete", False),
+                         ("ok", True)):  # fmt: skip
         (cell.dir / "sweep_cell.json").write_text(json.dumps({"status": status}))
-        assert is_finished(cell) is done
+        assert is_finished(cell) is done and disk_status(cell) == status
+
+
+def test_run_one_marks_a_wall_budget_stop_incomplete(tmp_path: Path, monkeypatch):
+    """`asyncrl run` exits 0 on a wall-budget stop; the sweep must not count that run as ok."""
+    import sys
+
+    from asyncrl.sweep import read_marker, run_one
+
+    spec = parse_spec(_raw(dir=str(tmp_path / "out"), seeds=[0]))
+    run = spec.runs()[0]
+    for finished, want in ((False, "incomplete"), (True, "ok")):
+        summary = {"steps": 2 if not finished else 4, "finished": finished,
+                   "status": "finished" if finished else "wall_budget"}  # fmt: skip
+        script = f"import json, sys; open(sys.argv[1], 'w').write(json.dumps({summary!r}))"
+        cmd = [sys.executable, "-c", script, str(run.dir / "summary.json")]
+        monkeypatch.setattr(SweepSpec, "command", lambda self, r, cmd=cmd: cmd)
+        assert run_one(spec, run) == (want, 0)
+        marker = read_marker(run)
+        assert marker["status"] == want and marker["run_status"] == summary["status"]
+        assert marker["steps"] == summary["steps"] and is_finished(run) is finished
 
 
 # A stand-in for `asyncrl run`: writes a run dir like the orchestrator does (summary.json even when it
-# fails, as the real one does) and exits non-zero for the cells named in FAIL_CELLS.
+# fails, as the real one does) and exits non-zero for the cells named in FAIL_CELLS; the cells named in
+# WALL_CELLS stop on their wall budget: exit 0, summary "finished": false (as the real one does).
 FAKE_RUN = """
 import json, os, sys
 args = dict(a.split("=", 1) for a in sys.argv[1:])
@@ -390,23 +424,30 @@ with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         f.write(json.dumps(dict(step=i, version=i, time=10.0 * i, reward_mean=0.1 * i, groups=4, tokens=80,
             staleness_mean=0.0, staleness_max=int(args["buffer.max_staleness"]), dropped_stale=0,
             mismatch_kl=0.0, rollout_kl=0.0, wait_s=1.0)) + "\\n")
+wall = args["run.name"] in os.environ.get("WALL_CELLS", "").split(",")
 with open(os.path.join(d, "summary.json"), "w") as f:
-    json.dump({"wall_s": 45.0, "start_reward": 0.2, "end_reward": 0.3}, f)
+    json.dump({"wall_s": 45.0, "start_reward": 0.2, "end_reward": 0.3, "steps": 2 if wall else 4,
+               "finished": not wall, "status": "wall_budget" if wall else "finished"}, f)
 print("fake run", d)
 sys.exit(1 if args["run.name"] in os.environ.get("FAIL_CELLS", "").split(",") else 0)
 """
 
 
-def test_run_sweep_failure_row_retry_and_skip(tmp_path: Path, monkeypatch, capsys):
+def _fake_sweep(monkeypatch, path: Path, **sweep) -> Path:
+    """A sweep file at ``path`` (``_raw(**sweep)``) whose runs are FAKE_RUN instead of `asyncrl run`."""
     import sys
-
-    from asyncrl.sweep import run_sweep
 
     monkeypatch.setattr(
         SweepSpec, "command", lambda self, run: [sys.executable, "-c", FAKE_RUN, *self.run_overrides(run)]
     )
-    p = tmp_path / "s.yaml"
-    p.write_text(yaml.safe_dump(_raw(dir=str(tmp_path / "out"), seeds=[0, 1])))
+    path.write_text(yaml.safe_dump(_raw(**sweep)))
+    return path
+
+
+def test_run_sweep_failure_row_retry_and_skip(tmp_path: Path, monkeypatch, capsys):
+    from asyncrl.sweep import run_sweep
+
+    p = _fake_sweep(monkeypatch, tmp_path / "s.yaml", dir=str(tmp_path / "out"), seeds=[0, 1])
     monkeypatch.setenv("FAIL_CELLS", "s2-naive-seed1")
     assert run_sweep(p) == 1  # one failed run does not stop the others
     with (tmp_path / "out" / "runs.csv").open() as f:
@@ -437,18 +478,48 @@ def test_run_sweep_failure_row_retry_and_skip(tmp_path: Path, monkeypatch, capsy
         assert all(r["seeds_ok"] == "2" for r in csv.DictReader(f))
 
 
-def test_second_sweep_file_shares_runs_and_reports_elsewhere(tmp_path: Path, monkeypatch, capsys):
-    # configs/sweep_staleness_ladder.yaml's pattern: same dir (finished runs skipped), own report_dir.
-    import sys
-
+def test_run_sweep_leaves_wall_budget_stops_out_and_redoes_them(tmp_path: Path, monkeypatch, capsys):
     from asyncrl.sweep import run_sweep
 
-    monkeypatch.setattr(
-        SweepSpec, "command", lambda self, run: [sys.executable, "-c", FAKE_RUN, *self.run_overrides(run)]
-    )
+    p = _fake_sweep(monkeypatch, tmp_path / "s.yaml", dir=str(tmp_path / "out"), seeds=[0, 1])
     monkeypatch.setenv("FAIL_CELLS", "")
-    main, sub = tmp_path / "main.yaml", tmp_path / "sub.yaml"
-    main.write_text(yaml.safe_dump(_raw(dir=str(tmp_path / "out"), seeds=[0, 1])))
+    monkeypatch.setenv("WALL_CELLS", "s2-corrected-seed0")
+    assert run_sweep(p) == 1  # not every run finished
+    out = capsys.readouterr()
+    assert "INCOMPLETE (stopped at step 2, status wall_budget; raise run.max_wall_s" in out.out
+    assert "not ok: s2-corrected/seed0" in out.err
+    with (tmp_path / "out" / "runs.csv").open() as f:
+        runs = {(r["cell"], r["seed"]): r for r in csv.DictReader(f)}
+    assert (
+        runs[("s2-corrected", "0")]["status"] == "incomplete"
+        and runs[("s2-corrected", "0")]["exit_code"] == "0"
+    )
+    assert sum(r["status"] == "ok" for r in runs.values()) == 7
+    with (tmp_path / "out" / "results.csv").open() as f:
+        table = {r["cell"]: r for r in csv.DictReader(f)}
+    assert table["s2-corrected"]["seeds_ok"] == "1" and table["s2-naive"]["seeds_ok"] == "2"
+    with (tmp_path / "out" / "comparison.csv").open() as f:  # the truncated seed is in no pair
+        assert {
+            r["n"] for r in csv.DictReader(f) if r["objective"] == "corrected" and r["max_staleness"] == "2"
+        } == {"1"}
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "- s2-corrected/seed0: incomplete (stopped before run.max_steps, e.g. by run.max_wall_s)" in md
+    monkeypatch.setenv("WALL_CELLS", "")
+    assert run_sweep(p) == 0  # the incomplete run is redone from scratch, the others skipped
+    assert capsys.readouterr().out.count("skipped (done)") == 7
+    assert (tmp_path / "out" / "s2-corrected" / "seed0.failed" / "summary.json").exists()
+    with (tmp_path / "out" / "runs.csv").open() as f:
+        assert all(r["status"] == "ok" for r in csv.DictReader(f))
+    assert "Left out" not in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_second_sweep_file_shares_runs_and_reports_elsewhere(tmp_path: Path, monkeypatch, capsys):
+    # configs/sweep_staleness_ladder.yaml's pattern: same dir (finished runs skipped), own report_dir.
+    from asyncrl.sweep import run_sweep
+
+    monkeypatch.setenv("FAIL_CELLS", "")
+    main = _fake_sweep(monkeypatch, tmp_path / "main.yaml", dir=str(tmp_path / "out"), seeds=[0, 1])
+    sub = tmp_path / "sub.yaml"
     assert run_sweep(main) == 0
     before = (tmp_path / "out" / "results.csv").read_text()
     sub.write_text(yaml.safe_dump(_raw(dir=str(tmp_path / "out"), seeds=[0, 1], report_dir=str(tmp_path / "out" / "r"),
