@@ -28,8 +28,6 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import ConfigError, TaskConfig
-
 from .base import Task
 from .math import Gsm8kTask
 from .tiny import AdditionTask, CopyTask, CountTask, EchoTask, ReverseTask, TinyTask
@@ -92,6 +90,8 @@ def _check_not_shadowed(name: str, key: str) -> None:
     the lookup, and its data and reward would be ignored): an error instead, with both ways out."""
     ep = _registered().get(name) if name in BUILTIN_TASKS else None
     if ep is not None:
+        from asyncrl.config import ConfigError  # here, not at the top: asyncrl.config imports this module
+
         dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
         raise ConfigError(
             f"{key}={name!r} is a built-in task, but {dist} also registers {name!r} under the "
@@ -111,6 +111,10 @@ def check_task_config(task_cfg: Any, prefix: str = "task.") -> None:
     name = task_cfg.name
     _check_not_shadowed(name, f"{prefix}name")
     if name in TINY_TASKS:
+        # Here, not at the top: asyncrl.config imports this module (its task checks), so importing
+        # asyncrl.tasks must not import asyncrl.config.
+        from asyncrl.config import ConfigError, TaskConfig
+
         defaults = TaskConfig()
         for key in DATA_KEYS:
             value = getattr(task_cfg, key, getattr(defaults, key))
