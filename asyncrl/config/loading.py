@@ -128,6 +128,11 @@ def _validate(obj: Any, prefix: str) -> None:
             raise ConfigError(f"{prefix}num_heads must be a multiple of {prefix}num_kv_heads")
     if isinstance(obj, TaskConfig):
         _validate_task_name(obj.name, f"{prefix}name")
+        # A built-in name shadowed by an installed plug-in, or data keys a tiny task would ignore: at
+        # load, not at actor start (entry-point metadata only; no plug-in is imported here).
+        from asyncrl.tasks.registry import check_task_config  # asyncrl.tasks never imports asyncrl.config
+
+        check_task_config(obj, prefix)
     if isinstance(obj, Config):
         check_config(obj)
 

@@ -144,8 +144,9 @@ class TaskConfig:
     )
     data_path: str = F(
         "",
-        "Training data: JSONL, Parquet or a save_to_disk dataset dir (gsm8k: GSM8K-format JSONL, empty = "
-        "shipped examples).",
+        "Training data: JSONL, Parquet or a save_to_disk dataset dir (gsm8k: question/answer columns in any "
+        "of these, split / eval_split honoured; empty = the shipped examples). Built-in tiny tasks read no "
+        "data and refuse it.",
     )
     split: str = F("train", "Split of a saved DatasetDict used for training.")
     eval_data_path: str = F("", "Eval data (same formats as data_path). Empty = eval_split or eval_fraction.")
