@@ -5,9 +5,9 @@ learner's rounds on Redis (protocol in :mod:`asyncrl.buffer.broadcast`):
 
 * a new session: claim ``tp * pp`` consecutive NCCL ranks, ``init_weight_transfer_engine`` with
   that rank offset (blocks until the learner and every other worker rendezvous), report ``joined``;
-* a ``start`` round for version v: check the announced tensor names against the served
-  checkpoint (a mismatch is reported as ``error`` before anyone enters the collective), then, in the
-  engine's swap sequence (scheduler paused, ``start_weight_update``), report ``started``, wait for
+* a ``start`` round for version v: check the announced tensor names, shapes and dtypes against the
+  served checkpoint (a mismatch is reported as ``error`` before anyone enters the collective), then,
+  in the engine's swap sequence (scheduler paused, ``start_weight_update``), report ``started``, wait for
   the ``update`` round, ``update_weights`` (NCCL receive, concurrent with the learner's
   broadcast); the engine then runs ``finish_weight_update(weight_version=str(v))`` (the label every
   later token carries), resets the KV of running requests and resumes; report ``done``.
@@ -22,27 +22,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from asyncrl.buffer.broadcast import BroadcastError, BroadcastSession, MemberState, Round
 
-__all__ = ["NcclReceiver", "NCCL_BACKEND", "check_names"]
+from .tensor_specs import TensorSpec, check_names, check_specs, checkpoint_specs
+
+__all__ = ["NcclReceiver", "NCCL_BACKEND", "check_names", "check_round", "expected_names"]
 
 log = logging.getLogger(__name__)
 NCCL_BACKEND = "nccl"  # vLLM's dense NCCL weight-transfer engine
-_TIED_OK = {"lm_head.weight"}
 
 
-def check_names(expected: set[str], names: list[str]) -> str:
-    """'' if ``names`` are exactly the served checkpoint's tensors (a tied lm_head may be extra), else why not."""
-    got = set(names)
-    missing, extra = sorted(expected - got), sorted(got - expected - _TIED_OK)
-    if len(got) != len(names):
-        return "duplicate tensor names in the broadcast"
-    if missing or extra:
-        return f"tensor names do not match the served model (missing {missing[:5]}, unexpected {extra[:5]})"
-    return ""
+def check_round(expected: Mapping[str, TensorSpec] | set[str], info: Mapping[str, Any]) -> str:
+    """'' if the tensors a ``start`` round announces (``names``, ``dtype_names``, ``shapes``) are the
+    served checkpoint's, else why not. A wrong shape would raise inside ``load_weights`` after earlier
+    layers were replaced (a half-reloaded model); refused here, no NCCL call is made and nobody pauses.
+    ``expected`` a set of names (no specs known): names only."""
+    names = list(info.get("names", []))
+    why = check_names(expected, names)
+    if why or not isinstance(expected, Mapping):
+        return why
+    dtypes, shapes = list(info.get("dtype_names", [])), list(info.get("shapes", []))
+    if len(dtypes) != len(names) or len(shapes) != len(names):
+        return f"the round announces {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes"
+    got = {
+        n: (tuple(int(d) for d in shape), str(dt)) for n, dt, shape in zip(names, dtypes, shapes, strict=True)
+    }
+    return check_specs(expected, got)
 
 
 class _Abandoned(BroadcastError):
@@ -61,7 +70,7 @@ class NcclReceiver:
         engine: Any,
         session: BroadcastSession,
         actor_id: str,
-        expected_names: set[str],
+        expected_names: Mapping[str, TensorSpec] | set[str],
         ranks: int,
         *,
         timeout_s: float = 120.0,
@@ -119,7 +128,7 @@ class NcclReceiver:
         if rnd is None or rnd.session != self.joined or rnd.seq <= self._seq or rnd.stage != "start":
             return None
         self._seq = rnd.seq
-        why = check_names(self.expected, list((rnd.update_info or {}).get("names", [])))
+        why = check_round(self.expected, rnd.update_info or {})
         if why:
             await asyncio.to_thread(self._report, rnd.version, rnd.seq, "error", why)
             log.error("%s: refusing broadcast v%d: %s", self.actor_id, rnd.version, why)
@@ -160,12 +169,7 @@ class NcclReceiver:
         await self.engine.llm.update_weights(WeightTransferUpdateRequest(update_info=cur.update_info or {}))
 
 
-def expected_names(model_path: str | Path) -> set[str]:
-    """Tensor names of the checkpoint the engine was started from (what every broadcast must carry)."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            names.update(fh.keys())
-    return names
+def expected_names(model_path: str | Path) -> dict[str, TensorSpec]:
+    """name -> (shape, dtype) of the checkpoint the engine was started from: what every broadcast must
+    carry (its keys are the names; the specs are compared with each round's announcement)."""
+    return checkpoint_specs(model_path)

@@ -18,7 +18,9 @@ registers it. The front end never needs it.
 
 Invariant: an update either loads every tensor the served checkpoint has, or raises before
 touching the model. vLLM itself only logs a warning for weights missing from an iterator, which
-would leave a silently half-updated policy; the name check below turns that into an error. The
+would leave a silently half-updated policy; the name check below turns that into an error. A tensor
+of another shape would raise inside ``load_weights``, after earlier layers were replaced: shapes and
+dtypes are checked first too (from the files' headers), and a name in two files is refused. The
 file's ``asyncrl_version`` metadata tag (written by every asyncrl transport) must equal the version
 being loaded: the shared-memory transport has no sha256, so this is what proves the bytes are the
 version the manifest names.
@@ -30,7 +32,6 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import (
@@ -40,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from . import eager_ranks
+from . import eager_ranks, tensor_specs
 from .cpu_heap import KEPT  # ctypes only
 
 __all__ = [
@@ -56,7 +57,6 @@ FILE_BACKEND = "asyncrl_file"
 #: ``additional_config`` key: keep the memory a CPU swap frees (asyncrl.actors.cpu_heap) when the
 #: checkpoint has at least this value's bytes.
 KEEP_FREED_KEY = "asyncrl_keep_freed_memory"
-_TIED_OK = {"lm_head.weight"}
 
 
 def _mark_computed_buffers() -> None:
@@ -71,17 +71,6 @@ def _mark_computed_buffers() -> None:
 
 _mark_computed_buffers()  # this module is imported in the worker process, before any reload
 eager_ranks.install()  # before the first sampling; see asyncrl.actors.eager_ranks
-
-
-def _checkpoint_names(model_dir: Path) -> set[str]:
-    """Tensor names of the safetensors checkpoint the engine was started from."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            names.update(fh.keys())
-    return names
 
 
 @dataclass
@@ -104,7 +93,7 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._expected: set[str] | None = None
+        self._expected: dict[str, tensor_specs.TensorSpec] | None = None  # the served checkpoint's
         self.last: dict[str, Any] = {}
         # Created once per worker, after the model loaded and before any swap: the first swap already
         # packs into memory that later swaps reuse. "off" = not asked for or not a CPU device.
@@ -157,37 +146,12 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         self.last = {"seconds": time.perf_counter() - t0, "tensors": len(owner)}
 
     def open_checked(self, path: str, version: int, stack: ExitStack) -> dict[str, Any]:
-        """name -> open safetensors handle (closed with ``stack``), after the checks of the module doc."""
-        from safetensors import safe_open
-
-        p = Path(path)
-        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
-        return self._check(p, files, handles, version)
-
-    def _check(self, p: Path, files: list[Path], handles: list[Any], version: int) -> dict[str, Any]:
-        """name -> open file, after checking the version tags and the tensor names."""
-        if not files:
-            raise ValueError(f"{p}: no safetensors files")
+        """name -> open safetensors handle (closed with ``stack``), after the checks of the module doc:
+        version tags, names, and each tensor's shape and dtype against the served checkpoint's (see
+        :mod:`asyncrl.actors.tensor_specs`), all before the model is touched."""
         if self._expected is None:
-            self._expected = _checkpoint_names(Path(self.model_config.model))
-        if version >= 0:
-            for f, fh in zip(files, handles, strict=True):
-                tag = (fh.metadata() or {}).get("asyncrl_version")
-                if tag is not None and tag != str(version):  # untagged: a file not written by us
-                    raise ValueError(f"{f}: holds version {tag!r}, expected {version}")
-        owner = {name: fh for fh in handles for name in fh.keys()}
-        if self._expected:
-            names = set(owner)
-            # A tied lm_head is saved by some trainers and skipped by vLLM: not an error.
-            missing, extra = sorted(self._expected - names), sorted(names - self._expected - _TIED_OK)
-            if missing or extra:
-                raise ValueError(
-                    f"{p}: tensor names do not match the served model "
-                    f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                    f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''})"
-                )
-        return owner
+            self._expected = tensor_specs.checkpoint_specs(self.model_config.model)
+        return tensor_specs.open_checked(path, version, stack, self._expected)
 
     def shutdown(self) -> None:
         pass

@@ -296,6 +296,38 @@ def test_name_mismatch_is_refused_before_the_collective(redis_client, run_name):
         buf.delete_run()
 
 
+def test_shape_mismatch_is_refused_before_the_collective(redis_client, run_name, tmp_path):
+    """Right names, one tensor of another shape: the actor refuses at the start round (a wrong shape would
+    raise inside load_weights after earlier layers were replaced), before anyone pauses or receives."""
+    from safetensors.torch import save_file
+
+    from asyncrl.actors.nccl_receiver import expected_names
+
+    w = _weights(0)
+    names = set(w)
+    for d, served in (("good", w), ("bad", {**w, "model.embed.weight": torch.zeros(12, 8)})):
+        (tmp_path / d).mkdir()
+        save_file(served, str(tmp_path / d / "model.safetensors"))
+    plane = _Plane(world_size=3)
+    good = _Actor(redis_client, run_name, "actor-0", plane, expected_names(tmp_path / "good"))
+    bad = _Actor(redis_client, run_name, "actor-1", plane, expected_names(tmp_path / "bad"))
+    transport = NcclTransport(BroadcastSession(redis_client, run_name), names, master_address="127.0.0.1", master_port=1,
+                              world_size=3, timeout_s=5.0, join_timeout_s=10.0,
+                              trainer=lambda c, s: _CpuTrainer(c, s, plane), device="cpu")  # fmt: skip
+    buf = ReplayBuffer(redis_client, run_name)
+    try:
+        with pytest.raises(BroadcastError, match=r"actor-1: tensor shapes/dtypes do not match.*\[11, 8\] float32, "
+                           r"served \[12, 8\] float32"):  # fmt: skip
+            Publisher(buf, transport, 2, "float32").publish(0, w)
+        assert plane.sent == 0 and buf.manifest_versions() == [] and buf.version() == 0
+        assert good.engine.version is None and bad.engine.version is None and not bad.engine.llm.received
+        assert good.error is None and bad.error is None
+    finally:
+        good.close()
+        bad.close()
+        buf.delete_run()
+
+
 def test_dead_actor_fails_the_round_by_name_and_v_stays(stack):
     plane, actors, pub, buf = stack
     pub.publish(0, _weights(0))
