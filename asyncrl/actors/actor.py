@@ -255,6 +255,9 @@ class RolloutActor(GroupProduction, VersionWatching):
                 self.engine = None
             if self.engine is None:
                 await self._start_engine()
+            # Also when an engine survived a failed first load (or Redis dropped during it): it serves
+            # no version yet and every group worker would fail at once.
+            if self.engine.version is None:
                 await self._load_first_version()
             if not self._stop_requested:
                 await self._generate(tasks)

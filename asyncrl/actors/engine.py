@@ -168,6 +168,7 @@ class Engine(WeightSwaps):
         self.swap_settled = asyncio.Event()
         self.swap_settled.set()
         self._expected_names: set[str] | None = None
+        self._expected_specs: dict[str, tuple[list[int], str]] = {}  # filled with _expected_names
         # Staged swaps (asyncrl.actors.staging), file/shm transports only; turned off for good if the
         # worker refuses the model (staging_refused says why).
         self.staging = bool(staging) and weight_backend == FILE_BACKEND

@@ -3,7 +3,12 @@
 A mixin of :class:`asyncrl.actors.actor.RolloutActor` (it uses the actor's engine, buffer, counters and
 heartbeat). Invariants: a manifest is served only after its path is confined to this run's weight
 directories and its sha256 (or sizes) verified; a manifest that fails is refused once, remembered and
-logged, and the actor keeps generating on the weights it has. With ``learner.weight_transport=nccl``
+logged, and the actor keeps generating on the weights it has. Refusals are the
+:class:`~asyncrl.buffer.WeightIntegrityError` s (the file's digest, or its header: names, shapes,
+version tag, see :mod:`asyncrl.actors.weight_swaps`) and registry entries that do not parse (e.g. a
+newer learner's schema); any other swap error is the engine's and goes to the actor's supervision. A
+file that vanished after it was verified (``WeightFileGone``: pruned, recycled) is not remembered:
+newer weights replaced it, and the actor moves on to the newest manifest. With ``learner.weight_transport=nccl``
 the learner drives the swap (:mod:`asyncrl.actors.nccl_receiver`).
 """
 
@@ -16,11 +21,14 @@ from typing import Any
 
 from asyncrl.buffer import WeightIntegrityError, WeightManifest, verify
 from asyncrl.buffer.paths import confine
+from asyncrl.buffer.weights import WeightFileGone
 
 __all__ = ["VersionWatching", "MANIFEST_POLL_S", "NCCL_POLL_S"]
 
 log = logging.getLogger(__name__)
 
+#: The ``_rejected`` key (with the version) of a registry entry that does not parse as a manifest.
+UNREADABLE = "<unreadable manifest>"
 MANIFEST_POLL_S = 0.2  # registry poll while waiting for the first version / between hints
 NCCL_POLL_S = 0.005  # broadcast-round poll (learner.weight_transport=nccl)
 
@@ -33,7 +41,9 @@ class VersionWatching:
     counters: dict[str, Any]
     timeline: Any
 
-    async def _newest_valid_manifest(self, defer: bool = False) -> WeightManifest | None:
+    async def _newest_valid_manifest(
+        self, defer: bool = False, skip: frozenset[tuple[int, str]] = frozenset()
+    ) -> WeightManifest | None:
         """The newest published manifest newer than the served version whose weights verify.
 
         Manifests that fail verification (tampered, half-written) are refused once, logged and
@@ -45,23 +55,34 @@ class VersionWatching:
         """
         assert self.engine is not None
         current = -1 if self.engine.version is None else self.engine.version
-        rejected = set(self._rejected)
+        rejected = set(self._rejected) | skip
         found, refused = await asyncio.to_thread(self._scan_manifests, current, rejected, defer)
-        for m, e in refused:  # counters and the refusal set belong to the loop thread
-            self._refuse(m, e)
+        for key, e in refused:  # counters and the refusal set belong to the loop thread
+            self._refuse_key(key, e)
         return found
 
     def _refuse(self, m: WeightManifest, e: Exception) -> None:
-        self._rejected.add((m.version, m.sha256))
+        self._refuse_key((m.version, m.sha256), e)
+
+    def _refuse_key(self, key: tuple[int, str], e: Exception) -> None:
+        self._rejected.add(key)
         self.counters["weight_rejects"] += 1
-        log.error("%s: refusing weights v%d: %s", self.actor_id, m.version, e)
+        log.error("%s: refusing weights v%d: %s", self.actor_id, key[0], e)
 
     def _scan_manifests(
         self, current: int, rejected: set[tuple[int, str]], defer: bool = False
-    ) -> tuple[WeightManifest | None, list[tuple[WeightManifest, WeightIntegrityError]]]:
-        refused: list[tuple[WeightManifest, WeightIntegrityError]] = []
+    ) -> tuple[WeightManifest | None, list[tuple[tuple[int, str], Exception]]]:
+        """The newest manifest above ``current`` not in ``rejected`` that confines (and verifies unless
+        ``defer``), and the refusals met on the way (keys of ``rejected``). A registry entry that does
+        not parse is refused under the key ``(v, UNREADABLE)``, and skipped while it stays unreadable."""
+        refused: list[tuple[tuple[int, str], Exception]] = []
         for v in sorted((v for v in self.buffer.manifest_versions() if v > current), reverse=True):
-            m = self.buffer.manifest(v)
+            try:
+                m = self.buffer.manifest(v)
+            except ValueError as e:  # e.g. {"schema": 2} of a newer learner: the older ones still serve
+                if (v, UNREADABLE) not in rejected:
+                    refused.append(((v, UNREADABLE), e))
+                continue
             if m is None or (m.version, m.sha256) in rejected:
                 continue
             try:
@@ -69,7 +90,7 @@ class VersionWatching:
                 if not defer:
                     verify(m)
             except WeightIntegrityError as e:
-                refused.append((m, e))
+                refused.append(((m.version, m.sha256), e))
                 continue
             return m, refused
         return None, refused
@@ -104,11 +125,14 @@ class VersionWatching:
             if res is None:
                 return False
         else:
+            gone: set[tuple[int, str]] = set()  # files that vanished: skipped in this call only
             while True:  # the newest candidate; refused (it did not verify): the next older one
                 m = self._hinted(hint) if hint is not None else None
                 hint = None  # the newest candidate only: after a refusal, the registry's next older one
+                if m is not None and (m.version, m.sha256) in gone:
+                    m = None
                 if m is None:
-                    m = await self._newest_valid_manifest(defer=True)
+                    m = await self._newest_valid_manifest(defer=True, skip=frozenset(gone))
                 if m is None or not (first or self._swap_due(m.version)):
                     return False
                 try:
@@ -116,7 +140,11 @@ class VersionWatching:
                         m.path, m.version, mode, verify=lambda m=m: asyncio.to_thread(verify, m)
                     )
                     break
-                except WeightIntegrityError as e:  # nothing paused: the old weights keep serving
+                except WeightFileGone as e:  # pruned or recycled since: newer weights replaced it
+                    gone.add((m.version, m.sha256))
+                    self.counters["weight_rejects"] += 1
+                    log.warning("%s: weights v%d vanished before the swap: %s", self.actor_id, m.version, e)
+                except WeightIntegrityError as e:  # the old weights keep serving (nothing half-loaded)
                     self._refuse(m, e)
         t_end = time.time()  # the swap returned just now after pausing the engine for pause_s
         # Workers admitted for this version while it was prepared (group_worker._await_swap) submit

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.atomic_commit import ATOMIC_COMMIT, SUPPORTED
+from asyncrl.buffer.weights import WeightFileError, WeightFileGone
 
 __all__ = ["EngineError", "SwapResult", "SWAP_MODES", "WeightSwaps"]
 
@@ -61,7 +62,38 @@ STAGE_POLL_MIN_S, STAGE_POLL_MAX_S = 0.001, 0.02  # poll interval bounds while a
 #: polls); ~10 ms at the tiny demo size, and a group submitted meanwhile waits at most about that long.
 SYNC_STAGE_MAX_BYTES = 16 << 20
 
+#: Errors of a stage build (reported by the worker as "TypeName: message") that are about the file:
+#: its header checks (ValueError), a file that vanished or cannot be read. Anything else is the engine's.
+_FILE_ERRORS = ("ValueError", "FileNotFoundError", "SafetensorError", "OSError", "IsADirectoryError")
+
 log = logging.getLogger(__name__)
+
+
+def _kind(dtype: str) -> str:
+    """A safetensors dtype's kind: "float" (F16, BF16, F32, F8_*, ...) or the dtype itself."""
+    return "float" if dtype.startswith(("F", "BF")) else dtype
+
+
+async def run_whole(aw: Awaitable[Any]) -> Any:
+    """Await ``aw`` in its own task, which runs to its end even if the caller is cancelled meanwhile.
+
+    Why: a vLLM utility call (pause, commit, update_weights, label, resume) still runs in the engine
+    core after its caller is cancelled, so a swap abandoned halfway leaves the engine paused or serving
+    new weights under the old label. Cancelled, this waits for the task (further cancellations too) and
+    then re-raises the cancellation; the task's own error, if any, is logged (the caller is going away).
+    """
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            try:
+                await asyncio.wait((task,))  # never cancels the task it waits for
+            except asyncio.CancelledError:
+                pass
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a weight swap step failed while its caller was cancelled: %r", task.exception())
+        raise
 
 
 def safetensors_bytes(path: str | os.PathLike) -> int:
@@ -89,7 +121,8 @@ class WeightSwaps:
     """The swap half of :class:`asyncrl.actors.engine.Engine` (see the module docstring).
 
     Needs from the engine: ``llm`` (vLLM ``AsyncLLM``), ``model_path``, ``recompute_kv``, ``version``,
-    the asyncio ``_swap_lock``, ``_admit`` and ``_idle`` events, ``_expected_names``, the staging
+    the asyncio ``_swap_lock``, ``_admit`` and ``_idle`` events, ``_expected_names`` and
+    ``_expected_specs``, the staging
     state (``staging``, ``staging_refused``, ``staged_swaps``, ``stage_replay``,
     ``stage_replay_refused``, ``atomic_commit``) and the swap's progress (``swapping_to``,
     ``swap_begun``, ``swap_settled``), all set by ``Engine.__init__``.
@@ -113,6 +146,7 @@ class WeightSwaps:
     _admit: asyncio.Event
     _idle: asyncio.Event
     _expected_names: set[str] | None
+    _expected_specs: dict[str, tuple[list[int], str]]  # name -> (shape, safetensors dtype) served
     swapping_to: int | None
     swap_begun: asyncio.Event
     swap_settled: asyncio.Event
@@ -145,15 +179,37 @@ class WeightSwaps:
         request = WeightTransferUpdateRequest(update_info={"path": str(path), "version": int(version)})
 
         async def load() -> None:
-            await self.llm.update_weights(request)
+            try:
+                await self.llm.update_weights(request)
+            except Exception as e:
+                # Inside the pause the worker reopens the path (which may have been pruned or recycled
+                # since the checks, e.g. during a between_groups drain); it refuses before touching the
+                # model. If the file no longer passes the header checks, that was the failure: a refusal
+                # (WeightFileError), not an engine error.
+                try:
+                    await asyncio.to_thread(self._check_file, Path(path), int(version))
+                except WeightFileError as gone:
+                    raise gone from e
+                raise
 
         async def build() -> tuple[Callable[[], Awaitable[None]], bool]:
-            # Off the pause: the stage, whose build starts with the worker's header checks (names,
-            # version tag; a failure raises here, before any pause); in place, the same checks here.
-            if self.staging and await self._stage(str(path), int(version)):
-                return self._commit_stage(int(version)), True
-            await asyncio.to_thread(self._check_file, Path(path), int(version))
-            return self._in_place(load), False
+            # Off the pause: the header checks (names, shapes, dtypes, version tag), beside the stage
+            # build when staging (whose worker checks names and tag too); a failure raises here,
+            # before any pause, and drops a built stage.
+            check = asyncio.to_thread(self._check_file, Path(path), int(version))
+            if not self.staging:
+                await check
+                return self._in_place(load), False
+            staged, checked = await asyncio.gather(
+                self._stage(str(path), int(version)), check, return_exceptions=True
+            )
+            if isinstance(checked, BaseException):
+                if staged is True:
+                    await run_whole(self.llm.collective_rpc("asyncrl_stage_discard"))
+                raise checked
+            if isinstance(staged, BaseException):
+                raise staged
+            return (self._commit_stage(int(version)), True) if staged else (self._in_place(load), False)
 
         async def prepare() -> tuple[Callable[[], Awaitable[None]], bool]:
             if verify is None:
@@ -161,7 +217,7 @@ class WeightSwaps:
             built, checked = await asyncio.gather(build(), verify(), return_exceptions=True)
             if isinstance(checked, BaseException):
                 if not isinstance(built, BaseException) and built[1]:
-                    await self.llm.collective_rpc("asyncrl_stage_discard")
+                    await run_whole(self.llm.collective_rpc("asyncrl_stage_discard"))
                 raise checked
             if isinstance(built, BaseException):
                 raise built
@@ -176,7 +232,21 @@ class WeightSwaps:
         # stage inside the begin RPC. Nothing is there to overlap with, and the thread's start and the
         # polls (~5 ms of a ~17 ms tiny swap) are saved. Only for small files: a group submitted
         # meanwhile waits for the build, which must stay short.
-        wait = self._active == 0 and safetensors_bytes(path) <= SYNC_STAGE_MAX_BYTES
+        try:
+            wait = self._active == 0 and safetensors_bytes(path) <= SYNC_STAGE_MAX_BYTES
+        except FileNotFoundError as e:
+            raise WeightFileGone(f"{path}: the file of v{version} is gone ({e})") from e
+        try:
+            return await self._stage_built(path, version, wait)
+        except asyncio.CancelledError:
+            # The begin RPC runs in the engine core whether or not its caller still waits, and its
+            # thread builds on. The discard, sent after it (the engine core runs utility calls in
+            # order), joins that build and drops it: the next begin finds no stage in progress.
+            await run_whole(self.llm.collective_rpc("asyncrl_stage_discard"))
+            raise
+
+    async def _stage_built(self, path: str, version: int, wait: bool) -> bool:
+        """:meth:`_stage` from the begin RPC on."""
         begun = await self.llm.collective_rpc(
             "asyncrl_stage_begin", args=(path, version, wait, self.stage_replay)
         )
@@ -199,8 +269,14 @@ class WeightSwaps:
                 break
         errors = [s["error"] for s in states if s["error"]]
         if errors:
-            await self.llm.collective_rpc("asyncrl_stage_discard")
-            raise ValueError(f"staging v{version} from {path} failed: {errors[0]}")
+            await run_whole(self.llm.collective_rpc("asyncrl_stage_discard"))
+            msg = f"staging v{version} from {path} failed: {errors[0]}"
+            kind = str(errors[0]).split(":", 1)[0]
+            if kind == "FileNotFoundError":
+                raise WeightFileGone(msg)
+            if kind in _FILE_ERRORS:
+                raise WeightFileError(msg)  # the file's content: a refusal of this manifest
+            raise EngineError(msg)
         if not all(s["done"] for s in states):
             raise EngineError(f"staging v{version}: the worker reports no stage after building ({states})")
         refused = next((s["plan_refused"] for s in states if s.get("plan_refused")), None)
@@ -271,43 +347,62 @@ class WeightSwaps:
         mode: str,
         prepare: Callable[[], Awaitable[tuple[Callable[[], Awaitable[None]], bool]]],
     ) -> SwapResult:
-        """:meth:`_swap` under the lock."""
+        """:meth:`_swap` under the lock.
+
+        Invariant, cancelled or not: from the pause to the resume runs as one task to its end
+        (:func:`run_whole`), and ``version`` is set inside it once the engine serves and labels the new
+        weights, so the label, ``version`` and the served weights agree and the engine is never left
+        paused. A stage built but never committed (cancelled during the drain) is dropped."""
         tp = time.perf_counter()
         inner, staged = await prepare()
         t0 = time.perf_counter()
         drain_s = 0.0
-        if mode == "between_groups":
-            self._admit.clear()
-            await self._idle.wait()
-            drain_s = time.perf_counter() - t0
         try:
-            if staged and await self._atomic_commit_ok():
-                # Commit, label and KV reset in one utility call between two engine steps: no
-                # pause (asyncrl.actors.atomic_commit).
-                t1 = time.perf_counter()
-                await self.llm.engine_core.call_utility_async(
-                    ATOMIC_COMMIT, int(version), bool(self.recompute_kv)
-                )
-                reload_s = time.perf_counter() - t1
-            else:
-                reload_s = await self._paused(inner, version)
-            self.version = int(version)
-            self.staged_swaps += int(staged)
+            if mode == "between_groups":
+                self._admit.clear()
+                try:
+                    await self._idle.wait()
+                except asyncio.CancelledError:
+                    if staged:
+                        await run_whole(self.llm.collective_rpc("asyncrl_stage_discard"))
+                    raise
+                drain_s = time.perf_counter() - t0
+            reload_s = await run_whole(self._commit(inner, staged, version))
         finally:
             self._admit.set()
         return SwapResult(int(version), mode, time.perf_counter() - t0, drain_s, reload_s, staged, t0 - tp)
 
+    async def _commit(self, inner: Callable[[], Awaitable[None]], staged: bool, version: int) -> float:
+        """The new weights served and labelled (atomic staged commit, or the paused sequence); sets
+        ``version``. Returns the seconds from the pause's start (or the commit's) to the label."""
+        if staged and await self._atomic_commit_ok():
+            # Commit, label and KV reset in one utility call between two engine steps: no
+            # pause (asyncrl.actors.atomic_commit).
+            t1 = time.perf_counter()
+            await self.llm.engine_core.call_utility_async(
+                ATOMIC_COMMIT, int(version), bool(self.recompute_kv)
+            )
+            reload_s = time.perf_counter() - t1
+        else:
+            reload_s = await self._paused(inner, version)
+        self.version = int(version)
+        self.staged_swaps += int(staged)
+        return reload_s
+
     async def _paused(self, inner: Callable[[], Awaitable[None]], version: int) -> float:
         """``inner`` inside the scheduler pause, then the label and the KV reset (the sequence of the
-        module doc); returns the seconds from the pause's start to the label."""
-        # The scheduler pause without AsyncLLM.pause_generation's fixed 20 ms sleep.
-        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        module doc); returns the seconds from the pause's start to the label. Run whole (the caller's
+        :func:`run_whole`): a cancellation halfway would skip the label or the resume."""
         try:
+            # The scheduler pause without AsyncLLM.pause_generation's fixed 20 ms sleep. Inside the
+            # try: a pause that failed on the way may still have paused the engine core.
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
             t1 = time.perf_counter()
             await inner()
             # The label of every later step (finish_weight_update(weight_version=...) does exactly
             # this after its RPC; a staged commit has no update session to finish).
             await self.llm.update_weight_version(str(version))
+            self.version = int(version)  # served and labelled from here on, whatever fails after
             reload_s = time.perf_counter() - t1
             if self.recompute_kv:
                 # Preempt running requests: they re-prefill under the new weights.
@@ -330,30 +425,66 @@ class WeightSwaps:
         return self.atomic_commit
 
     def _check_file(self, path: Path, version: int) -> None:
-        """Raise ValueError unless ``path`` holds exactly the served tensors, tagged ``version``.
+        """Raise :class:`WeightFileError` unless ``path`` holds exactly the served tensors (names, shapes,
+        dtypes), tagged ``version``; :class:`WeightFileGone` if it is not there (any more).
 
-        The worker checks again, but a failure there costs a pause; here it costs nothing.
+        Headers only (cheap). The worker checks names and tag again, but a failure there costs a pause;
+        here it costs nothing. A wrong shape passes the worker's checks and fails the in-place reload
+        halfway, leaving a half-reloaded model: it is refused here, before the pause.
         """
+        try:
+            self._check_headers(path, version)
+        except WeightFileError:
+            raise
+        except FileNotFoundError as e:
+            raise WeightFileGone(f"{path}: the file of v{version} is gone ({e})") from e
+        except Exception as e:  # the file cannot be read as safetensors (truncated, recycled, ...)
+            if not path.exists():
+                raise WeightFileGone(f"{path}: the file of v{version} is gone ({e})") from e
+            raise WeightFileError(f"{path}: unreadable as safetensors ({type(e).__name__}: {e})") from e
+
+    def _check_headers(self, path: Path, version: int) -> None:
         from safetensors import safe_open
 
         if self._expected_names is None:
-            names: set[str] = set()
+            specs: dict[str, tuple[list[int], str]] = {}
             for f in sorted(self.model_path.glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as fh:
-                    names.update(fh.keys())
-            self._expected_names = names
+                    for name in fh.keys():
+                        t = fh.get_slice(name)
+                        specs[name] = (list(t.get_shape()), str(t.get_dtype()))
+            self._expected_specs = specs
+            self._expected_names = set(specs)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        got: set[str] = set()
+        if not files:
+            raise WeightFileGone(f"{path}: no safetensors files")
+        got: dict[str, tuple[list[int], str]] = {}
         for f in files:
             with safe_open(str(f), framework="pt") as fh:
                 tag = (fh.metadata() or {}).get("asyncrl_version")
                 if tag is not None and tag != str(version):
-                    raise ValueError(f"{f}: holds weights v{tag}, announced as v{version}")
-                got.update(fh.keys())
+                    raise WeightFileError(f"{f}: holds weights v{tag}, announced as v{version}")
+                for name in fh.keys():
+                    t = fh.get_slice(name)
+                    got[name] = (list(t.get_shape()), str(t.get_dtype()))
         if self._expected_names:
-            missing, extra = self._expected_names - got, got - self._expected_names - _TIED_OK
+            missing, extra = self._expected_names - set(got), set(got) - self._expected_names - _TIED_OK
             if missing or extra:
-                raise ValueError(
+                raise WeightFileError(
                     f"{path}: tensor names do not match the served model "
                     f"(missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]})"
                 )
+        specs = self._expected_specs
+        # Shapes must match exactly. Dtypes by kind: the loaders convert between float widths (a bf16
+        # checkpoint trained and published in fp32 is a normal run), anything else is another tensor.
+        wrong = [
+            (n, got[n], specs[n])
+            for n in sorted(got)
+            if n in specs and (got[n][0] != specs[n][0] or _kind(got[n][1]) != _kind(specs[n][1]))
+        ]
+        if wrong:
+            n, (gs, gd), (es, ed) = wrong[0]
+            raise WeightFileError(
+                f"{path}: {len(wrong)} tensors differ from the served model in shape or dtype "
+                f"(first: {n} is {gd}{gs}, served {ed}{es})"
+            )

@@ -73,7 +73,15 @@ class RunRegistry:
         return None if data is None else WeightManifest.from_bytes(data)
 
     def manifest_versions(self) -> list[int]:
-        return sorted(int(v) for v in self._client.hkeys(self.keys.weights))
+        """The registered versions, ascending. A key that is not a decimal version (written by
+        something else than a publisher) is skipped: it must not stop readers of the valid ones."""
+        versions = []
+        for key in self._client.hkeys(self.keys.weights):
+            try:
+                versions.append(int(key))
+            except ValueError:
+                continue
+        return sorted(versions)
 
     def latest_manifest(self) -> WeightManifest | None:
         """The manifest with the highest version, or None if none was published."""

@@ -42,6 +42,8 @@ __all__ = [
     "MANIFEST_SCHEMA",
     "MANIFEST_FILENAME",
     "WeightIntegrityError",
+    "WeightFileError",
+    "WeightFileGone",
     "FileDigest",
     "WeightManifest",
     "sha256_file",
@@ -65,7 +67,22 @@ BROADCAST_SCHEME = "nccl://"
 
 
 class WeightIntegrityError(RuntimeError):
-    """The weights on disk do not match their manifest (missing, wrong size or sha256)."""
+    """The weights on disk do not match their manifest (missing, wrong size or sha256).
+
+    The actor refuses the manifest (logged, remembered) and keeps serving the weights it has; any
+    other error of a swap is the engine's and goes to the actor's supervision."""
+
+
+class WeightFileError(WeightIntegrityError, ValueError):
+    """The file does not hold what the engine serves: tensor names, shapes or dtypes, or a version tag
+    other than the one announced, or it cannot be read as safetensors. For the shared-memory transport
+    (no sha256) these header checks are the integrity check. A ValueError too: older callers catch that."""
+
+
+class WeightFileGone(WeightFileError):
+    """The file vanished (pruned or recycled) after it was verified, e.g. while a between_groups swap
+    drained. Not remembered as refused: the manifest was fine, newer weights replaced it; the actor
+    moves on to the newest manifest."""
 
 
 @dataclass(frozen=True)

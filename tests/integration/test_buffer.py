@@ -540,3 +540,42 @@ def test_lagging_actors_are_the_live_ones_behind_the_version(buffer) -> None:
     buffer.heartbeat("a-behind", {"version": 3, "state": "running"})  # its heartbeat after the swap
     buffer.heartbeat("b-behind", {"version": 3, "state": "running"})
     assert buffer.lagging_actors(3, timeout_s=60) == []
+
+
+def test_a_registry_entry_that_does_not_parse_is_refused_and_older_versions_still_serve(
+    buffer: ReplayBuffer, redis_client: redis.Redis, tmp_path
+) -> None:
+    """A newer learner's manifest ({"schema": 2}) or a key that is no version must not stop an actor
+    from finding the versions it can serve: ``manifest_versions`` skips non-numeric keys, and the
+    actor's registry scan refuses the unreadable entry once (remembered) and goes on to older ones."""
+    from asyncrl.actors.version_watch import UNREADABLE, VersionWatching
+    from asyncrl.buffer.paths import weight_roots
+
+    run_dir = tmp_path / "run"
+    roots = weight_roots(run_dir, buffer.keys.run)
+    manifests = {}
+    for v in (1, 2):
+        d = roots[0] / f"v{v}"
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(bytes([v]) * 100)
+        manifests[v] = build_manifest(v, d, "float32")
+        buffer.publish_weights(manifests[v])
+    redis_client.hset(buffer.keys.weights, "3", msgpack.packb({"schema": 2, "version": 3}))
+    redis_client.hset(buffer.keys.weights, "latest", b"x")
+    assert buffer.manifest_versions() == [1, 2, 3]
+    with pytest.raises(ValueError, match="schema"):
+        buffer.manifest(3)
+
+    watcher = VersionWatching()
+    watcher.buffer, watcher.weight_roots = buffer, roots
+    found, refused = watcher._scan_manifests(0, set())
+    assert found == manifests[2]
+    assert [(key, type(e)) for key, e in refused] == [((3, UNREADABLE), ValueError)]
+    found, refused = watcher._scan_manifests(0, {(3, UNREADABLE)})  # remembered: not refused again
+    assert found == manifests[2] and refused == []
+    # Fixed in place (a re-publish of v3 that parses): served, the remembered refusal does not stick.
+    d = roots[0] / "v3"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"\3" * 100)
+    buffer.publish_weights(build_manifest(3, d, "float32"))
+    assert watcher._scan_manifests(0, {(3, UNREADABLE)})[0].version == 3

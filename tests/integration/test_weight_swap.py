@@ -982,10 +982,10 @@ def test_idle_engine_builds_the_stage_inside_one_rpc_and_a_busy_one_in_a_thread(
         assert res.staged and eng.version == base
         assert methods.count("asyncrl_stage_begin") == 1 and "asyncrl_stage_poll" not in methods, methods
         assert next(a for m, a in calls if m == "asyncrl_stage_begin")[2] is True  # wait=True
-        # Staged, the worker's build does the header checks: a file tagged v8 announced as another
-        # version is refused before any pause and the served version stays.
+        # Staged, the worker's build and the front end's header check (beside it) both check the tag:
+        # a file tagged v8 announced as another version is refused before any pause, the version stays.
         bad = tr.publish(base + 5, rig["weights"](8), "float32")
-        with pytest.raises(ValueError, match=f"expected {base + 6}"):
+        with pytest.raises(ValueError, match=f"expected {base + 6}|announced as v{base + 6}"):
             loop.run_until_complete(eng.swap_weights(bad.path, base + 6, "in_flight"))
         assert eng.version == base
         calls.clear()
@@ -1006,3 +1006,154 @@ def test_idle_engine_builds_the_stage_inside_one_rpc_and_a_busy_one_in_a_thread(
         assert next(a for m, a in calls if m == "asyncrl_stage_begin")[2] is False
     finally:
         eng.staging, eng.llm.collective_rpc = False, rpc
+
+
+def _exact_per_version(models: dict, seqs) -> None:
+    """Every token's logprob is the one the weights of its label give (HF fp32 recompute)."""
+    for s in seqs:
+        ids = torch.tensor([PROMPT + s.token_ids])
+        for v in set(s.versions):
+            with torch.no_grad():
+                logits = models(v)(ids).logits[0, len(PROMPT) - 1 : -1].float()
+            lp = torch.log_softmax(logits / TEMPERATURE, -1).gather(1, torch.tensor(s.token_ids)[:, None])[
+                :, 0
+            ]
+            mask = torch.tensor(s.versions) == v
+            err = float((lp[mask] - torch.tensor(s.logprobs)[mask]).abs().max())
+            assert err < TOL, f"tokens labelled v{v} were not sampled by v{v}'s weights (err {err:.3g})"
+
+
+@pytest.mark.parametrize("path", ["in_place", "staged_paused", "staged_one_call"])
+def test_a_swap_cancelled_at_any_point_leaves_the_engine_running_its_label_true_and_swappable(
+    rig, path
+) -> None:
+    """The actor cancels its version watcher, possibly inside a swap, when a group worker fails; the
+    engine (and a stage being built) outlives that. Cancelled at every point of the sequence (begin /
+    stage polls, pause, commit or reload, label, resume): the engine is not left paused (a group running
+    meanwhile and a new one finish), ``Engine.version`` names the weights that serve and label the
+    tokens (each token matches the HF recompute under its label's weights), and the next swap works (no
+    stage left building)."""
+    eng, tr, loop = rig["engine"], rig["transport"], rig["loop"]
+    hf_models: dict[int, Any] = {}
+
+    def weights(v: int) -> dict[str, torch.Tensor]:  # three weight sets: v, v+1 and v+2 all differ
+        return rig["weights"](40 + v % 3)
+
+    def model(v: int):
+        if v % 3 not in hf_models:
+            hf_models[v % 3] = rig["hf"](weights(v))
+        return hf_models[v % 3]
+
+    offset = {"in_place": 1000, "staged_paused": 2000, "staged_one_call": 3000}[path]
+    v = (eng.version or 0) + offset
+    loop.run_until_complete(eng.swap_weights(tr.publish(v, weights(v), "float32").path, v, "in_flight"))
+    eng.staging = path != "in_place"
+    eng.atomic_commit = False if path == "staged_paused" else None
+    committed = []
+    try:
+        for i, delay_ms in enumerate(range(0, 41, 2)):
+
+            async def cancelled_swap(i=i, delay_ms=delay_ms, v=v):
+                bg = asyncio.ensure_future(
+                    eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 60, f"bg-{path}-{i}")
+                )
+                while eng.in_flight == 0:  # busy: a stage is built in the worker's thread and polled
+                    await asyncio.sleep(0.001)
+                m = tr.publish(v + 1, weights(v + 1), "float32")
+                swap = asyncio.ensure_future(eng.swap_weights(m.path, v + 1, "in_flight"))
+                await asyncio.sleep(delay_ms / 1000)
+                swap.cancel()
+                await asyncio.gather(swap, return_exceptions=True)
+                assert eng.swapping_to is None and eng._admit.is_set()
+                running = await asyncio.wait_for(bg, 60)  # never finishes on a paused engine
+                after = await asyncio.wait_for(
+                    eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 12, f"after-{path}-{i}"), 60
+                )
+                return running, after
+
+            running, after = loop.run_until_complete(cancelled_swap())
+            served = eng.version
+            assert served in (v, v + 1), (delay_ms, served)
+            committed.append(served == v + 1)
+            assert all(set(s.versions) == {served} for s in after), (
+                delay_ms,
+                served,
+                [s.versions for s in after],
+            )
+            _exact_per_version(model, running + after)
+            nxt = v + 2
+            res = loop.run_until_complete(
+                eng.swap_weights(tr.publish(nxt, weights(nxt), "float32").path, nxt, "in_flight")
+            )
+            assert eng.version == nxt and res.staged == (path != "in_place")
+            _exact_per_version(model, _sample(rig, f"next-{path}-{i}"))
+            for old in (v, v + 1):
+                tr.delete(old)
+            v = nxt
+    finally:
+        eng.staging, eng.atomic_commit = False, None
+    # The sweep cancelled swaps before they served and after (both sides of the commit were hit).
+    assert any(committed) and not all(committed), committed
+
+
+def test_files_of_the_wrong_shape_unreadable_or_vanished_are_refusals_and_the_old_weights_serve(
+    rig, tmp_path: Path
+) -> None:
+    """Content failures are WeightIntegrityError s (WeightFileError; WeightFileGone for a file that is
+    not there), raised before the pause, staged or in place: a file with the right names and tag but a
+    wrong shape (which an in-place reload would have loaded halfway), a file that is not safetensors, a
+    path that does not exist, and a file pruned while a between_groups swap drained (the worker's reopen
+    inside the pause fails; the model keeps its weights). The old weights keep serving exactly."""
+    from asyncrl.buffer.weights import WeightFileError, WeightFileGone, WeightIntegrityError
+
+    eng, tr, loop = rig["engine"], rig["transport"], rig["loop"]
+    run = loop.run_until_complete
+    v = (eng.version or 0) + 4000
+    run(eng.swap_weights(tr.publish(v, rig["weights"](50), "float32").path, v, "in_flight"))
+    ref = rig["hf"](rig["weights"](50))
+
+    def still_serves(rid: str) -> None:
+        s = _sample(rig, rid)
+        assert eng.version == v and all(set(x.versions) == {v} for x in s) and _max_err(ref, s) < TOL
+
+    w = rig["weights"](51)
+    name = next(k for k, t in w.items() if t.dim() == 2 and "embed" not in k)
+    shaped = ShmTransport(tmp_path / "shape")  # no expected names: writes what it is given
+    m_shape = shaped.publish(v + 1, {**w, name: w[name][:-1].clone()}, "float32")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{bad}   " + b"\0" * 64)
+    try:
+        for staging in (False, True):
+            eng.staging = staging
+            with pytest.raises(WeightFileError, match="shape"):
+                run(eng.swap_weights(m_shape.path, v + 1, "in_flight"))
+            with pytest.raises(WeightFileError, match="unreadable|staging"):
+                run(eng.swap_weights(junk, v + 1, "in_flight"))
+            with pytest.raises(WeightFileGone):
+                run(eng.swap_weights(tmp_path / "never.safetensors", v + 1, "in_flight"))
+            still_serves(f"refused-{staging}")
+    finally:
+        eng.staging = False
+        shaped.cleanup()
+    # Pruned during a between_groups drain: the in-place reload reopens the path inside the pause.
+    m = tr.publish(v + 2, rig["weights"](52), "float32")
+
+    async def pruned_while_draining() -> BaseException | None:
+        bg = asyncio.ensure_future(eng.generate_group(PROMPT, 2, TEMPERATURE, 1.0, 80, "draining"))
+        while eng.in_flight == 0:
+            await asyncio.sleep(0.001)
+        swap = asyncio.ensure_future(eng.swap_weights(m.path, v + 2, "between_groups"))
+        while eng._admit.is_set():  # the header checks passed; now draining
+            await asyncio.sleep(0.001)
+        assert not bg.done(), "the group ended before the file could be pruned"
+        tr.delete(v + 2)
+        await bg
+        try:
+            await swap
+        except BaseException as e:
+            return e
+        return None
+
+    err = run(pruned_while_draining())
+    assert isinstance(err, WeightFileGone) and isinstance(err, WeightIntegrityError), repr(err)
+    still_serves("after-pruned")
