@@ -31,7 +31,24 @@ from asyncrl.buffer.layout import DEFAULT_CONSUMER_GROUP, Keys
 from asyncrl.buffer.producer import ABANDON_LUA, PUT_MANY_LUA, StreamProducer
 from asyncrl.buffer.registry import PUBLISH_WEIGHTS_LUA, RunRegistry
 
-__all__ = ["Entry", "ReplayBuffer", "DEAD_MAXLEN", "DEAD_DATA_LIMIT"]
+__all__ = ["Entry", "ReplayBuffer", "DEAD_MAXLEN", "DEAD_DATA_LIMIT", "RENEW_POOL_LUA", "RELEASE_POOL_LUA"]
+
+# Pool leases (``pool:<n>``, value = the holder's token) are compared and changed in one script: with
+# a GET then a PEXPIRE/DEL, a lease that expired between the two and was taken by another pool would
+# be extended or deleted under that pool (two live pools with one number share actor ids).
+# KEYS: pool lease. ARGV: token, ttl ms. 1 if the lease is (now) ours: extended, or free and taken.
+RENEW_POOL_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if cur then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+# KEYS: pool lease. ARGV: token. Deletes the lease only if it is still ours.
+RELEASE_POOL_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +95,8 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
         self._groups_per_step = groups_per_step
         self._admission = Admission(client, self.keys)
         self._put_many_script = client.register_script(PUT_MANY_LUA)
+        self._renew_pool = client.register_script(RENEW_POOL_LUA)
+        self._release_pool = client.register_script(RELEASE_POOL_LUA)
         self._drop_script = client.register_script(DROP_LUA)
         self._abandon_script = client.register_script(ABANDON_LUA)
         self._publish_weights_script = client.register_script(PUBLISH_WEIGHTS_LUA)
@@ -198,15 +217,12 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
 
     def renew_pool(self, n: int, token: str, ttl_s: float = 15.0) -> bool:
         """Extend pool ``n``'s lease; False if it is no longer ours (expired and taken)."""
-        key = self.keys.pool_lease(n)
-        if _s(self._client.get(key) or b"") != token:
-            return bool(self._client.set(key, token, nx=True, px=max(int(ttl_s * 1000), 1)))
-        return bool(self._client.pexpire(key, max(int(ttl_s * 1000), 1)))
+        ms = max(int(ttl_s * 1000), 1)
+        return bool(self._renew_pool(keys=[self.keys.pool_lease(n)], args=[token, ms]))
 
     def release_pool(self, n: int, token: str) -> None:
-        key = self.keys.pool_lease(n)
-        if _s(self._client.get(key) or b"") == token:
-            self._client.delete(key)
+        """Free pool ``n``'s lease if it is still ours (never another pool's that took it since)."""
+        self._release_pool(keys=[self.keys.pool_lease(n)], args=[token])
 
     def stats(self) -> dict[str, Any]:
         """depth (stream length), pending, dead, admitted, credits, version, bound and staleness_bound
