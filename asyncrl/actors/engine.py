@@ -167,8 +167,8 @@ class Engine(WeightSwaps):
         self.swap_begun = asyncio.Event()
         self.swap_settled = asyncio.Event()
         self.swap_settled.set()
-        self._expected_names: set[str] | None = None
-        self._expected_specs: dict[str, tuple[list[int], str]] = {}  # filled with _expected_names
+        # name -> (shape, dtype) of the served checkpoint (asyncrl.actors.tensor_specs), read on first use
+        self._expected_specs: dict[str, tuple[tuple[int, ...], str]] | None = None
         # Staged swaps (asyncrl.actors.staging), file/shm transports only; turned off for good if the
         # worker refuses the model (staging_refused says why).
         self.staging = bool(staging) and weight_backend == FILE_BACKEND

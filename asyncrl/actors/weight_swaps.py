@@ -46,6 +46,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,6 @@ from asyncrl.buffer.weights import WeightFileError, WeightFileGone
 __all__ = ["EngineError", "SwapResult", "SWAP_MODES", "WeightSwaps"]
 
 SWAP_MODES = ("in_flight", "between_groups")
-_TIED_OK = {"lm_head.weight"}
 STAGE_POLL_MIN_S, STAGE_POLL_MAX_S = 0.001, 0.02  # poll interval bounds while a stage builds
 #: An idle engine builds a stage of at most this many file bytes inside the begin RPC (no thread, no
 #: polls); ~10 ms at the tiny demo size, and a group submitted meanwhile waits at most about that long.
@@ -67,11 +67,6 @@ SYNC_STAGE_MAX_BYTES = 16 << 20
 _FILE_ERRORS = ("ValueError", "FileNotFoundError", "SafetensorError", "OSError", "IsADirectoryError")
 
 log = logging.getLogger(__name__)
-
-
-def _kind(dtype: str) -> str:
-    """A safetensors dtype's kind: "float" (F16, BF16, F32, F8_*, ...) or the dtype itself."""
-    return "float" if dtype.startswith(("F", "BF")) else dtype
 
 
 async def run_whole(aw: Awaitable[Any]) -> Any:
@@ -121,8 +116,7 @@ class WeightSwaps:
     """The swap half of :class:`asyncrl.actors.engine.Engine` (see the module docstring).
 
     Needs from the engine: ``llm`` (vLLM ``AsyncLLM``), ``model_path``, ``recompute_kv``, ``version``,
-    the asyncio ``_swap_lock``, ``_admit`` and ``_idle`` events, ``_expected_names`` and
-    ``_expected_specs``, the staging
+    the asyncio ``_swap_lock``, ``_admit`` and ``_idle`` events, ``_expected_specs``, the staging
     state (``staging``, ``staging_refused``, ``staged_swaps``, ``stage_replay``,
     ``stage_replay_refused``, ``atomic_commit``) and the swap's progress (``swapping_to``,
     ``swap_begun``, ``swap_settled``), all set by ``Engine.__init__``.
@@ -145,8 +139,7 @@ class WeightSwaps:
     _swap_lock: asyncio.Lock
     _admit: asyncio.Event
     _idle: asyncio.Event
-    _expected_names: set[str] | None
-    _expected_specs: dict[str, tuple[list[int], str]]  # name -> (shape, safetensors dtype) served
+    _expected_specs: dict[str, tuple[tuple[int, ...], str]] | None  # name -> (shape, dtype) served
     swapping_to: int | None
     swap_begun: asyncio.Event
     swap_settled: asyncio.Event
@@ -444,47 +437,16 @@ class WeightSwaps:
             raise WeightFileError(f"{path}: unreadable as safetensors ({type(e).__name__}: {e})") from e
 
     def _check_headers(self, path: Path, version: int) -> None:
-        from safetensors import safe_open
+        """The worker's own header checks (asyncrl.actors.tensor_specs: tag, duplicate names, names,
+        shapes, dtypes), run here on the front end before any pause; their ValueError is a refusal."""
+        from asyncrl.actors.tensor_specs import checkpoint_specs, open_checked
 
-        if self._expected_names is None:
-            specs: dict[str, tuple[list[int], str]] = {}
-            for f in sorted(self.model_path.glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as fh:
-                    for name in fh.keys():
-                        t = fh.get_slice(name)
-                        specs[name] = (list(t.get_shape()), str(t.get_dtype()))
-            self._expected_specs = specs
-            self._expected_names = set(specs)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files:
+        if self._expected_specs is None:
+            self._expected_specs = checkpoint_specs(self.model_path)
+        if path.is_dir() and not any(path.glob("*.safetensors")):
             raise WeightFileGone(f"{path}: no safetensors files")
-        got: dict[str, tuple[list[int], str]] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                tag = (fh.metadata() or {}).get("asyncrl_version")
-                if tag is not None and tag != str(version):
-                    raise WeightFileError(f"{f}: holds weights v{tag}, announced as v{version}")
-                for name in fh.keys():
-                    t = fh.get_slice(name)
-                    got[name] = (list(t.get_shape()), str(t.get_dtype()))
-        if self._expected_names:
-            missing, extra = self._expected_names - set(got), set(got) - self._expected_names - _TIED_OK
-            if missing or extra:
-                raise WeightFileError(
-                    f"{path}: tensor names do not match the served model "
-                    f"(missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]})"
-                )
-        specs = self._expected_specs
-        # Shapes must match exactly. Dtypes by kind: the loaders convert between float widths (a bf16
-        # checkpoint trained and published in fp32 is a normal run), anything else is another tensor.
-        wrong = [
-            (n, got[n], specs[n])
-            for n in sorted(got)
-            if n in specs and (got[n][0] != specs[n][0] or _kind(got[n][1]) != _kind(specs[n][1]))
-        ]
-        if wrong:
-            n, (gs, gd), (es, ed) = wrong[0]
-            raise WeightFileError(
-                f"{path}: {len(wrong)} tensors differ from the served model in shape or dtype "
-                f"(first: {n} is {gd}{gs}, served {ed}{es})"
-            )
+        with ExitStack() as stack:
+            try:
+                open_checked(path, version, stack, self._expected_specs)
+            except ValueError as e:
+                raise WeightFileError(str(e)) from e

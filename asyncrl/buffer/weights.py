@@ -80,9 +80,9 @@ class WeightFileError(WeightIntegrityError, ValueError):
 
 
 class WeightFileGone(WeightFileError):
-    """The file vanished (pruned or recycled) after it was verified, e.g. while a between_groups swap
-    drained. Not remembered as refused: the manifest was fine, newer weights replaced it; the actor
-    moves on to the newest manifest."""
+    """The file is not there (any more): pruned or recycled after its manifest was registered, e.g.
+    while a between_groups swap drained (``verify`` raises it too). Not remembered as refused by the
+    swap: the manifest was fine, newer weights replaced it; the actor moves on to the newest manifest."""
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ def verify(manifest: WeightManifest, path: str | os.PathLike[str] | None = None)
     hashed = manifest.digest == "sha256"
     if manifest.files is None:
         if not p.is_file():
-            raise WeightIntegrityError(f"{tag}: file does not exist")
+            raise WeightFileGone(f"{tag}: file does not exist")
         size = p.stat().st_size
         if size != manifest.size:
             raise WeightIntegrityError(f"{tag}: size {size} != expected {manifest.size}")
@@ -259,11 +259,11 @@ def verify(manifest: WeightManifest, path: str | os.PathLike[str] | None = None)
             raise WeightIntegrityError(f"{tag}: sha256 {got} != expected {manifest.sha256}")
         return
     if not p.is_dir():
-        raise WeightIntegrityError(f"{tag}: directory does not exist")
+        raise WeightFileGone(f"{tag}: directory does not exist")
     for name, want in sorted(manifest.files.items()):
         fp = p / name
         if not fp.is_file():
-            raise WeightIntegrityError(f"{tag}: missing file {name}")
+            raise WeightFileGone(f"{tag}: missing file {name}")
         size = fp.stat().st_size
         if size != want.size:
             raise WeightIntegrityError(f"{tag}: {name} size {size} != expected {want.size}")

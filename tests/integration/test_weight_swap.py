@@ -119,7 +119,7 @@ def test_bad_files_are_refused_and_the_old_weights_keep_serving(rig, tmp_path: P
     assert eng.version == 1, "runs after the swap test"
     w2 = rig["weights"](2)
     m2 = tr.publish(2, w2, "float32")
-    with pytest.raises(ValueError, match="announced as v3"):  # the file says v2
+    with pytest.raises(ValueError, match="expected 3"):  # the file says v2
         run(eng.swap_weights(m2.path, 3, "in_flight"))
     partial = ShmTransport(tmp_path / "partial")  # no expected names: writes what it is given
     mp = partial.publish(4, {k: v for k, v in list(w2.items())[1:]}, "float32")
@@ -959,6 +959,31 @@ def test_a_swap_woken_by_a_notification_serves_its_manifest_without_reading_the_
     assert seen["watched_scans"] == 0, seen
     out = _sample(rig, "hint")  # the served weights are exactly v(base+4)
     assert _max_err(rig["hf"](rig["weights"](4)), out) < TOL
+
+
+def test_a_registered_version_whose_file_vanished_is_skipped_not_remembered(
+    rig, redis_server, tmp_path: Path, run_name: str
+) -> None:
+    """The newest registered manifest's file is gone (pruned or recycled after registration): the
+    watcher serves the next older valid version in the same call, counts it, and does not remember it
+    as refused (newer weights replaced it; nothing about the version was wrong)."""
+    eng, loop = rig["engine"], rig["loop"]
+    tr, buf, actor, base = _actor_rig(rig, redis_server.url, tmp_path / "run", run_name, [])
+    try:
+        for v in (base + 1, base + 2):
+            buf.publish_weights(tr.publish(v, rig["weights"](v - base), "float32"))
+        gone = buf.manifest(base + 2)
+        tr.delete(base + 2)  # the manifest stays registered
+        assert loop.run_until_complete(actor._maybe_swap()) is True
+        assert eng.version == base + 1, eng.version
+        assert actor.counters["weight_rejects"] == 1 and (gone.version, gone.sha256) not in actor._rejected
+        # The loop did not fail: a newer version is served by the next call as usual.
+        buf.publish_weights(tr.publish(base + 3, rig["weights"](3), "float32"))
+        assert loop.run_until_complete(actor._maybe_swap()) is True and eng.version == base + 3
+    finally:
+        _close_actor_rig(buf, actor, tr)
+    out = _sample(rig, "vanished")  # the served weights are exactly v(base+3)
+    assert _max_err(rig["hf"](rig["weights"](3)), out) < TOL
 
 
 def test_idle_engine_builds_the_stage_inside_one_rpc_and_a_busy_one_in_a_thread(rig) -> None:

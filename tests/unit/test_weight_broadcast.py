@@ -277,7 +277,7 @@ def test_name_mismatch_is_refused_before_the_collective(redis_client, run_name):
     good = _Actor(redis_client, run_name, "actor-0", plane, names)
     bad = _Actor(redis_client, run_name, "actor-1", plane, names | {"model.extra"})
     transport = NcclTransport(BroadcastSession(redis_client, run_name), names, master_address="127.0.0.1", master_port=1,
-                              world_size=3, timeout_s=5.0, join_timeout_s=10.0,
+                              world_size=3, timeout_s=60.0, join_timeout_s=60.0,
                               trainer=lambda c, s: _CpuTrainer(c, s, plane), device="cpu")  # fmt: skip
     buf = ReplayBuffer(redis_client, run_name)
     try:
@@ -286,7 +286,8 @@ def test_name_mismatch_is_refused_before_the_collective(redis_client, run_name):
             BroadcastError, match=r"actor-1: tensor names do not match.*missing \['model.extra'\]"
         ):
             Publisher(buf, transport, 2, "float32").publish(0, _weights(0))
-        assert time.monotonic() - t0 < 4.0, "refused at once, not at the deadline"
+        # Refused at once, not at the 60 s deadline (a cold first run spends several seconds importing).
+        assert time.monotonic() - t0 < 30.0, "refused at once, not at the deadline"
         assert plane.sent == 0 and buf.manifest_versions() == [] and buf.version() == 0
         assert good.engine.version is None and bad.engine.version is None
         assert good.error is None and bad.error is None
@@ -312,7 +313,7 @@ def test_shape_mismatch_is_refused_before_the_collective(redis_client, run_name,
     good = _Actor(redis_client, run_name, "actor-0", plane, expected_names(tmp_path / "good"))
     bad = _Actor(redis_client, run_name, "actor-1", plane, expected_names(tmp_path / "bad"))
     transport = NcclTransport(BroadcastSession(redis_client, run_name), names, master_address="127.0.0.1", master_port=1,
-                              world_size=3, timeout_s=5.0, join_timeout_s=10.0,
+                              world_size=3, timeout_s=60.0, join_timeout_s=60.0,
                               trainer=lambda c, s: _CpuTrainer(c, s, plane), device="cpu")  # fmt: skip
     buf = ReplayBuffer(redis_client, run_name)
     try:
