@@ -76,6 +76,10 @@ class LearnerState:
     trained_ids: list[str] = field(default_factory=list)  # ledger: last trained group ids, oldest first
     counters: dict[str, float] = field(default_factory=dict)  # cumulative StepRecord counters
     version_skew: int = 0  # forks' skipped versions minus unpublished steps (asyncrl.buffer.admission)
+    # Learner steps since the weights were last published: the restored weights are that far past V
+    # (publish_every > 1, publish_policy=taken, a final save on stop). -1 = not recorded (a checkpoint
+    # of an older asyncrl): step % publish_every, as those assumed.
+    since_publish: int = -1
     world_size: int = 1
     created: float = 0.0
 
@@ -253,7 +257,11 @@ def save_checkpoint(
     if le.rank == 0:
         _atomic_write(root / POINTER, json.dumps({"tag": tag, "step": state.step, "version": state.version}))
         tags = sorted((p for p in root.iterdir() if p.is_dir() and _TAG.match(p.name)), key=lambda p: p.name)
-        for old in tags[:-keep] if keep > 0 else []:
+        # Tags newer than this one are uncommitted leftovers of a crashed save (a resume fell back past
+        # them): never candidates, so garbage; counted among the kept they would push out a good one.
+        committed = [p for p in tags if p.name <= tag]
+        doomed = [p for p in tags if p.name > tag] + (committed[:-keep] if keep > 0 else [])
+        for old in doomed:
             if old.name != tag:
                 shutil.rmtree(old, ignore_errors=True)
     _barrier(le)
@@ -287,29 +295,42 @@ def load_checkpoint(
     """Restore the newest committed checkpoint that loads into ``le`` (collective); None when there is none.
 
     A checkpoint that fails to load on any rank (missing, truncated or corrupt files) is skipped with
-    a warning, renamed ``<tag>.corrupt-<time>`` (kept for inspection, never tried again) and the previous one
-    is restored; the pointer is rewritten to name it. ``skipped`` receives what was passed over, so the
-    caller can account for the work that was lost with it. Raises when no checkpoint loads although
-    some were committed (starting from scratch silently would discard the whole run).
+    a warning and the previous one is restored; then the pointer is rewritten to name it and the ones
+    passed over are renamed ``<tag>.corrupt-<time>`` (kept for inspection, never tried again).
+    ``skipped`` receives what was passed over, so the caller can account for the work that was lost
+    with it. Raises when no checkpoint loads although some were committed, renaming nothing: the
+    failure may be transient or the environment's (an OOM, a changed world size or DeepSpeed), and a
+    retry must find the same checkpoints; starting from scratch silently would discard the whole run.
+    A pointer whose checkpoints are all gone raises too.
     """
     root = Path(run_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return None
     candidates = _candidates(root)
+    if not candidates and (root / POINTER).exists():
+        raise RuntimeError(
+            f"{root / POINTER} names a committed checkpoint but no step* directory at or before it is left "
+            f"in {root} (deleted, or renamed *.corrupt-*): restore one, or remove {root} to start over"
+        )
     if le.world_size > 1:  # every rank must walk the same list (rank 0's view of the shared dir)
         box = [[str(p) for p in candidates]]
         dist.broadcast_object_list(box, src=0)
         candidates = [Path(p) for p in box[0]]
     errors: list[str] = []
+    failed: list[Path] = []
     for tag_dir in candidates:
         try:
             state, err = _load_one(le, tag_dir), ""
         except Exception as e:  # a corrupt checkpoint raises whatever its reader raises
             state, err = None, f"{type(e).__name__}: {e}"
         if _all_ranks_ok(le, state is not None):
-            if errors and le.rank == 0:
+            # Every rank is past reading the failed ones (the all-reduce above): set them aside now,
+            # once an older checkpoint has really taken their place.
+            if failed and le.rank == 0:
                 _atomic_write(root / POINTER, json.dumps({"tag": tag_dir.name, "step": state.step,
                                                            "version": state.version}))  # fmt: skip
+                for bad in failed:
+                    os.replace(bad, bad.with_name(f"{bad.name}.corrupt-{int(time.time())}"))
             return state
         err = err or "failed to load on another rank"
         errors.append(f"{tag_dir.name}: {err}")
@@ -320,9 +341,7 @@ def load_checkpoint(
             except (OSError, ValueError, TypeError):
                 old = None
             skipped.append(Skipped(tag_dir, int(_TAG.match(tag_dir.name).group(1)), err, old))
-        _barrier(le)
-        if le.rank == 0:
-            os.replace(tag_dir, tag_dir.with_name(f"{tag_dir.name}.corrupt-{int(time.time())}"))
+        failed.append(tag_dir)
     if errors:
         raise RuntimeError(f"no checkpoint in {root} loads: " + "; ".join(errors))
     return None

@@ -23,7 +23,11 @@ lost: they are logged and their admission slots credited back.
 
 Version on resume (decision): the learner restarts at the checkpoint's version V_c whenever that is
 unambiguous, i.e. nothing newer than V_c was published (clean stop, crash right after a checkpoint,
-Redis lost); it re-publishes the restored weights as V_c when v{V_c} is missing or corrupt. If
+Redis lost); it re-publishes the restored weights as V_c when v{V_c} is missing or corrupt, but only
+if they are V_c's weights: a checkpoint taken steps after the last publication (the checkpoint's
+``since_publish`` > 0: publish_every > 1, publish_policy=taken, a final save on stop) holds newer
+weights, which are published as ``max(published, V_c) + 1`` instead (one number never names two
+sets of weights; actors serving V_c would not even look at a re-published V_c). If
 versions > V_c were published before a crash, those numbers already name weights of the discarded
 lineage that actors may hold or have tagged tokens with; re-using them would give one version number
 two meanings and make an in-flight completion's versions go backwards (records reject that). The
@@ -157,8 +161,9 @@ def learn(
             )
         skipped: list[Skipped] = []
         state = (load_checkpoint(le, run_dir, skipped) if resume else None) or LearnerState(
-            consumer=cfg.learner.consumer
+            consumer=cfg.learner.consumer, since_publish=0
         )
+        since = state.since_publish if state.since_publish >= 0 else state.step % cfg.learner.publish_every
         trainer.applied_steps = state.applied_steps
         counters = {k: float(state.counters.get(k, 0.0)) for k in COUNTERS}
 
@@ -173,7 +178,11 @@ def learn(
             r0.writer.truncate_after(state.step)
             pub = r0.published_max()
             if pub < state.version or (pub == state.version and not r0.publisher.usable(state.version)):
-                action = state.version
+                # The restored weights are V_c's only if no step followed its publication.
+                action = state.version if since == 0 else max(pub, state.version) + 1
+                if since:
+                    log.warning("v%d is missing and the checkpoint is %d step(s) past it: publishing the "
+                                "restored weights as v%d", state.version, since, action)  # fmt: skip
             elif pub > state.version:
                 action = pub + 1
                 log.warning("versions up to %d were published after checkpoint v%d: forking to v%d",
@@ -193,8 +202,9 @@ def learn(
             state.version = action
         marks["weights_published"] = time.time()
         # Learner steps since the weights were last published (they are past V by that much when
-        # publish_every > 1); the objective places pi_prox on the version axis with it.
-        since_publish = 0 if action is not None else state.step % cfg.learner.publish_every
+        # publish_every > 1 or under publish_policy=taken); the objective places pi_prox on the version
+        # axis with it, and the taken policy counts publish_max_steps from it. Checkpointed.
+        since_publish = 0 if action is not None else since
 
         pending_ids: list[str] = []  # consumed since the last checkpoint, acknowledged after the next
         pending_groups: list[str] = []
@@ -250,6 +260,7 @@ def learn(
             counters["skipped_nonfinite"] += res.skipped
             due = state.step % cfg.learner.checkpoint_every == 0 or (max_steps and state.step >= max_steps)
             if due:
+                state.since_publish = since_publish
                 _checkpoint(le, r0, run_dir, state, counters, pending_ids, pending_groups)
             if r0 is not None:
                 rec = _record(cfg, state, res, groups, batch, counters, start_time, t_step, train_s,
@@ -275,6 +286,7 @@ def learn(
         else:
             need = bool(pending_ids)
         if need:
+            state.since_publish = since_publish
             _checkpoint(le, r0, run_dir, state, counters, pending_ids, pending_groups)
         if r0 is not None:
             r0.buffer.set_learner_status({"step": state.step, "version": state.version,

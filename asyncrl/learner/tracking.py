@@ -86,6 +86,7 @@ class Tracker:
         self.tb: Any = None
         self.wandb: Any = None
         self._eval_version = -1
+        self.errors = 0  # writes that failed (logged; tracking never stops training)
         t = cfg.tracking
         if t.tensorboard:
             from torch.utils.tensorboard.writer import FileWriter
@@ -119,13 +120,30 @@ class Tracker:
                 if field != "eval_version":
                     scalars[f"eval/{key}"] = float(getattr(rec, field))
         if self.tb is not None:
-            self.tb.add_summary(_summary(scalars), rec.step, rec.step_time or None)
-            if new_eval:  # x axis: the evaluated version
-                by_version = {f"eval/by_version/{key}": float(getattr(rec, field))
-                              for field, key in EVAL_FIELDS.items() if field != "eval_version"}  # fmt: skip
-                self.tb.add_summary(_summary(by_version), rec.eval_version, rec.step_time or None)
+            try:
+                self.tb.add_summary(_summary(scalars), rec.step, rec.step_time or None)
+                if new_eval:  # x axis: the evaluated version
+                    by_version = {f"eval/by_version/{key}": float(getattr(rec, field))
+                                  for field, key in EVAL_FIELDS.items() if field != "eval_version"}  # fmt: skip
+                    self.tb.add_summary(_summary(by_version), rec.eval_version, rec.step_time or None)
+            except Exception as e:
+                self._failed("TensorBoard", rec.step, e)
         if self.wandb is not None:
-            self.wandb.log(scalars, step=rec.step)
+            try:
+                self.wandb.log(scalars, step=rec.step)
+            except Exception as e:
+                self._failed("W&B", rec.step, e)
+
+    def _failed(self, sink: str, step: int, e: Exception) -> None:
+        """A tracking write failed (a full disk under the TensorBoard dir, a W&B service gone): the step
+        record is in metrics.jsonl already and training goes on. A crash here would restart the learner
+        from its last checkpoint, fail again one step later, and use up run.max_restarts and the
+        pending groups' deliveries (learner.max_deliveries) on a logging problem. Logged (the first
+        three, then every 100th), counted in ``errors``."""
+        self.errors += 1
+        if self.errors <= 3 or self.errors % 100 == 0:
+            log.error("%s write of step %d failed (%d tracking write(s) failed so far): %r",
+                      sink, step, self.errors, e)  # fmt: skip
 
     def close(self) -> None:
         if self.tb is not None:

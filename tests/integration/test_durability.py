@@ -172,3 +172,81 @@ def test_trained_ledger_keeps_the_newest_ids_in_order() -> None:
     assert "a" not in led and "b" in led and "d" in led
     led.extend([f"x{i}" for i in range(10)])
     assert led.ids() == ["x7", "x8", "x9"]
+
+
+@pytest.mark.timeout(300)
+def test_no_loadable_checkpoint_raises_on_every_resume_and_renames_nothing(
+    redis_url, redis_client, run_name, sampler, tmp_path
+) -> None:
+    """Every committed checkpoint fails to load (here: truncated shards; in life also an OOM while
+    loading, or a changed world size): the resume raises and leaves them as they were, so the next
+    attempt (the supervisor restarts the learner with --resume) raises again instead of finding no
+    step* directory and starting from step 0, which truncated metrics.jsonl and the ledger."""
+    rdir = tmp_path / "run"
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=1)
+    cfg.buffer.max_staleness = 100
+    buf = ReplayBuffer(redis_client, run_name)
+    dist_env()
+    for g in sample_groups(sampler, 4, max_tokens=6, seed=51):
+        buf.put(g)
+    cfg.run.max_steps = 2
+    assert learn(cfg, rdir).step == 2
+    ckpt = rdir / "checkpoints"
+    tags = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    assert tags == ["step00000001", "step00000002"]
+    for f in ckpt.glob("step*/*.pt"):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    metrics = (rdir / METRICS_FILE).read_text()
+    cfg.run.max_steps = 4
+    for attempt in range(2):
+        with pytest.raises(RuntimeError, match="no checkpoint in .* loads"):
+            learn(cfg, rdir, resume=True)
+        assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == tags, attempt  # nothing renamed
+        assert (rdir / METRICS_FILE).read_text() == metrics  # the run's history is intact
+    # A pointer whose checkpoints are gone altogether raises too (it never means "start over").
+    for t in tags:
+        (ckpt / t).rename(ckpt / f"{t}.moved")
+    with pytest.raises(RuntimeError, match="names a committed checkpoint"):
+        learn(cfg, rdir, resume=True)
+    buf.delete_run()
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_past_its_version_is_published_as_a_new_one_and_leftovers_do_not_rotate_good_ones_out(
+    redis_url, redis_client, run_name, sampler, tmp_path
+) -> None:
+    """publish_every 2, stopped after step 3: the checkpoint holds step 3's weights, one step past v1
+    (since_publish 1, checkpointed). On resume v1's file is gone (a transport that frees its versions
+    on exit, a lost disk): the restored weights are published as v2, never as a second v1 (actors
+    serving v1 would not look at it, and v1 would name two sets of weights); the taken policy's and
+    A-3PO's step count resumes from the checkpoint. And an uncommitted step* leftover newer than the
+    pointer (a crash while saving) is garbage at the next save: it never pushes a good checkpoint out."""
+    rdir = tmp_path / "run"
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=1, publish_every=2)
+    cfg.buffer.max_staleness = 100
+    buf = ReplayBuffer(redis_client, run_name)
+    dist_env()
+    for g in sample_groups(sampler, 10, max_tokens=6, seed=61):
+        buf.put(g)
+    cfg.run.max_steps = 3
+    state = learn(cfg, rdir)
+    assert (state.step, state.version, state.since_publish) == (3, 1, 1)
+    v1 = buf.manifest(1)
+    assert v1 is not None
+    import shutil
+
+    shutil.rmtree(Path(v1.path).parent)  # v1's weights are gone; its manifest stays registered
+    leftover = rdir / "checkpoints" / "step00000009"  # a crashed save, newer than the pointer
+    leftover.mkdir()
+    (leftover / "partial.pt").write_bytes(b"\0" * 16)
+    cfg.run.max_steps = 4
+    with _warnings() as msgs:
+        state = learn(cfg, rdir, resume=True)
+    assert any("publishing the restored weights as v2" in m for m in msgs), msgs
+    assert buf.manifest(1) == v1  # v1 still names what it named
+    # v2 = step 3's weights (the fork); step 4 publishes v3 (publish_every counts steps: 4 % 2 == 0).
+    assert (state.step, state.version, state.since_publish) == (4, 3, 0)
+    assert buf.manifest(2) is not None and buf.manifest(2).sha256 != v1.sha256 and buf.version() == 3
+    tags = sorted(p.name for p in (rdir / "checkpoints").iterdir() if p.is_dir())
+    assert tags == ["step00000003", "step00000004"], tags  # the leftover is gone, two good ones kept
+    buf.delete_run()

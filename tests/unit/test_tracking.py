@@ -78,3 +78,37 @@ def test_tensorboard_writes_one_event_per_step_with_every_scalar(tmp_path):
     assert n > 40 and all(len(e.summary.value) == n for e in events)
     reward = [v.simple_value for e in events for v in e.summary.value if v.tag == "train/reward_mean"]
     assert reward == [0.25, 0.5, 0.75]
+
+
+def test_a_failing_tensorboard_write_is_logged_and_counted_and_training_goes_on(tmp_path, caplog):
+    """A full disk under <run_dir>/tensorboard (the event file's path re-pointed at /dev/full, which
+    fails every write with ENOSPC; TensorBoard appends to the path at each flush): its writer thread
+    fails and re-raises on the next write. The Tracker logs it and counts it; it never raises into the learner's step loop (a crash
+    there restarts the learner, which fails again one step later)."""
+    import logging
+    import os
+    import time
+
+    tracking._last_eval.clear()
+    t = tracking.Tracker(Config(), tmp_path)
+    t(StepRecord(step=1, version=1))
+    t.tb.flush()
+    (event_file,) = (tmp_path / tracking.TENSORBOARD_DIR).glob("events.out.tfevents.*")
+    event_file.unlink()
+    os.symlink("/dev/full", event_file)
+    caplog.set_level(logging.ERROR, logger="asyncrl.learner.tracking")
+    deadline = time.monotonic() + 30
+    step = 2
+    while t.errors == 0 and time.monotonic() < deadline:
+        t(StepRecord(step=step, version=step))  # must never raise
+        t.tb.flush() if step % 5 == 0 else None
+        step += 1
+        time.sleep(0.01)
+    assert t.errors >= 1, "the ENOSPC never surfaced: the test did not inject the fault"
+    assert any("TensorBoard write of step" in r.getMessage() for r in caplog.records)
+    for k in range(5):  # and it keeps not raising
+        t(StepRecord(step=step + k, version=step + k))
+    try:
+        t.close()
+    except OSError:
+        pass  # closing a writer whose disk is full may report it once more; the learner is done by then
