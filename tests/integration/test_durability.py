@@ -174,6 +174,17 @@ def test_trained_ledger_keeps_the_newest_ids_in_order() -> None:
     assert led.ids() == ["x7", "x8", "x9"]
 
 
+def _run_with_groups(redis_url, redis_client, run_name, sampler, rdir, n, seed, **learner):
+    """A learner config checkpointing every step and a buffer holding ``n`` fresh groups."""
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=1, **learner)
+    cfg.buffer.max_staleness = 100
+    buf = ReplayBuffer(redis_client, run_name)
+    dist_env()
+    for g in sample_groups(sampler, n, max_tokens=6, seed=seed):
+        buf.put(g)
+    return cfg, buf
+
+
 @pytest.mark.timeout(300)
 def test_no_loadable_checkpoint_raises_on_every_resume_and_renames_nothing(
     redis_url, redis_client, run_name, sampler, tmp_path
@@ -183,12 +194,7 @@ def test_no_loadable_checkpoint_raises_on_every_resume_and_renames_nothing(
     attempt (the supervisor restarts the learner with --resume) raises again instead of finding no
     step* directory and starting from step 0, which truncated metrics.jsonl and the ledger."""
     rdir = tmp_path / "run"
-    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=1)
-    cfg.buffer.max_staleness = 100
-    buf = ReplayBuffer(redis_client, run_name)
-    dist_env()
-    for g in sample_groups(sampler, 4, max_tokens=6, seed=51):
-        buf.put(g)
+    cfg, buf = _run_with_groups(redis_url, redis_client, run_name, sampler, rdir, 4, 51)
     cfg.run.max_steps = 2
     assert learn(cfg, rdir).step == 2
     ckpt = rdir / "checkpoints"
@@ -222,12 +228,7 @@ def test_a_checkpoint_past_its_version_is_published_as_a_new_one_and_leftovers_d
     A-3PO's step count resumes from the checkpoint. And an uncommitted step* leftover newer than the
     pointer (a crash while saving) is garbage at the next save: it never pushes a good checkpoint out."""
     rdir = tmp_path / "run"
-    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=1, publish_every=2)
-    cfg.buffer.max_staleness = 100
-    buf = ReplayBuffer(redis_client, run_name)
-    dist_env()
-    for g in sample_groups(sampler, 10, max_tokens=6, seed=61):
-        buf.put(g)
+    cfg, buf = _run_with_groups(redis_url, redis_client, run_name, sampler, rdir, 10, 61, publish_every=2)
     cfg.run.max_steps = 3
     state = learn(cfg, rdir)
     assert (state.step, state.version, state.since_publish) == (3, 1, 1)
