@@ -168,7 +168,10 @@ class Console:
                     return None, None
                 from asyncrl.buffer import ReplayBuffer
 
-                self._buf = ReplayBuffer.from_config(self.cfg, self.cfg.redis.url)
+                # Short budgets: a display refresh shows '-' while Redis restarts, never blocks on it.
+                self._buf = ReplayBuffer.from_config(
+                    self.cfg, self.cfg.redis.url, socket_timeout=5.0, retry_budget_s=2.0
+                )
             actors = self._buf.actors()
             dead = int(self._buf.stats().get("dead", 0))
         except Exception:  # Redis restarting: show '-' this time

@@ -235,8 +235,10 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
             _say(progress, f"cpu binding: learner on cores {list(sup.cpu_plan.learner)}, "
                            f"engines on {[list(b) for b in sup.cpu_plan.engines]} (run.cpu_binding=off to disable)")  # fmt: skip
         pool.start()
-        # A short socket timeout: a frozen Redis must not freeze the supervision loop with it.
-        buf = ReplayBuffer.from_config(cfg, url, socket_timeout=5.0)
+        # A short socket timeout and retry budget: a frozen or dead Redis must not freeze the loop that
+        # restarts it (the pass fails, the next one restarts redis-server). With redis.retry_budget_s
+        # (120 s) a Redis that died mid-pass held the loop while the roles' own budgets ran out.
+        buf = ReplayBuffer.from_config(cfg, url, socket_timeout=5.0, retry_budget_s=2.0)
         sup.actors = ActorSupervisor(pool, buf, cfg.actors.heartbeat_timeout_s, cfg.run.max_restarts)
         metrics = JsonlTail(rdir / "metrics.jsonl")  # the display's window, read as it is appended
         while not stop.is_set():

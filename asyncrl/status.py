@@ -45,9 +45,10 @@ def format_status(cfg: Config, st: dict, now: float | None = None) -> str:
     ]
     ln = st["learner"] or {}
     if ln:
-        age = now - float(ln.get("time", now))
+        # "updated" is the registry's unix stamp; the learner's own "time" counts from its start.
+        seen = f"{now - float(ln['updated']):.0f}s ago" if "updated" in ln else "?"
         lines.append(
-            f"learner  step {ln.get('step', '?')}   version v{ln.get('version', '?')}   last seen {age:.0f}s ago"
+            f"learner  step {ln.get('step', '?')}   version v{ln.get('version', '?')}   last seen {seen}"
         )
     else:
         lines.append("learner  not seen")

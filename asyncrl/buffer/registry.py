@@ -148,9 +148,11 @@ class RunRegistry:
         self._client.hdel(self.keys.actors, actor_id)
 
     def set_learner_status(self, status: Mapping[str, Any]) -> None:
-        """Update (merge) learner status fields; values are msgpack-encoded."""
+        """Update (merge) learner status fields; values are msgpack-encoded. Every write also stamps
+        ``updated`` (unix seconds): the learner's own ``time`` field counts from its start."""
         if status:
             mapping = {str(k): msgpack.packb(v, use_bin_type=True) for k, v in status.items()}
+            mapping["updated"] = msgpack.packb(time.time(), use_bin_type=True)
             self._client.hset(self.keys.learner, mapping=mapping)
 
     def learner_status(self) -> dict[str, Any]:

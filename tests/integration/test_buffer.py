@@ -372,8 +372,11 @@ def test_heartbeats_and_learner_status(buffer: ReplayBuffer) -> None:
     buffer.remove_actor("actor-1")
     assert set(buffer.actors()) == {"actor-0"}
     buffer.set_learner_status({"step": 7, "loss": 0.25, "state": "training"})
+    t0 = time.time()
     buffer.set_learner_status({"step": 8})
-    assert buffer.learner_status() == {"step": 8, "loss": 0.25, "state": "training"}
+    status = buffer.learner_status()
+    assert t0 <= status.pop("updated") <= time.time()  # every write stamps unix time
+    assert status == {"step": 8, "loss": 0.25, "state": "training"}
 
 
 # --------------------------------------------------------------------------- connection

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -68,12 +69,16 @@ def test_status_follows_version_credits_and_adaptive_bound(
 def test_status_lists_learner_and_actors(cfg: Config, redis_url: str, run_buffer: ReplayBuffer, capsys):
     text = format_status(cfg, collect_status(cfg, redis_url), now=100.0)
     assert "learner  not seen" in text and "actors   0" in text
+    # As the learner writes it: "time" is seconds since its start; the registry stamps "updated".
     run_buffer.set_learner_status({"step": 7, "version": 3, "time": 90.0})
+    stamped = float(run_buffer.learner_status()["updated"])
+    assert abs(stamped - time.time()) < 5
     run_buffer.heartbeat("actor-1", {"version": 3, "groups": 12, "in_flight": 2, "time": 95.0})
     run_buffer.heartbeat("actor-0", {"version": 2, "groups_written": 5, "in_flight": 0, "time": 99.0})
     lines = format_status(cfg, collect_status(cfg, redis_url), now=100.0).splitlines()
     assert lines[0] == f"run {cfg.run.name}   policy version v0"
-    assert "learner  step 7   version v3   last seen 10s ago" in lines
+    learner = format_status(cfg, collect_status(cfg, redis_url), now=stamped + 10.0).splitlines()
+    assert "learner  step 7   version v3   last seen 10s ago" in learner
     assert lines[-3] == "actors   2"
     assert lines[-2].split() == [
         "actor-0",
