@@ -317,15 +317,20 @@ def _say(progress: Any, msg: str) -> None:
 def _teardown(pool: Any, sup: Supervisor, buf: Any) -> int:
     """Stop the pool, the learner and the embedded Redis, in that order; each step runs even if an
     earlier one raised. Returns the learner's exit code (0 when it was never started)."""
-    if pool is not None:
+
+    def step(what: str, fn: Any) -> Any:
         try:
-            pool.stop()
-        except Exception as e:  # an actor's error: reported, the rest of the tear-down still runs
-            print(f"actor pool stop: {type(e).__name__}: {e}", file=sys.stderr)
-    rc = stop_process(sup.learner) if sup.learner is not None else 0
+            return fn()
+        except Exception as e:  # reported; the rest of the tear-down (and the summary after it) still runs
+            print(f"{what}: {type(e).__name__}: {e}", file=sys.stderr)
+            return None
+
+    if pool is not None:
+        step("actor pool stop", pool.stop)
+    rc = step("learner stop", lambda: stop_process(sup.learner)) if sup.learner is not None else 0
     if buf is not None:
-        buf.close()
+        step("buffer close", buf.close)
     if sup.redis_srv is not None:
-        sup.redis_srv.stop()
+        step("redis stop", sup.redis_srv.stop)
         (sup.rdir / "redis.url").unlink(missing_ok=True)
-    return rc
+    return -1 if rc is None else rc
