@@ -59,7 +59,7 @@ ACTOR_METRICS: tuple[Metric, ...] = (
         "asyncrl_actor_swap_pause_seconds",
         "histogram",
         "Generation pause per weight swap.",
-        "swap_pause_s",
+        "swap_pause_hist",  # cumulative (a Hist's to_dict()), never the actor's recent-window list
         buckets=SECONDS_BUCKETS,
     ),  # fmt: skip
     Metric("asyncrl_actor_weight_swaps_total", "counter", "Weight swaps applied.", "swaps"),
@@ -280,9 +280,30 @@ class Hist:
         self.counts[i] += n
         self.total += v * n
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (picklable, JSON-able) for a stats snapshot that crosses a process boundary."""
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Hist:
+        h = cls(tuple(d["buckets"]))
+        h.counts = [int(c) for c in d["counts"]]
+        h.total = float(d["sum"])
+        return h
+
+
+def histogram_for(key: str) -> Hist:
+    """An empty cumulative histogram with the buckets of the declared histogram fed by ``key``: a role
+    keeps it in its stats and observes into it (a window of recent values would shrink between scrapes,
+    and Prometheus reads any decrease of a bucket or count as a counter reset)."""
+    m = next(m for m in ALL_METRICS if m.key == key and m.kind == "histogram")
+    return Hist(m.buckets)
+
 
 def _hist(values: Any, buckets: tuple[float, ...]) -> tuple[list[tuple[str, float]], float]:
-    """Cumulative buckets from a Hist, raw observations (list) or a {value: count} map."""
+    """Cumulative buckets from a Hist (or its to_dict()), raw observations (list) or a {value: count} map."""
+    if isinstance(values, dict) and "counts" in values:
+        values = Hist.from_dict(values)
     if isinstance(values, Hist):
         cum, out = 0, []
         for b, c in zip((*[repr(float(b)) for b in values.buckets], "+Inf"), values.counts, strict=True):

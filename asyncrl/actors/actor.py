@@ -43,6 +43,7 @@ from asyncrl.buffer import ReplayBuffer
 from asyncrl.buffer.broadcast import BroadcastSession
 from asyncrl.buffer.paths import weight_roots
 from asyncrl.evaluate import PeriodicEval
+from asyncrl.metrics import histogram_for
 from asyncrl.tasks import PromptSource, make_task
 
 from .admission_wake import AdmissionWaker
@@ -55,9 +56,38 @@ from .supervision import slot_actor_id
 from .timeline import Timeline
 from .version_watch import MANIFEST_POLL_S, VersionWatching
 
-__all__ = ["RolloutActor"]
+__all__ = ["RolloutActor", "initial_counters"]
 
 log = logging.getLogger(__name__)
+
+
+def initial_counters(actor_id: str) -> dict[str, Any]:
+    """A new actor's counters (the event loop's; ``RolloutActor.stats`` snapshots them)."""
+    return {
+        "actor_id": actor_id,
+        "pid": os.getpid(),
+        "state": "created",
+        "version": None,
+        "groups_written": 0,
+        "groups_aborted": 0,
+        "generated_tokens": 0,
+        "in_flight": 0,
+        "admission_wait_s": 0.0,
+        "admission_blocked": 0,
+        "swaps": 0,
+        "swap_pause_s": deque(maxlen=256),  # most recent swap windows, seconds
+        # Every swap window since the process started (the /metrics histogram: never shrinks).
+        "swap_pause_hist": histogram_for("swap_pause_hist"),
+        "weight_rejects": 0,
+        "engine_errors": 0,
+        "reconstructed": False,
+        "groups_reward_failed": 0,
+        # Slots taken for the version a swap was preparing (group_worker._await_swap), and those
+        # given back because that swap did not serve it.
+        "preadmissions": 0,
+        "preadmissions_returned": 0,
+        "loop_restarts": 0,
+    }
 
 
 class RolloutActor(GroupProduction, VersionWatching):
@@ -121,36 +151,16 @@ class RolloutActor(GroupProduction, VersionWatching):
         # Snapshot for the scrape thread, refreshed on the loop thread with every heartbeat: the
         # counters (and the swap-pause deque) are only ever touched by the event loop.
         self.last_stats: dict[str, Any] = {}
-        self.counters: dict[str, Any] = {
-            "actor_id": self.actor_id,
-            "pid": os.getpid(),
-            "state": "created",
-            "version": None,
-            "groups_written": 0,
-            "groups_aborted": 0,
-            "generated_tokens": 0,
-            "in_flight": 0,
-            "admission_wait_s": 0.0,
-            "admission_blocked": 0,
-            "swaps": 0,
-            "swap_pause_s": deque(maxlen=256),  # most recent swap windows, seconds
-            "weight_rejects": 0,
-            "engine_errors": 0,
-            "reconstructed": False,
-            "groups_reward_failed": 0,
-            # Slots taken for the version a swap was preparing (group_worker._await_swap), and those
-            # given back because that swap did not serve it.
-            "preadmissions": 0,
-            "preadmissions_returned": 0,
-            "loop_restarts": 0,
-        }
+        self.counters: dict[str, Any] = initial_counters(self.actor_id)
 
     # ------------------------------------------------------------------ public
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot of the counters (plain types; the swap pauses as a list)."""
+        """A snapshot of the counters (plain types: the recent swap pauses as a list, the cumulative
+        swap-pause histogram as a dict)."""
         out = dict(self.counters)
         out["swap_pause_s"] = list(self.counters["swap_pause_s"])
+        out["swap_pause_hist"] = self.counters["swap_pause_hist"].to_dict()
         out["in_flight"] = self.engine.in_flight if self.engine else 0
         # Tokens received so far by the groups in flight (progress inside long generations); 0 until a
         # group ends unless actors.stream_tokens (vLLM then hands the tokens over as they are sampled).

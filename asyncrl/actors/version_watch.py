@@ -154,6 +154,7 @@ class VersionWatching:
         if not first:
             self.counters["swaps"] += 1
             self.counters["swap_pause_s"].append(res.pause_s)
+            self.counters["swap_pause_hist"].observe(res.pause_s)
             self.timeline.record(
                 "swap", t_start=t_end - res.pause_s, pause_s=res.pause_s, version=res.version
             )
