@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -428,6 +429,9 @@ class LearnerExporter:
         self.stats["step_s"] = Hist(by_key["step_s"].buckets)
         self.stats["publish_s"] = Hist(by_key["publish_s"].buckets)
         self.stats["staleness_hist"] = Hist(by_key["staleness_hist"].buckets)
+        # Until the first step, "last step" is this exporter's start, not 0: a 0 made AsyncrlNoLearnerStep
+        # (time() - this > 600) fire during every learner start-up and restart (checkpoint load, DeepSpeed).
+        self.stats["step_time"] = time.time()
 
     def __call__(self, record: Any) -> None:
         d = record.to_dict() if hasattr(record, "to_dict") else dict(record)

@@ -86,3 +86,23 @@ def test_the_actors_stats_carry_the_cumulative_counts_as_plain_data() -> None:
     # A snapshot, not the live counters: later swaps do not change it.
     asyncio.run(_swaps(a, 1))
     assert sum(h["counts"]) == 400 and sum(a.stats()["swap_pause_hist"]["counts"]) == 401
+
+
+def test_the_learners_last_step_time_is_its_start_until_the_first_step() -> None:
+    """Before the first step the exported "last step" is the exporter's start, never 0: at 0 the
+    AsyncrlNoLearnerStep alert (time() - last step > 600 s) fired during every learner start-up."""
+    import time
+
+    from asyncrl.learner.records import StepRecord
+    from asyncrl.metrics import LearnerExporter, learner_collectors
+
+    def last_step(exporter: LearnerExporter) -> float:
+        (col, _buf) = learner_collectors(exporter, dict)
+        fam = next(f for f in col.collect() if f.name == "asyncrl_learner_last_step_timestamp_seconds")
+        return fam.samples[0].value
+
+    t0 = time.time()
+    exporter = LearnerExporter()
+    assert t0 <= last_step(exporter) <= time.time()
+    exporter(StepRecord(step=1, version=1, step_time=t0 + 100.0))
+    assert last_step(exporter) == t0 + 100.0
