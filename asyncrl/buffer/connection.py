@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import AbstractBackoff, ExponentialWithJitterBackoff
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
@@ -121,6 +121,25 @@ class OutageMonitor:
         )  # fmt: skip
 
 
+class _DeadlineBackoff(AbstractBackoff):
+    """A backoff that never sleeps past the retry budget of the outermost retry on this thread: the
+    last try comes at the deadline, not up to one backoff cap (2 s) after it."""
+
+    def __init__(self, inner: AbstractBackoff, budget_s: float) -> None:
+        self.inner = inner
+        self.budget_s = budget_s
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def compute(self, failures: int) -> float:
+        wait = self.inner.compute(failures)
+        first = getattr(_clock, "first_failure", None)
+        if first:
+            wait = min(wait, max(self.budget_s - (time.monotonic() - first[0]), 0.0))
+        return wait
+
+
 class DeadlineRetry(Retry):
     """redis-py ``Retry`` that retries for a time budget (since the first failure) rather than a count.
 
@@ -140,7 +159,8 @@ class DeadlineRetry(Retry):
     ) -> None:
         if budget_s <= 0 or cap_s <= 0 or base_s <= 0:
             raise ValueError("retry budget, backoff base and cap must be > 0")
-        super().__init__(ExponentialWithJitterBackoff(cap=cap_s, base=base_s), -1, RETRY_ERRORS)
+        backoff = _DeadlineBackoff(ExponentialWithJitterBackoff(cap=cap_s, base=base_s), float(budget_s))
+        super().__init__(backoff, -1, RETRY_ERRORS)
         self.budget_s = float(budget_s)
         self.monitor = monitor or OutageMonitor("?", budget_s)
 
