@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from asyncrl.config import ConfigError, load_config, to_yaml
-from asyncrl.sweep import SweepSpec, disk_status, is_finished, load_spec, parse_spec
+from asyncrl.sweep import disk_status, is_finished
 from asyncrl.sweep_plots import PNGS
 from asyncrl.sweep_report import CellSpec, SeedRun, columns, run_columns, write_report
 from asyncrl.sweep_runs import (
@@ -23,6 +23,7 @@ from asyncrl.sweep_runs import (
     staleness_hist,
     startup_s,
 )
+from asyncrl.sweep_spec import SweepSpec, load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP_SIZE = 4
