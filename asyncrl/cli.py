@@ -116,7 +116,7 @@ def _check_model_path(cfg, data: bool = True) -> None:
 
 def _learner_metrics(cfg):
     """Rank 0 serves the learner's and the buffer's metrics; its address goes to the learner status."""
-    from asyncrl.metrics import LearnerExporter, learner_collectors, metrics_endpoint, serve
+    from asyncrl.metrics_export import LearnerExporter, learner_collectors, metrics_endpoint, serve
 
     exporter = LearnerExporter(cfg.buffer.max_staleness)
     if not cfg.metrics.enabled or int(os.environ.get("RANK", "0")) != 0:

@@ -43,7 +43,7 @@ from asyncrl.buffer import ReplayBuffer
 from asyncrl.buffer.broadcast import BroadcastSession
 from asyncrl.buffer.paths import weight_roots
 from asyncrl.evaluate import PeriodicEval
-from asyncrl.metrics import histogram_for
+from asyncrl.metrics_export import histogram_for
 from asyncrl.tasks import PromptSource, make_task
 
 from .admission_wake import AdmissionWaker

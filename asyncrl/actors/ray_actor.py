@@ -48,7 +48,7 @@ class RayRolloutActor:
         if cfg.metrics.enabled:
             import ray
 
-            from asyncrl.metrics import actor_collector, metrics_endpoint, serve
+            from asyncrl.metrics_export import actor_collector, metrics_endpoint, serve
 
             # Advertise the node's address, as Ray knows it, for a wildcard or `node` bind: that is
             # what a Prometheus on another machine can reach (never the literal 0.0.0.0).

@@ -22,7 +22,7 @@ import pytest
 from asyncrl.buffer import EmbeddedRedis, ReplayBuffer
 from asyncrl.config import load_config
 from asyncrl.launch import _free_port
-from asyncrl.metrics import WILDCARD_HOSTS
+from asyncrl.metrics_export import WILDCARD_HOSTS
 from tests.e2e.procs import ROOT, asyncrl_cmd, marked_env, read_jsonl, wait_for, wait_no_orphans
 
 pytestmark = pytest.mark.slow

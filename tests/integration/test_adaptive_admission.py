@@ -11,7 +11,8 @@ from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import load_config
 from asyncrl.learner import adaptive
 from asyncrl.learner.records import StepRecord
-from asyncrl.metrics import BUFFER_METRICS, SnapshotCollector
+from asyncrl.metrics import BUFFER_METRICS
+from asyncrl.metrics_export import SnapshotCollector
 
 
 def _admit_all(buf: ReplayBuffer, **kw) -> int:

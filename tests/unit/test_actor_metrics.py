@@ -10,7 +10,7 @@ import pickle
 from types import SimpleNamespace
 
 from asyncrl.actors.actor import RolloutActor, initial_counters
-from asyncrl.metrics import actor_collector
+from asyncrl.metrics_export import actor_collector
 
 
 class _Receiver:
@@ -94,7 +94,7 @@ def test_the_learners_last_step_time_is_its_start_until_the_first_step() -> None
     import time
 
     from asyncrl.learner.records import StepRecord
-    from asyncrl.metrics import LearnerExporter, learner_collectors
+    from asyncrl.metrics_export import LearnerExporter, learner_collectors
 
     def last_step(exporter: LearnerExporter) -> float:
         (col, _buf) = learner_collectors(exporter, dict)

@@ -73,7 +73,8 @@ def test_missing_config_file_names_the_path(tmp_path):
 
 def test_light_modules_import_without_torch_vllm_ray():
     code = (
-        "import sys, asyncrl.config, asyncrl.buffer, asyncrl.tasks, asyncrl.cli, asyncrl.metrics\n"
+        "import sys, asyncrl.config, asyncrl.buffer, asyncrl.tasks, asyncrl.cli, asyncrl.metrics, "
+        "asyncrl.metrics_export\n"
         "bad = [m for m in ('torch', 'vllm', 'ray', 'deepspeed') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

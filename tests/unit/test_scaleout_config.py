@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.actors.pool import ActorPool
 from asyncrl.config import ConfigError, load_config
-from asyncrl.metrics import WILDCARD_HOSTS, metrics_endpoint, node_address, serve
+from asyncrl.metrics_export import WILDCARD_HOSTS, metrics_endpoint, node_address, serve
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = REPO / "configs" / "gpu_qwen2.5_7b_8x8.yaml"

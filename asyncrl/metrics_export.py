@@ -1,0 +1,221 @@
+"""Prometheus export of the metrics declared in :mod:`asyncrl.metrics`: histograms, collectors, /metrics.
+
+A role keeps plain counters in a stats dict (a :class:`ThreadSafeStats`, with :class:`Hist` for the
+cumulative histograms); a :class:`SnapshotCollector` turns one snapshot of it into metric families at
+scrape time, and :func:`serve` serves the collectors on /metrics. The learner's step records reach
+its snapshot through :class:`LearnerExporter`. Every declared series is exported, 0 when its source
+key is missing (the invariant of :mod:`asyncrl.metrics`).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from asyncrl.metrics import ACTOR_METRICS, ALL_METRICS, BUFFER_METRICS, LEARNER_METRICS, Metric
+
+
+class Hist:
+    """Bucketed observations kept as (value, count) pairs per distinct bucket edge: O(buckets) memory."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+
+    def observe(self, v: float, n: int = 1) -> None:
+        i = next((k for k, b in enumerate(self.buckets) if v <= b), len(self.buckets))
+        self.counts[i] += n
+        self.total += v * n
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (picklable, JSON-able) for a stats snapshot that crosses a process boundary."""
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Hist:
+        h = cls(tuple(d["buckets"]))
+        h.counts = [int(c) for c in d["counts"]]
+        h.total = float(d["sum"])
+        return h
+
+
+def histogram_for(key: str) -> Hist:
+    """An empty cumulative histogram with the buckets of the declared histogram fed by ``key``: a role
+    keeps it in its stats and observes into it (a window of recent values would shrink between scrapes,
+    and Prometheus reads any decrease of a bucket or count as a counter reset)."""
+    m = next(m for m in ALL_METRICS if m.key == key and m.kind == "histogram")
+    return Hist(m.buckets)
+
+
+def _hist(values: Any, buckets: tuple[float, ...]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative buckets from a Hist (or its to_dict()), raw observations (list) or a {value: count} map."""
+    if isinstance(values, dict) and "counts" in values:
+        values = Hist.from_dict(values)
+    if isinstance(values, Hist):
+        cum, out = 0, []
+        for b, c in zip((*[repr(float(b)) for b in values.buckets], "+Inf"), values.counts, strict=True):
+            cum += c
+            out.append((b, float(cum)))
+        return out, values.total
+    if isinstance(values, dict):
+        items = [(float(k), float(c)) for k, c in values.items()]
+    else:
+        items = [(float(v), 1.0) for v in (values or [])]
+    out = []
+    for b in buckets:
+        out.append((repr(float(b)), sum(c for v, c in items if v <= b)))
+    out.append(("+Inf", sum(c for _, c in items)))
+    return out, sum(v * c for v, c in items)
+
+
+class SnapshotCollector:
+    """Exports ``metrics`` from ``snapshot()`` (a dict) at scrape time, with constant labels."""
+
+    def __init__(
+        self, metrics: Iterable[Metric], snapshot: Callable[[], dict], labels: dict[str, str] | None = None
+    ):
+        self.metrics = tuple(metrics)
+        self.snapshot = snapshot
+        self.labels = dict(labels or {})
+
+    def collect(self):
+        snap = self.snapshot() or {}
+        names, values = list(self.labels), list(self.labels.values())
+        for m in self.metrics:
+            if m.kind == "counter":
+                fam = CounterMetricFamily(m.name, m.doc, labels=names)
+                fam.add_metric(values, float(snap.get(m.key, 0) or 0))
+            elif m.kind == "gauge" and m.label:
+                fam = GaugeMetricFamily(m.name, m.doc, labels=[*names, m.label])
+                for lv, key in m.series:
+                    fam.add_metric([*values, lv], float(snap.get(key, 0) or 0))
+            elif m.kind == "gauge":
+                fam = GaugeMetricFamily(m.name, m.doc, labels=names)
+                fam.add_metric(values, float(snap.get(m.key, 0) or 0))
+            else:
+                fam = HistogramMetricFamily(m.name, m.doc, labels=names)
+                buckets, total = _hist(snap.get(m.key), m.buckets)
+                fam.add_metric(values, buckets, total)
+            yield fam
+
+
+def serve(
+    collectors: Iterable[SnapshotCollector], host: str = "127.0.0.1", port: int = 0
+) -> tuple[int, Callable]:
+    """Serve /metrics for ``collectors`` on (host, port); port 0 picks a free one. Returns (port, stop)."""
+    from prometheus_client import start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    for c in collectors:
+        registry.register(c)
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    server, thread = start_http_server(port, addr=host, registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return port, stop
+
+
+#: Bind hosts meaning "every interface": advertised as this node's address (nobody can connect to 0.0.0.0).
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def node_address() -> str:
+    """This machine's address on the network: the source address of its default route (a UDP
+    connect sends no packet), else its resolved host name."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def metrics_endpoint(host: str, node_ip: str | None = None) -> tuple[str, str]:
+    """(bind host, advertised host) for ``metrics.host``: ``node`` binds and advertises this node's
+    address, a wildcard binds every interface and advertises this node's address, anything else is
+    used for both. ``node_ip``: the node's address as the caller knows it (Ray's, in an actor)."""
+    if host == "node":
+        ip = node_ip or node_address()
+        return ip, ip
+    if host in WILDCARD_HOSTS:
+        return host or "0.0.0.0", node_ip or node_address()
+    return host, host
+
+
+class ThreadSafeStats(dict):
+    """A dict a role updates from its loop while the scrape thread snapshots it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.lock = threading.Lock()
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+                    for k, v in self.items()}  # fmt: skip
+
+
+class LearnerExporter:
+    """Mirrors the learner's step records (an ``on_step`` callback) into a scrape snapshot.
+
+    Per-step fields are exported as last values; step and publish times and per-token staleness are
+    accumulated into histograms here, because a record only describes one step.
+    """
+
+    def __init__(self, max_staleness: int = 0):
+        self.stats = ThreadSafeStats(max_staleness=max_staleness)
+        by_key = {m.key: m for m in LEARNER_METRICS}
+        self.stats["step_s"] = Hist(by_key["step_s"].buckets)
+        self.stats["publish_s"] = Hist(by_key["publish_s"].buckets)
+        self.stats["staleness_hist"] = Hist(by_key["staleness_hist"].buckets)
+        # Until the first step, "last step" is this exporter's start, not 0: a 0 made AsyncrlNoLearnerStep
+        # (time() - this > 600) fire during every learner start-up and restart (checkpoint load, DeepSpeed).
+        self.stats["step_time"] = time.time()
+
+    def __call__(self, record: Any) -> None:
+        d = record.to_dict() if hasattr(record, "to_dict") else dict(record)
+        with self.stats.lock:
+            for k, v in d.items():
+                if k not in ("step_s", "publish_s", "staleness_hist") and isinstance(v, int | float):
+                    self.stats[k] = v
+            self.stats["step_s"].observe(float(d.get("step_s", 0.0)))
+            if d.get("published"):
+                self.stats["publish_s"].observe(float(d.get("publish_s", 0.0)))
+            for value, n in (d.get("staleness_hist") or {}).items():
+                self.stats["staleness_hist"].observe(float(value), int(n))
+
+    def snapshot(self) -> dict:
+        with self.stats.lock:
+            return dict(self.stats)
+
+
+def learner_collectors(
+    exporter: LearnerExporter, buffer_stats: Callable[[], dict]
+) -> list[SnapshotCollector]:
+    """The learner process serves its own metrics and the buffer's (read from Redis at scrape time)."""
+    return [
+        SnapshotCollector(LEARNER_METRICS, exporter.snapshot),
+        SnapshotCollector(BUFFER_METRICS, buffer_stats),
+    ]
+
+
+def actor_collector(actor_id: str, stats: Callable[[], dict]) -> SnapshotCollector:
+    return SnapshotCollector(ACTOR_METRICS, stats, labels={"actor": actor_id})
