@@ -101,7 +101,7 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         min_bytes = (self.vllm_config.additional_config or {}).get(KEEP_FREED_KEY)
         if self.device.type == "cpu" and min_bytes is not None:
             from .cpu_heap import keep_freed_memory
-            from .weight_swaps import safetensors_bytes
+            from .swap_prepare import safetensors_bytes
 
             size = safetensors_bytes(self.model_config.model)
             if size >= int(min_bytes):
