@@ -190,20 +190,27 @@ class ActorPool:
             )
         return env
 
-    def replace_actor(self, i: int, before_spawn: Any = None, timeout: float = 30.0) -> None:
+    def replace_actor(self, i: int, before_spawn: Any = None, timeout: float = 30.0) -> bool:
         """Kill slot ``i``'s actor for good and start a new one in its place (``asyncrl run``'s
-        supervision). ``before_spawn()`` runs once the old actor is dead and before the new one can
-        admit anything (the supervisor reclaims the dead incarnation's admission slots there)."""
+        supervision); True when the old incarnation was confirmed dead within ``timeout`` seconds.
+        ``before_spawn()`` runs only then, before the new one can admit anything (the supervisor
+        reclaims the dead incarnation's admission slots there).
+
+        Invariant: slots are reclaimed only from a process that can no longer write. An unconfirmed
+        one (its node unreachable, say) may still finish a group it holds a slot for: reclaiming that
+        slot as well would credit it twice and widen admission for good, while leaving it taken only
+        narrows admission by the slots it held."""
         import ray
 
         ray.kill(self.actors[i], no_restart=True)
         # Its run() call fails once the process is gone: proof that it can no longer write or admit.
-        ray.wait([self.run_refs[i]], timeout=timeout)
-        if before_spawn is not None:
+        dead, _ = ray.wait([self.run_refs[i]], timeout=timeout)
+        if dead and before_spawn is not None:
             before_spawn()
         self.generations[i] += 1
         self.actors[i] = self._spawn(i, self.generations[i])
         self.run_refs[i] = self.actors[i].run.remote(None)
+        return bool(dead)
 
     def bundle(self) -> dict[str, float]:
         """One actor's reservation: its CPUs, GPUs for every tensor/pipeline-parallel worker of its engine,

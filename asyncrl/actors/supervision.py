@@ -127,11 +127,14 @@ class ActorSupervisor:
             def reclaim(actor_id: str = actor_id, box: list[int] = reclaimed) -> None:
                 box.append(self.buffer.reclaim_inflight(actor_id))
 
-            self.pool.replace_actor(i, before_spawn=reclaim)
+            dead = self.pool.replace_actor(i, before_spawn=reclaim)
             self.spawned[i] = time.time()
-            msg = (f"actor slot {i} ({actor_id}) {why}: replaced ({self.restarts[i]}/{self.max_restarts}), "
-                   f"{sum(reclaimed)} admission slots reclaimed")  # fmt: skip
-            log.info(msg)  # the caller shows and records it (asyncrl run: console + supervision.log)
+            slots = (f"{sum(reclaimed)} admission slots reclaimed" if dead else
+                     "its admission slots not reclaimed (the old incarnation was not confirmed dead)")  # fmt: skip
+            msg = f"actor slot {i} ({actor_id}) {why}: replaced ({self.restarts[i]}/{self.max_restarts}), {slots}"
+            (log.info if dead else log.warning)(
+                msg
+            )  # the caller shows and records it (console, supervision.log)
             self.events.append(msg)
             done.append(msg)
         return done

@@ -38,8 +38,9 @@ def test_heartbeats_of_other_pools_do_not_count(buffer) -> None:
 class _Replacing(SimpleNamespace):
     """The pool side of a replacement: run the supervisor's reclaim, then "spawn" (nothing to spawn here)."""
 
-    def replace_actor(self, i: int, before_spawn) -> None:
+    def replace_actor(self, i: int, before_spawn) -> bool:
         before_spawn()
+        return True
 
 
 def test_a_slot_without_heartbeat_reclaims_its_own_pools_id(buffer) -> None:
@@ -61,6 +62,44 @@ def test_a_slot_without_heartbeat_reclaims_its_own_pools_id(buffer) -> None:
         assert "1 admission slots reclaimed" in done[1]
         # Pool 0's actor-1 still holds both of its slots: nothing of it became a credit.
         assert buffer.reclaim_inflight("actor-1") == 2
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def test_replace_actor_reclaims_only_from_a_confirmed_death() -> None:
+    """ActorPool.replace_actor on real Ray actors: the reclaim hook runs once the old incarnation's run
+    call has failed (it can no longer write), and not when its death is unconfirmed at the timeout
+    (timeout 0: the kill is asynchronous, so nothing can confirm it yet); the slot is replaced either way."""
+    ray = pytest.importorskip("ray")
+    from asyncrl.actors.pool import ActorPool
+
+    @ray.remote(num_cpus=0)
+    class Looping:
+        def run(self, _arg) -> None:
+            while True:
+                time.sleep(0.05)
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        pool = ActorPool.__new__(ActorPool)
+        pool._spawn = lambda i, generation: Looping.remote()
+        pool.actors = [Looping.remote()]
+        pool.run_refs = [pool.actors[0].run.remote(None)]
+        pool.generations = [0]
+        ray.wait(pool.run_refs, timeout=0.5)  # running (it never returns)
+        calls: list[int] = []
+        old = pool.actors[0]
+        assert pool.replace_actor(0, before_spawn=lambda: calls.append(1), timeout=30.0) is True
+        assert calls == [1] and pool.generations == [1] and pool.actors[0] is not old
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(old.run.remote(None), timeout=30)
+        assert pool.replace_actor(0, before_spawn=lambda: calls.append(2), timeout=0.0) is False
+        assert calls == [1] and pool.generations == [2]
+        # The new incarnation runs (its run call has not ended).
+        assert ray.wait(pool.run_refs, timeout=0.5)[0] == []
     finally:
         if started:
             ray.shutdown()
