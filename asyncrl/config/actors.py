@@ -225,7 +225,8 @@ class AdaptiveStalenessConfig:
     )
     max_drift_kl: float = F(
         0.05,
-        "Lower the bound by 1 when the KL(mu || pi_prox) of any token-staleness bucket exceeds this.",
+        "Lower the bound by 1 when the KL(mu || pi_prox) of any stale token bucket (staleness >= 1), "
+        "less the staleness-0 bucket's (the engine/trainer mismatch, which no bound lowers), exceeds this.",
         gt=0,
     )
 

@@ -8,8 +8,9 @@ the ceiling; with ``buffer.adaptive.enabled`` the learner's rank 0 moves the *ad
 * the learner's idle fraction (seconds waiting for data / seconds per step): the learner starves,
   so let the actors run further ahead (``b + 1``) - asynchrony is what buys throughput;
 * the effective sample size of the importance weights (``ess``, normalised, in (0, 1]) and the
-  drift KL(mu || pi_prox) of each token-staleness bucket (``drift_kl``): the data got too far
-  off-policy for the correction to hold, so pull the actors closer (``b - 1``).
+  drift KL(mu || pi_prox) of each stale token bucket (``drift_kl``, s >= 1, in excess of the s = 0
+  bucket's engine/trainer mismatch: :func:`staleness_drift`): the data got too far off-policy for
+  the correction to hold, so pull the actors closer (``b - 1``).
 
 Quality wins over throughput: a window with a bad ESS or KL lowers the bound even if the learner
 idled. The bound is written to Redis (:meth:`asyncrl.buffer.ReplayBuffer.set_staleness_bound`),
@@ -32,7 +33,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Decision", "StalenessController", "install", "BOUND_LOG"]
+__all__ = ["Decision", "StalenessController", "install", "staleness_drift", "BOUND_LOG"]
 
 log = logging.getLogger(__name__)
 BOUND_LOG = "staleness_bound.jsonl"
@@ -75,13 +76,7 @@ class StalenessController:
         # ESS only where importance weights were computed (a step without loss tokens reports 0).
         ess_vals = [float(r["ess"]) for r in win if r.get("ess") and math.isfinite(float(r["ess"]))]
         ess = sum(ess_vals) / len(ess_vals) if ess_vals else None
-        # Per staleness bucket, the mean over the window's steps; the worst bucket decides.
-        buckets: dict[str, list[float]] = {}
-        for r in win:
-            for k, v in (r.get("drift_kl") or {}).items():
-                if math.isfinite(float(v)):
-                    buckets.setdefault(str(k), []).append(float(v))
-        kl = max((sum(v) / len(v) for v in buckets.values()), default=None)
+        kl = staleness_drift(win)
         prev = self.bound
         if ess is not None and ess < self.min_ess:
             reason, want = "ess", prev - 1
@@ -95,6 +90,28 @@ class StalenessController:
         if self.bound == prev and want != prev:
             reason = "at limit"
         return Decision(int(win[-1].get("step", 0)), self.bound, prev, reason, idle, ess, kl)
+
+
+def staleness_drift(win: list[Mapping[str, Any]]) -> float | None:
+    """The drift the bound can act on, from a window of step records: per token-staleness bucket the
+    mean of ``drift_kl`` over the window's steps, and of the stale buckets (s >= 1) the worst one's
+    excess over the fresh bucket (s = 0) when the window measured it, clipped at 0; None when no
+    stale bucket has a finite value.
+
+    Why not every bucket as it is: the s = 0 bucket is KL(mu || pi_prox) of tokens sampled by the very
+    weights being trained, i.e. the engine/trainer mismatch (a bf16 engine against fp32 training,
+    another kernel). No admission bound lowers it, and the stale buckets carry it too, so a mismatch
+    above ``max_drift_kl`` alone would ratchet the bound down to ``min_bound``, throughput lost for
+    nothing."""
+    buckets: dict[int, list[float]] = {}
+    for r in win:
+        for k, v in (r.get("drift_kl") or {}).items():
+            if math.isfinite(float(v)):
+                buckets.setdefault(int(k), []).append(float(v))
+    means = {s: sum(v) / len(v) for s, v in buckets.items()}
+    fresh = means.get(0, 0.0)
+    stale = [m for s, m in means.items() if s >= 1]
+    return max(max(stale) - fresh, 0.0) if stale else None
 
 
 def install(cfg: Any, buffer: Any, run_dir: Path) -> Callable[[Any], None] | None:

@@ -68,3 +68,50 @@ def test_floor_missing_signals_and_bad_values() -> None:
     )
     with pytest.raises(ValueError):
         StalenessController(2, min_bound=3)
+
+
+def _drift_reference(win: list[dict]) -> float | None:
+    """Slow float64 reference of staleness_drift: bucket means, the worst stale one less the fresh one."""
+    import numpy as np
+
+    sums: dict[int, list[float]] = {}
+    for r in win:
+        for k, v in r["drift_kl"].items():
+            if np.isfinite(v):
+                sums.setdefault(int(k), []).append(np.float64(v))
+    stale = [float(np.mean(v)) for s, v in sums.items() if s >= 1]
+    if not stale:
+        return None
+    return max(max(stale) - (float(np.mean(sums[0])) if 0 in sums else 0.0), 0.0)
+
+
+def test_engine_mismatch_alone_does_not_lower_the_bound() -> None:
+    # A bf16 engine against fp32 training: every bucket drifts by ~0.08 from the mismatch, the stale ones
+    # barely more. The s = 0 bucket is no staleness: before, the bound fell 8 -> 0 here, one step per window.
+    c = StalenessController(8, every_steps=2, max_drift_kl=0.05)
+    mismatch = {"0": 0.08, "1": 0.081, "3": 0.085}
+    ds = _feed(c, [_rec(s, kl=mismatch) for s in range(1, 21)])
+    assert [d.bound for d in ds] == [8] * 10 and {d.reason for d in ds} == {"hold"}
+    assert ds[0].drift_kl == pytest.approx(0.005)
+    # Staleness on top of the mismatch still lowers it: bucket 3 at 0.08 + 0.06.
+    ds = _feed(c, [_rec(21, kl={"0": 0.08, "3": 0.14}), _rec(22, kl={"0": 0.08, "3": 0.14})])
+    assert (ds[0].bound, ds[0].reason) == (7, "drift_kl") and ds[0].drift_kl == pytest.approx(0.06)
+
+
+def test_staleness_drift_matches_float64_reference() -> None:
+    import random
+
+    from asyncrl.learner.adaptive import staleness_drift
+
+    rng = random.Random(0)
+    for _ in range(300):
+        win = []
+        for _ in range(rng.randint(1, 6)):
+            kl = {}
+            for s in rng.sample(range(6), rng.randint(0, 6)):
+                kl[str(s)] = rng.choice([rng.expovariate(20.0), 1e-30, 0.0, float("nan"), float("inf"), 5e3])
+            win.append({"drift_kl": kl})
+        got, want = staleness_drift(win), _drift_reference(win)
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
