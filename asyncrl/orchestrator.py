@@ -78,7 +78,13 @@ def write_targets(rdir: Path, run: str, learner_status: dict, actors: dict) -> l
 
 
 def write_summary(rdir: Path, records: list[dict], start: float, end: float, extra: dict) -> dict:
+    """``summary.json`` of the run dir from its metrics.jsonl records and this start's [start, end].
+
+    After a resume metrics.jsonl holds the earlier starts' steps too: ``steps`` and ``trained_tokens``
+    are the run's, but ``wall_s`` and the rate are this start's, so the rate counts only the tokens of
+    steps that ended since ``start`` (before: every start's tokens over the last one's wall seconds)."""
     k = min(3, len(records))
+    this_start = [r for r in records if float(r.get("step_time", start)) >= start]
     summary = {
         "steps": records[-1]["step"] if records else 0,
         "final_version": records[-1]["version"] if records else 0,
@@ -86,7 +92,7 @@ def write_summary(rdir: Path, records: list[dict], start: float, end: float, ext
         "end_reward": sum(r["reward_mean"] for r in records[-k:]) / k if k else None,
         "wall_s": end - start,
         "trained_tokens": sum(r.get("tokens", 0) for r in records),
-        "trained_tokens_per_s": sum(r.get("tokens", 0) for r in records) / max(end - start, 1e-9),
+        "trained_tokens_per_s": sum(r.get("tokens", 0) for r in this_start) / max(end - start, 1e-9),
         "staleness_max": max((r["staleness_max"] for r in records), default=0),
         **extra,
     }
