@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -161,7 +162,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.path=value")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(p))
+        merged = OmegaConf.merge(OmegaConf.structured(Config), _keep_str_text(OmegaConf.load(p), p))
     except (ConfigKeyError, ConfigAttributeError) as e:
         raise _unknown_key(e) from None
     except OmegaConfBaseException as e:
@@ -172,6 +173,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     _validate(cfg, "")
     return cfg
+
+
+def _keep_str_text(loaded: Any, path: Path) -> Any:
+    """``loaded`` (the file as OmegaConf read it) with each plain (unquoted) scalar of a ``str`` field
+    set back to its text in the file. YAML types a bare ``007`` as 7, ``1e3`` as 1000.0 and ``yes`` as
+    True, which a str field then holds as '7', '1000.0', 'True': a run named 007 would run as 7
+    (another run dir, other Redis keys). The same rule as a ``key=value`` override (_apply_override);
+    a quoted scalar is taken as YAML reads it, and a null stays null (the schema judges it)."""
+    try:
+        root = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return loaded  # OmegaConf read it; its own errors stand
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for knode, vnode in node.value:
+            if not isinstance(knode, yaml.ScalarNode):
+                continue
+            key = f"{prefix}{knode.value}"
+            tp = _field_type(key)
+            if dataclasses.is_dataclass(tp):
+                walk(vnode, key + ".")
+            elif (tp is str and isinstance(vnode, yaml.ScalarNode) and vnode.style is None
+                  and vnode.tag not in ("tag:yaml.org,2002:str", "tag:yaml.org,2002:null")):  # fmt: skip
+                OmegaConf.update(loaded, key, vnode.value, merge=True)
+
+    walk(root, "")
+    return loaded
 
 
 def _apply_override(merged: DictConfig, item: str) -> None:

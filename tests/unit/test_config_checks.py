@@ -35,6 +35,22 @@ def test_run_name_overrides_keep_their_text():
     assert from_yaml(to_yaml(cfg)) == cfg
 
 
+def test_str_fields_of_a_yaml_file_keep_their_text(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "run:\n  name: 007\n  dir: 2024\ntask:\n  alphabet: 0123\n  system_prompt: yes\n"
+        "buffer:\n  max_staleness: 0x2\n"
+    )  # YAML: 7, 2024, 83, True; an int field keeps YAML's reading
+    cfg = load_config(f)
+    assert (cfg.run.name, cfg.run.dir, cfg.task.alphabet) == ("007", "2024", "0123")
+    assert (cfg.task.system_prompt, cfg.buffer.max_staleness) == ("yes", 2)
+    f.write_text("run:\n  name: '007'\n")  # quoted: YAML's str, as written
+    assert load_config(f).run.name == "007"
+    assert from_yaml(to_yaml(cfg)) == cfg
+    # Overrides on top of the file still win, with their own text.
+    assert load_config(f, overrides=["run.name=08"]).run.name == "08"
+
+
 def test_appendfsync_no_from_the_command_line_and_from_a_file(tmp_path):
     cfg = load_config(overrides=["redis.appendfsync=no"])
     assert cfg.redis.appendfsync == "no"
