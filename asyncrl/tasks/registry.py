@@ -85,6 +85,10 @@ DATA_KEYS = ("data_path", "split", "eval_data_path", "eval_split", "eval_fractio
              "target_column", "params")  # fmt: skip
 
 
+#: ``task.*`` keys of :data:`DATA_KEYS` that gsm8k does not read (its columns are fixed): rejected when set.
+GSM8K_IGNORED_KEYS = ("prompt_column", "target_column", "params")
+
+
 def _check_not_shadowed(name: str, key: str) -> None:
     """A plug-in registering a built-in's name would be silently replaced by the built-in (built-ins win
     the lookup, and its data and reward would be ignored): an error instead, with both ways out."""
@@ -104,26 +108,35 @@ def check_task_config(task_cfg: Any, prefix: str = "task.") -> None:
     """Reject a ``task`` section a built-in would silently misread; :class:`ConfigError` naming the key.
 
     * a built-in ``task.name`` that an installed plug-in also registers;
-    * a tiny task with a non-default :data:`DATA_KEYS` value (tiny tasks read no data).
+    * a tiny task with a non-default :data:`DATA_KEYS` value (tiny tasks read no data);
+    * gsm8k with a non-default :data:`GSM8K_IGNORED_KEYS` value (it reads fixed columns).
 
     Reads entry-point metadata only (no plug-in module is imported), so config validation may call it.
     """
     name = task_cfg.name
     _check_not_shadowed(name, f"{prefix}name")
-    if name in TINY_TASKS:
-        # Here, not at the top: asyncrl.config imports this module (its task checks), so importing
-        # asyncrl.tasks must not import asyncrl.config.
-        from asyncrl.config import ConfigError, TaskConfig
+    if name not in TINY_TASKS and name != "gsm8k":
+        return
+    # Here, not at the top: asyncrl.config imports this module (its task checks), so importing
+    # asyncrl.tasks must not import asyncrl.config.
+    from asyncrl.config import ConfigError, TaskConfig
 
-        defaults = TaskConfig()
-        for key in DATA_KEYS:
-            value = getattr(task_cfg, key, getattr(defaults, key))
-            if value != getattr(defaults, key):
-                raise ConfigError(
-                    f"{prefix}{key}={value!r}: the built-in task {name!r} generates its prompts and does not "
-                    f"read {prefix}{key}; remove it, or use a task that reads data (gsm8k, or a plug-in: "
-                    "docs/custom_tasks.md)"
-                )
+    defaults = TaskConfig()
+    for key in DATA_KEYS if name in TINY_TASKS else GSM8K_IGNORED_KEYS:
+        value = getattr(task_cfg, key, getattr(defaults, key))
+        if value == getattr(defaults, key):
+            continue
+        if name in TINY_TASKS:
+            raise ConfigError(
+                f"{prefix}{key}={value!r}: the built-in task {name!r} generates its prompts and does not "
+                f"read {prefix}{key}; remove it, or use a task that reads data (gsm8k, or a plug-in: "
+                "docs/custom_tasks.md)"
+            )
+        raise ConfigError(
+            f"{prefix}{key}={value!r}: the built-in task 'gsm8k' reads the GSM8K columns 'question' and "
+            f"'answer' (its final answer after '#### ') and no {prefix}{key}; rename the data's columns, "
+            "remove the key, or use a plug-in task (docs/custom_tasks.md)"
+        )
 
 
 def _registered() -> dict[str, Any]:

@@ -80,9 +80,14 @@ def test_a_bad_value_in_a_file_names_the_file(tmp_path):
 
 
 def test_non_str_overrides_are_still_typed():
-    # task.params is a plug-in's: with the default tiny task it would be refused (check_task_config).
+    # task.params is a plug-in's: with a built-in task it would be refused (check_task_config).
     cfg = load_config(
-        overrides=["learner.lr=1e-5", "task.name=gsm8k", "task.params.k=3", "tracking.wandb=on"]
+        overrides=[
+            "learner.lr=1e-5",
+            "task.name=tests.e2e.custom_task.echo_task:make_task",
+            "task.params.k=3",
+            "tracking.wandb=on",
+        ]
     )
     assert (
         cfg.learner.lr == pytest.approx(1e-5) and cfg.task.params == {"k": 3} and cfg.tracking.wandb is True

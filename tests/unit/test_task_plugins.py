@@ -142,7 +142,11 @@ def test_tiny_tasks_reject_data_keys_they_would_ignore(name, key, value):
     check_task_config(
         TaskConfig(name=name, eval_size=3, num_prompts=7, alphabet="xy")
     )  # what tiny tasks read
-    check_task_config(TaskConfig(name="gsm8k", **{key: value}))  # not a tiny task: not this check's business
+    if key in ("prompt_column", "target_column", "params"):  # gsm8k reads fixed columns: rejected too
+        with pytest.raises(ConfigError, match=rf"^task\.{key}=.*'gsm8k' reads the GSM8K columns"):
+            check_task_config(TaskConfig(name="gsm8k", **{key: value}))
+    else:
+        check_task_config(TaskConfig(name="gsm8k", **{key: value}))  # what gsm8k reads
 
 
 def test_unknown_names_fail_clearly():
