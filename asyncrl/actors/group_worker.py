@@ -126,7 +126,7 @@ class GroupProduction:
         try:
             await self.engine.swap_settled.wait()
         except BaseException:
-            self.buffer.credit(1, self.actor_id)
+            self._give_back()
             raise
         if self.engine.version is not None and self.engine.version >= version:
             self.counters["preadmissions"] += 1
@@ -152,6 +152,17 @@ class GroupProduction:
 
         fut.add_done_callback(done)
         return await asyncio.shield(fut)
+
+    def _give_back(self, group_id: str | None = None) -> None:
+        """Credit an admission slot from a cancellation or failure path without blocking the event loop:
+        the credit runs in a thread, tracked like a write (:meth:`_writes_done` waits for it before a
+        reclaim or shutdown), and the caller re-raises at once. Called inline, a Redis outage held the
+        loop (every worker, the version watcher, the heartbeat) for the whole retry budget, and a
+        credit that then failed replaced the CancelledError being raised."""
+        kwargs = {} if group_id is None else {"request_id": group_id}
+        fut = asyncio.ensure_future(asyncio.to_thread(self.buffer.credit, 1, self.actor_id, **kwargs))
+        self._writes.add(fut)
+        fut.add_done_callback(self._writes.discard)
 
     def _put_batcher(self) -> PutBatcher:
         """This actor's put batcher (groups finishing together share one round trip; put_batch.py)."""
@@ -202,7 +213,7 @@ class GroupProduction:
                 )
             except BaseException:
                 # Cancelled (stop with abort) or failed: nothing is written, the slot goes back.
-                self.buffer.credit(1, self.actor_id, request_id=group_id)
+                self._give_back(group_id)
                 self.counters["groups_aborted"] += 1
                 raise
             rec["t_gen1"] = time.time()
@@ -234,7 +245,7 @@ class GroupProduction:
             except asyncio.CancelledError:
                 puts.unexpect()
                 # A stop with abort while it was scored: not written, the slot goes back (as above).
-                self.buffer.credit(1, self.actor_id, request_id=group_id)
+                self._give_back(group_id)
                 self.counters["groups_aborted"] += 1
                 raise
             except RewardFailure as e:

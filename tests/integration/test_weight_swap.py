@@ -843,6 +843,55 @@ def test_a_worker_cancelled_inside_its_admission_attempt_gives_the_slot_back(
     assert a["credits"] == b["credits"] + 1 and seen["inflight"] == 0, seen  # ... and the slot came back
 
 
+def test_a_worker_cancelled_during_a_redis_freeze_gives_its_slot_back_without_holding_the_loop(
+    rig, redis_server, tmp_path: Path, run_name: str
+) -> None:
+    """A stop with abort cancels a worker waiting for its engine's swap to settle while Redis is frozen
+    (SIGSTOP on the real server). The slot's credit runs in a thread, tracked with the worker's writes:
+    the cancellation returns at once and the event loop keeps running (before: the credit ran inline
+    and held the loop until Redis answered); once Redis is back the credit lands."""
+    import os
+    import signal
+
+    loop = rig["loop"]
+    tr, buf, actor, _ = _actor_rig(rig, redis_server.url, tmp_path / "run", run_name,
+                                   ["redis.retry_budget_s=20"])  # fmt: skip
+    eng = rig["engine"]
+    seen: dict[str, float] = {}
+
+    async def main() -> None:
+        before = buf.stats()["credits"]
+        eng.swap_settled.clear()  # a swap in progress: the worker waits for it to settle
+        task = asyncio.create_task(actor._await_swap((eng.version or 0) + 1))
+        await asyncio.sleep(0.05)
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            seen["cancel_s"] = time.monotonic() - t0
+            t0 = time.monotonic()
+            await asyncio.sleep(0.2)  # the loop runs on while the credit waits for Redis
+            seen["loop_s"] = time.monotonic() - t0
+            seen["pending"] = len(actor._writes)
+            await asyncio.sleep(1.0)
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+            eng.swap_settled.set()
+        await asyncio.wait_for(actor._writes_done(), 30)
+        seen["credited"] = buf.stats()["credits"] - before
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+        eng.swap_settled.set()
+        _close_actor_rig(buf, actor, tr)
+    assert seen["cancel_s"] < 0.5 and seen["loop_s"] < 0.5, seen  # inline: >= the 1.2 s freeze
+    assert seen["pending"] == 1 and seen["credited"] == 1, seen
+
+
 def test_swap_min_lag_skips_versions_until_due_and_a_waiting_worker_makes_a_swap_due_at_once(
     rig, redis_server, tmp_path: Path, run_name: str, monkeypatch
 ) -> None:
