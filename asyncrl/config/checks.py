@@ -137,11 +137,16 @@ def _has_chat_template(p: Path) -> bool:
     return isinstance(tok, dict) and bool(tok.get("chat_template"))
 
 
-def validate_task_name(name: str, key: str) -> None:
-    """Reject a task name that names nothing, without importing a plug-in (that happens at role start)."""
-    from asyncrl.tasks.registry import BUILTIN_TASKS, ENTRY_POINT_GROUP, registered_names
+def validate_task_name(name: str, key: str, registered: dict[str, Any] | None = None) -> None:
+    """Reject a task name that names nothing, without importing a plug-in (that happens at role start).
+    ``registered``: the installed plug-ins (asyncrl.tasks.registry.registered_entry_points) when the caller
+    has scanned them already; else scanned here, once."""
+    from asyncrl.tasks.registry import BUILTIN_TASKS, ENTRY_POINT_GROUP, registered_entry_points
 
-    if name in BUILTIN_TASKS or name in registered_names():
+    if name in BUILTIN_TASKS:
+        return
+    plugins = sorted(registered_entry_points() if registered is None else registered)
+    if name in plugins:
         return
     module, _, attr = name.rpartition(":")
     if module and attr:
@@ -157,7 +162,6 @@ def validate_task_name(name: str, key: str) -> None:
         raise ConfigError(
             f"{key}={name!r}: module {module!r} is not importable (installed, or on PYTHONPATH?)"
         )
-    plugins = registered_names()
     raise ConfigError(
         f"{key}={name!r} is not a known task; built-in tasks: {', '.join(BUILTIN_TASKS)}"
         + (f"; installed plug-ins ({ENTRY_POINT_GROUP}): {', '.join(plugins)}" if plugins else "")

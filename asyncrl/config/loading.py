@@ -128,12 +128,14 @@ def _validate(obj: Any, prefix: str) -> None:
         if obj.num_heads % obj.num_kv_heads:
             raise ConfigError(f"{prefix}num_heads must be a multiple of {prefix}num_kv_heads")
     if isinstance(obj, TaskConfig):
-        _validate_task_name(obj.name, f"{prefix}name")
+        # asyncrl.tasks never imports asyncrl.config. One entry-point scan for both checks below.
+        from asyncrl.tasks.registry import check_task_config, registered_entry_points
+
+        registered = registered_entry_points()
+        _validate_task_name(obj.name, f"{prefix}name", registered)
         # A built-in name shadowed by an installed plug-in, or data keys a tiny task would ignore: at
         # load, not at actor start (entry-point metadata only; no plug-in is imported here).
-        from asyncrl.tasks.registry import check_task_config  # asyncrl.tasks never imports asyncrl.config
-
-        check_task_config(obj, prefix)
+        check_task_config(obj, prefix, registered)
     if isinstance(obj, Config):
         check_config(obj)
 

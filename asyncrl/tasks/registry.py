@@ -39,6 +39,7 @@ __all__ = [
     "TaskNotFound",
     "DATA_KEYS",
     "check_task_config",
+    "registered_entry_points",
     "registered_names",
     "resolve_factory",
     "make_task",
@@ -89,10 +90,13 @@ DATA_KEYS = ("data_path", "split", "eval_data_path", "eval_split", "eval_fractio
 GSM8K_IGNORED_KEYS = ("prompt_column", "target_column", "params")
 
 
-def _check_not_shadowed(name: str, key: str) -> None:
+def _check_not_shadowed(name: str, key: str, registered: dict[str, Any] | None = None) -> None:
     """A plug-in registering a built-in's name would be silently replaced by the built-in (built-ins win
-    the lookup, and its data and reward would be ignored): an error instead, with both ways out."""
-    ep = _registered().get(name) if name in BUILTIN_TASKS else None
+    the lookup, and its data and reward would be ignored): an error instead, with both ways out.
+    ``registered``: the caller's :func:`registered_entry_points` (else scanned here, for a built-in only)."""
+    if name not in BUILTIN_TASKS:
+        return
+    ep = (registered_entry_points() if registered is None else registered).get(name)
     if ep is not None:
         from asyncrl.config import ConfigError  # here, not at the top: asyncrl.config imports this module
 
@@ -104,7 +108,7 @@ def _check_not_shadowed(name: str, key: str) -> None:
         )
 
 
-def check_task_config(task_cfg: Any, prefix: str = "task.") -> None:
+def check_task_config(task_cfg: Any, prefix: str = "task.", registered: dict[str, Any] | None = None) -> None:
     """Reject a ``task`` section a built-in would silently misread; :class:`ConfigError` naming the key.
 
     * a built-in ``task.name`` that an installed plug-in also registers;
@@ -112,9 +116,10 @@ def check_task_config(task_cfg: Any, prefix: str = "task.") -> None:
     * gsm8k with a non-default :data:`GSM8K_IGNORED_KEYS` value (it reads fixed columns).
 
     Reads entry-point metadata only (no plug-in module is imported), so config validation may call it.
+    ``registered``: a :func:`registered_entry_points` the caller already has (else scanned here if needed).
     """
     name = task_cfg.name
-    _check_not_shadowed(name, f"{prefix}name")
+    _check_not_shadowed(name, f"{prefix}name", registered)
     if name not in TINY_TASKS and name != "gsm8k":
         return
     # Here, not at the top: asyncrl.config imports this module (its task checks), so importing
@@ -139,17 +144,22 @@ def check_task_config(task_cfg: Any, prefix: str = "task.") -> None:
         )
 
 
-def _registered() -> dict[str, Any]:
+def registered_entry_points() -> dict[str, Any]:
+    """Name -> entry point of each task installed packages register under :data:`ENTRY_POINT_GROUP` (not
+    loaded). A scan of the installed distributions per call, not cached (a package installed since, or a
+    directory added to ``sys.path``, is found): a caller that needs it more than once (config validation,
+    :func:`make_task`) scans once and passes the result on."""
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def registered_names() -> list[str]:
-    """Task names installed packages register under :data:`ENTRY_POINT_GROUP` (not loaded)."""
-    return sorted(_registered())
+def registered_names(registered: dict[str, Any] | None = None) -> list[str]:
+    """Task names installed packages register under :data:`ENTRY_POINT_GROUP` (not loaded); from
+    ``registered`` (a :func:`registered_entry_points`) when given, else from a scan."""
+    return sorted(registered_entry_points() if registered is None else registered)
 
 
-def _describe_known() -> str:
-    plugins = sorted(_registered())
+def _describe_known(registered: dict[str, Any]) -> str:
+    plugins = sorted(registered)
     text = f"built-in tasks: {', '.join(BUILTIN_TASKS)}"
     if plugins:
         text += f"; installed plug-ins ({ENTRY_POINT_GROUP}): {', '.join(plugins)}"
@@ -178,20 +188,21 @@ def _load_module(spec: str) -> Any:
         ) from None
 
 
-def resolve_factory(name: str) -> Callable[[Any, int], Task]:
+def resolve_factory(name: str, registered: dict[str, Any] | None = None) -> Callable[[Any, int], Task]:
     """The factory ``task.name`` refers to; :class:`TaskNotFound` (listing the choices) if none, a
-    :class:`ConfigError` if a plug-in registers a built-in's name."""
+    :class:`ConfigError` if a plug-in registers a built-in's name. ``registered``: as in
+    :func:`check_task_config`."""
+    registered = registered_entry_points() if registered is None else registered
     if name in BUILTIN_TASKS:
-        _check_not_shadowed(name, "task.name")
+        _check_not_shadowed(name, "task.name", registered)
         return BUILTIN_TASKS[name]
-    registered = _registered()
     if name in registered:
         return registered[name].load()
     if ":" not in name:
-        raise TaskNotFound(f"task.name={name!r} is not a known task; {_describe_known()}")
+        raise TaskNotFound(f"task.name={name!r} is not a known task; {_describe_known(registered)}")
     module_spec, _, attr = name.rpartition(":")
     if not module_spec or not attr:
-        raise TaskNotFound(f"task.name={name!r}: expected 'module:factory'; {_describe_known()}")
+        raise TaskNotFound(f"task.name={name!r}: expected 'module:factory'; {_describe_known(registered)}")
     factory = getattr(_load_module(module_spec), attr, None)
     if not callable(factory):
         raise TaskNotFound(f"task.name={name!r}: {module_spec!r} has no callable {attr!r}")
@@ -200,8 +211,9 @@ def resolve_factory(name: str) -> Callable[[Any, int], Task]:
 
 def make_task(task_cfg: Any, seed: int) -> Task:
     """The task named by ``task_cfg.name`` (a :class:`asyncrl.config.TaskConfig`), built for ``seed``."""
-    check_task_config(task_cfg)
-    task = resolve_factory(task_cfg.name)(task_cfg, seed)
+    registered = registered_entry_points()  # one scan for both: the shadowing check and the lookup
+    check_task_config(task_cfg, registered=registered)
+    task = resolve_factory(task_cfg.name, registered)(task_cfg, seed)
     if not isinstance(task, Task):
         raise TypeError(
             f"task.name={task_cfg.name!r}: the factory returned {type(task).__name__}, not a Task"

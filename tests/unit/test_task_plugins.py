@@ -125,6 +125,50 @@ def test_plugin_named_like_a_builtin_is_an_error_not_silently_replaced(tmp_path,
     sys.modules.pop(pkg, None)
 
 
+def test_one_entry_point_scan_per_config_load_and_per_make_task(tmp_path, monkeypatch):
+    """Scanning the installed distributions for entry points is the slow part of a task check (every
+    dist-info on sys.path is read): config validation and make_task each scan once and pass the result
+    on. A rejected name scanned twice at load, a built-in's make_task twice (check, then lookup). Not
+    cached across calls: a plug-in installed after a first load is found by the next one."""
+    from asyncrl.tasks import registry
+
+    real, scans = registry.entry_points, []
+
+    def counting(**kw):
+        scans.append(kw.get("group"))
+        return real(**kw)
+
+    monkeypatch.setattr(registry, "entry_points", counting)
+
+    def count(call) -> int:
+        scans.clear()
+        call()
+        assert set(scans) <= {registry.ENTRY_POINT_GROUP}, scans
+        return len(scans)
+
+    def load(name: str):
+        return lambda: load_config(overrides=[f"task.name={name}"])
+
+    def rejected(name: str):
+        def call():
+            with pytest.raises(ConfigError, match="is not a known task"):
+                load_config(overrides=[f"task.name={name}"])
+
+        return call
+
+    assert count(load("copy")) == 1  # a built-in (the shadowing check)
+    assert count(load("tests.e2e.custom_task.echo_task:make_task")) == 1  # an import path
+    entry = f"counted_{tmp_path.name.replace('-', '_')}"
+    assert count(rejected(entry)) == 1  # names nothing (yet): the message lists the plug-ins too
+    assert count(lambda: make_task(TaskConfig(name="copy"), 0)) == 1
+    pkg = f"cpkg_{tmp_path.name.replace('-', '_')}"
+    _install_plugin(tmp_path, pkg, entry)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert count(load(entry)) == 1  # installed after the loads above: found
+    assert count(lambda: make_task(TaskConfig(name=entry), 0)) == 1
+    sys.modules.pop(pkg, None)
+
+
 @pytest.mark.parametrize("name", ["copy", "echo", "addition"])
 @pytest.mark.parametrize(
     "key, value",
