@@ -113,8 +113,9 @@ def learner_threads(cfg: Config, cpus: tuple[int, ...] | None = None) -> int:
     return 1
 
 
-def stop_process(proc: subprocess.Popen, grace_s: float = 60.0) -> int:
-    """SIGTERM (the learner finishes its step and checkpoints), then SIGKILL after ``grace_s``."""
+def stop_process(proc: subprocess.Popen, grace_s: float) -> int:
+    """SIGTERM (the learner finishes its step and checkpoints), then SIGKILL its process group after
+    ``grace_s`` (the learner's: ``learner.stop_grace_s``)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

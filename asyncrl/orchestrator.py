@@ -333,7 +333,8 @@ def _teardown(pool: Any, sup: Supervisor, buf: Any) -> int:
 
     if pool is not None:
         step("actor pool stop", pool.stop)
-    rc = step("learner stop", lambda: stop_process(sup.learner)) if sup.learner is not None else 0
+    learner, grace_s = sup.learner, sup.cfg.learner.stop_grace_s
+    rc = step("learner stop", lambda: stop_process(learner, grace_s)) if learner is not None else 0
     if buf is not None:
         step("buffer close", buf.close)
     if sup.redis_srv is not None:

@@ -191,6 +191,14 @@ class LearnerConfig:
         900.0, "nccl transport: deadline for every actor to join a new group (covers engine start-up).", gt=0
     )
     checkpoint_every: int = F(10, "Checkpoint (and acknowledge consumed groups) every N steps.", ge=1)
+    stop_grace_s: float = F(
+        60.0,
+        "Seconds `asyncrl run` gives the learner, once it has sent it SIGTERM (the run's end, Ctrl-C, "
+        "run.max_wall_s, a failed role), to finish its step and write its final checkpoint before it "
+        "SIGKILLs it; a killed learner resumes from its previous checkpoint and retrains the steps since. "
+        "Raise it for models whose checkpoint takes longer to write.",
+        gt=0,
+    )
     read_block_ms: int = F(500, "Longest single blocking read on the buffer, in ms.", ge=1)
     fill_window: bool = F(
         False,
