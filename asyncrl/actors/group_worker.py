@@ -19,7 +19,7 @@ from typing import Any
 
 from asyncrl.tasks import Prompt, prompt_token_ids
 
-from .groups import build_group
+from .groups import build_group, version_span
 from .put_batch import PutBatcher
 from .rewards import RewardFailure
 from .seeding import prompt_seq, request_seed
@@ -223,14 +223,15 @@ class GroupProduction:
                 self.counters["groups_aborted"] += 1
                 continue
             assert v_start is not None and self.engine.version is not None
+            first, last = version_span(seqs, int(v_start), int(self.engine.version))
             meta = {
                 "temperature": float(a.temperature),  # the learner divides logits by it
                 "top_p": float(a.top_p),
                 "max_tokens": int(a.max_tokens),
                 "task": self.task.name,
                 "actor_index": self.index,
-                "version_start": int(v_start),
-                "version_end": int(self.engine.version),
+                "version_start": first,
+                "version_end": last,
                 "swaps": int(self.counters["swaps"] - swaps_start),
                 "swap_mode": self.swap_mode,
                 "prompt_seq": seq,
@@ -262,4 +263,4 @@ class GroupProduction:
                 raise
             await self._write(puts.put, group, True, written=True)
             self.timeline.record("group", **rec, t_written=time.time(), tokens=sum(len(s.token_ids) for s in seqs),
-                                 v_start=int(v_start), v_end=int(meta["version_end"]))  # fmt: skip
+                                 v_start=first, v_end=last)  # fmt: skip

@@ -15,6 +15,17 @@ from .engine import SampledCompletion
 __all__ = ["build_group"]
 
 
+def version_span(seqs: Sequence[SampledCompletion], v_start: int, v_end: int) -> tuple[int, int]:
+    """(first, last) policy version a group's tokens were sampled with: from the tokens' own versions,
+    else (no tokens) the engine's versions read around the group, ``v_start`` and ``v_end``.
+
+    Why not the engine's versions alone: ``v_start`` is read before the group reaches the engine, and
+    a swap that lands in between (a between-groups drain, a swap the admission waited for) serves the
+    whole group with the newer weights; the meta then named a version no token had."""
+    versions = [v for s in seqs for v in s.versions]
+    return (min(versions), max(versions)) if versions else (v_start, v_end)
+
+
 def build_group(
     group_id: str,
     rewards: Sequence[float],
