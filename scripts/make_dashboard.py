@@ -2,32 +2,42 @@
 
 The JSON is committed; re-run this after changing a panel: `.venv/bin/python scripts/make_dashboard.py`.
 Every query uses only names declared in asyncrl/metrics.py (tests/unit/test_dashboards.py checks it).
+
+One Prometheus may scrape several runs (each series carries its target's `run` label): the dashboard
+has a `run` variable (multi-select, "All" by default), :func:`for_run` adds `run=~"$run"` to every
+metric selector below, and every aggregation keeps `run` (`sum by (run)`, `sum by (run, le)`), so two
+runs are never summed into one line; legends start with the run.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 DS = {"type": "prometheus", "uid": "asyncrl-prometheus"}
+RUN_SELECTOR = 'run=~"$run"'
+# Every run's learner exports this from its start (asyncrl.metrics: every declared series, 0 until set).
+RUN_VARIABLE_QUERY = "label_values(asyncrl_learner_steps_total, run)"
+_METRIC = re.compile(r"\b(asyncrl_[a-z0-9_]+)\b(\{)?")
 
 ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
     ("Throughput", [
         ("Tokens / s", "short", [
-            ("generated", "sum(rate(asyncrl_actor_generated_tokens_total[1m]))"),
-            ("trained", "sum(rate(asyncrl_learner_trained_tokens_total[1m]))"),
+            ("generated", "sum by (run) (rate(asyncrl_actor_generated_tokens_total[1m]))"),
+            ("trained", "sum by (run) (rate(asyncrl_learner_trained_tokens_total[1m]))"),
         ]),
         ("Groups / s", "short", [
             ("written {{actor}}", "rate(asyncrl_actor_groups_written_total[1m])"),
-            ("trained", "sum(rate(asyncrl_learner_trained_groups_total[1m]))"),
+            ("trained", "sum by (run) (rate(asyncrl_learner_trained_groups_total[1m]))"),
         ]),
         ("Learner step time", "s", [
-            ("p50", "histogram_quantile(0.5, sum by (le) (rate(asyncrl_learner_step_seconds_bucket[5m])))"),
-            ("p90", "histogram_quantile(0.9, sum by (le) (rate(asyncrl_learner_step_seconds_bucket[5m])))"),
-            ("steps/min", "sum(rate(asyncrl_learner_steps_total[5m])) * 60"),
+            ("p50", "histogram_quantile(0.5, sum by (run, le) (rate(asyncrl_learner_step_seconds_bucket[5m])))"),
+            ("p90", "histogram_quantile(0.9, sum by (run, le) (rate(asyncrl_learner_step_seconds_bucket[5m])))"),
+            ("steps/min", "sum by (run) (rate(asyncrl_learner_steps_total[5m])) * 60"),
         ]),
         ("Learner wait fraction", "percentunit", [
-            ("waiting for data", "sum(rate(asyncrl_learner_wait_seconds_total[1m]))"),
+            ("waiting for data", "sum by (run) (rate(asyncrl_learner_wait_seconds_total[1m]))"),
         ]),
         ("Reward", "short", [
             ("mean reward (train)", "asyncrl_learner_reward_mean"),
@@ -47,14 +57,14 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
     ]),
     ("Staleness", [
         ("Token staleness V - v_t", "short", [
-            ("p50", "histogram_quantile(0.5, sum by (le) (rate(asyncrl_learner_staleness_steps_bucket[5m])))"),
-            ("p99", "histogram_quantile(0.99, sum by (le) (rate(asyncrl_learner_staleness_steps_bucket[5m])))"),
+            ("p50", "histogram_quantile(0.5, sum by (run, le) (rate(asyncrl_learner_staleness_steps_bucket[5m])))"),
+            ("p99", "histogram_quantile(0.99, sum by (run, le) (rate(asyncrl_learner_staleness_steps_bucket[5m])))"),
             ("max", "asyncrl_learner_staleness_max_steps"),
             ("bound", "asyncrl_learner_max_staleness_steps"),
             ("admission bound (adaptive)", "asyncrl_buffer_staleness_bound_steps"),
         ]),
         ("Dropped stale groups / min", "short", [
-            ("dropped", "sum(rate(asyncrl_learner_dropped_stale_total[5m])) * 60"),
+            ("dropped", "sum by (run) (rate(asyncrl_learner_dropped_stale_total[5m])) * 60"),
         ]),
         ("Admission wait fraction", "percentunit", [
             ("{{actor}}", "rate(asyncrl_actor_admission_wait_seconds_total[1m])"),
@@ -94,6 +104,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("admitted", "asyncrl_buffer_admitted_groups"),
             ("bound", "asyncrl_buffer_admission_bound_groups"),
             ("credits", "asyncrl_buffer_credits_groups"),
+            ("version skew (learner forks)", "asyncrl_buffer_version_skew_versions"),
         ]),
         ("Dead letters", "short", [("dead letters", "asyncrl_buffer_dead_letters_groups")]),
     ]),
@@ -103,10 +114,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("actor {{actor}}", "asyncrl_actor_policy_version"),
         ]),
         ("Publish time", "s", [
-            ("p90", "histogram_quantile(0.9, sum by (le) (rate(asyncrl_learner_publish_seconds_bucket[5m])))"),
+            ("p90", "histogram_quantile(0.9, sum by (run, le) (rate(asyncrl_learner_publish_seconds_bucket[5m])))"),
         ]),
         ("Swap pause", "s", [
-            ("p90", "histogram_quantile(0.9, sum by (le) (rate(asyncrl_actor_swap_pause_seconds_bucket[5m])))"),
+            ("p90", "histogram_quantile(0.9, sum by (run, le) (rate(asyncrl_actor_swap_pause_seconds_bucket[5m])))"),
             ("swaps/min {{actor}}", "rate(asyncrl_actor_weight_swaps_total[5m]) * 60"),
         ]),
         ("Since last learner step", "s", [
@@ -114,6 +125,19 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ]),
     ]),
 ]  # fmt: skip
+
+
+def for_run(expr: str) -> str:
+    """``expr`` with ``run=~"$run"`` in every metric selector (the ROWS queries are written without it)."""
+    return _METRIC.sub(lambda m: f"{m[1]}{{{RUN_SELECTOR}{',' if m[2] else '}'}", expr)
+
+
+RUN_VARIABLE = {
+    "name": "run", "label": "run", "type": "query", "datasource": DS,
+    "query": {"query": RUN_VARIABLE_QUERY, "refId": "run"}, "definition": RUN_VARIABLE_QUERY,
+    "refresh": 2, "sort": 1, "multi": True, "includeAll": True, "allValue": ".*",
+    "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": [], "hide": 0,
+}  # fmt: skip
 
 
 def build() -> dict:
@@ -128,7 +152,8 @@ def build() -> dict:
                 "type": "timeseries", "title": title, "id": pid, "datasource": DS,
                 "gridPos": {"h": 8, "w": 8, "x": 8 * (i % 3), "y": y + 8 * (i // 3)},
                 "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-                "targets": [{"refId": chr(65 + k), "expr": expr, "legendFormat": legend, "datasource": DS}
+                "targets": [{"refId": chr(65 + k), "expr": for_run(expr), "legendFormat": f"{{{{run}}}} {legend}",
+                             "datasource": DS}
                             for k, (legend, expr) in enumerate(targets)],
             })  # fmt: skip
             pid += 1
@@ -137,7 +162,7 @@ def build() -> dict:
         "uid": "asyncrl-overview", "title": "asyncrl", "schemaVersion": 39, "version": 1,
         "tags": ["asyncrl", "rl"], "timezone": "browser", "refresh": "10s",
         "time": {"from": "now-1h", "to": "now"}, "panels": panels,
-        "templating": {"list": []}, "annotations": {"list": []},
+        "templating": {"list": [RUN_VARIABLE]}, "annotations": {"list": []},
     }  # fmt: skip
 
 

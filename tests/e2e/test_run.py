@@ -16,8 +16,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.parse
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -32,7 +30,13 @@ from tests.e2e.procs import (
     wait_for,
     wait_no_orphans,
 )
-from tests.unit.test_dashboards import alert_queries, dashboard_queries
+from tests.unit.test_dashboards import (
+    alert_queries,
+    dashboard_queries,
+    grafana_expr,
+    prom_query,
+    start_prometheus,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +54,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def prom_query(port: int, expr: str) -> list:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=10) as r:
-        body = json.loads(r.read())
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory):
     prom_bin = shutil.which("prometheus")
@@ -65,27 +61,32 @@ def live_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e-run")
     rdir = tmp / "run"
     marker = uuid.uuid4().hex
+    name = f"e2e-{marker[:8]}"
     log = tmp / "run.log"
     cmd = asyncrl_cmd("run", "--config", str(ROOT / "configs" / "default.yaml"), f"run.dir={rdir}",
-                      f"run.name=e2e-{marker[:8]}", f"run.max_steps={STEPS_CAP}", "run.max_wall_s=900",
+                      f"run.name={name}", f"run.max_steps={STEPS_CAP}", "run.max_wall_s=900",
                       f"buffer.max_staleness={MAX_STALENESS}", "run.progress=false")  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=tmp, env=marked_env(marker), stdout=log.open("wb"), stderr=subprocess.STDOUT
     )
     prom_port = _free_port()
-    (tmp / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: ['{ROOT / 'dashboards' / 'alerts.yml'}']\n"
-        "scrape_configs:\n  - job_name: asyncrl\n    file_sd_configs:\n"
-        f"      - files: ['{rdir / 'prometheus_targets.json'}']\n        refresh_interval: 1s\n"
+    prom = start_prometheus(
+        tmp,
+        prom_port,
+        "  - job_name: asyncrl\n    file_sd_configs:\n"
+        f"      - files: ['{rdir / 'prometheus_targets.json'}']\n        refresh_interval: 1s\n",
+        rules=True,
     )
-    prom = subprocess.Popen(
-        [prom_bin, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}"],
-        stdout=(tmp / "prometheus.log").open("wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
     try:
-        yield {"proc": proc, "dir": rdir, "log": log, "marker": marker, "prom_port": prom_port, "tmp": tmp}
+        yield {
+            "proc": proc,
+            "dir": rdir,
+            "log": log,
+            "marker": marker,
+            "name": name,
+            "prom_port": prom_port,
+            "tmp": tmp,
+        }
     finally:
         for p in (proc, prom):
             if p.poll() is None:
@@ -227,7 +228,7 @@ def test_every_dashboard_query_returns_data_from_a_live_run(live_run):
     wait_for(targets_up, 90, "Prometheus scraping the learner and the actor", proc, live_run["log"])
     time.sleep(8)  # several scrapes, so rate() and histogram_quantile() have two samples in their window
     assert proc.poll() is None, "the run ended before its metrics could be queried"
-    empty = [q for q in dashboard_queries() if not prom_query(port, q)]
+    empty = [q for q in dashboard_queries() if not prom_query(port, grafana_expr(q, [live_run["name"]]))]
     assert not empty, f"dashboard queries with no data: {empty}"
     # Alert expressions evaluate (an empty result just means "not firing").
     for q in alert_queries():

@@ -1,0 +1,65 @@
+"""Two runs scraped by one real Prometheus: every dashboard panel query, with ``$run`` set to one run,
+returns that run's series only, and with All, one series set per run (no panel sums the runs together).
+
+Each run is its own /metrics endpoint serving what a learner process and an actor serve
+(asyncrl.metrics_export: every declared series, 0 until set), labelled ``run`` by the scrape config
+as ``asyncrl run``'s prometheus_targets.json labels its targets. A few seconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from asyncrl.metrics_export import LearnerExporter, actor_collector, learner_collectors, serve
+from tests.integration.learner_helpers import free_port
+from tests.unit.test_dashboards import dashboard_queries, grafana_expr, prom_query, start_prometheus
+
+RUNS = ("run-a", "run-b.2")  # a regex metacharacter in a name: the substitution must escape it
+
+
+@pytest.fixture(scope="module")
+def prometheus_with_two_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two-runs")
+    stops, targets = [], []
+    for i, run in enumerate(RUNS):
+        exporter = LearnerExporter(max_staleness=1)
+        exporter({"step": 3 + i, "version": 3 + i, "wait_s_total": 1.5, "step_s": 0.2, "published": True})
+        collectors = [*learner_collectors(exporter, lambda: {"depth": 4}), actor_collector("0", lambda: {})]
+        port, stop = serve(collectors)
+        stops.append(stop)
+        targets.append(f"{{targets: ['127.0.0.1:{port}'], labels: {{run: '{run}'}}}}")
+    prom_port = free_port()
+    scrape = f"  - job_name: asyncrl\n    static_configs: [{', '.join(targets)}]\n"
+    prom = start_prometheus(tmp, prom_port, scrape, scrape_interval="200ms")
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # three scrapes of each run: rate() and histogram_quantile() have two samples
+            try:
+                seen = prom_query(prom_port, 'count_over_time(up{job="asyncrl"}[1m]) >= 3')
+            except OSError:
+                seen = []
+            if {r["metric"]["run"] for r in seen} == set(RUNS):
+                break
+            assert prom.poll() is None and time.monotonic() < deadline, (tmp / "prometheus.log").read_text()
+            time.sleep(0.2)
+        yield prom_port
+    finally:
+        prom.terminate()
+        prom.wait(30)
+        for stop in stops:
+            stop()
+
+
+def test_each_panel_query_returns_only_the_selected_runs_series(prometheus_with_two_runs):
+    port = prometheus_with_two_runs
+    for q in dashboard_queries():
+        for run in RUNS:
+            result = prom_query(port, grafana_expr(q, [run]))
+            assert result, f"no data for run {run}: {q}"
+            assert {r["metric"].get("run") for r in result} == {run}, (q, result)
+        everything = prom_query(port, grafana_expr(q))
+        assert {r["metric"].get("run") for r in everything} == set(RUNS), f"runs mixed: {q}"
+        both = prom_query(port, grafana_expr(q, list(RUNS)))
+        assert len(both) == len(everything), q
