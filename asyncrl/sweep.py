@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import ConfigError
+from asyncrl.config import ConfigError, load_config
 from asyncrl.launch import stop_process
 from asyncrl.orchestrator import read_summary
 from asyncrl.sweep_report import SeedRun, write_report
@@ -78,7 +78,19 @@ def disk_status(run: SeedRun) -> str:
     return marker or "missing"
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
+#: Seconds a stopped run gets beyond its learner's own stop grace (learner.stop_grace_s), for the rest of
+#: its tear-down (actors, Ray, Redis's final save).
+STOP_MARGIN_S = 60.0
+
+
+def stop_grace_s(spec: SweepSpec, run: SeedRun) -> float:
+    """How long a stopped run may take before its process group is killed: its learner's
+    ``learner.stop_grace_s`` (the final checkpoint) plus :data:`STOP_MARGIN_S`. A fixed 120 s killed a
+    run whose learner was given more, mid-checkpoint (the learner dies with its parent)."""
+    return load_config(spec.base_config, spec.run_overrides(run)).learner.stop_grace_s + STOP_MARGIN_S
+
+
+def _stop(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM lets the run tear down its Ray/Redis/vLLM processes; SIGKILL the group if it hangs."""
     stop_process(proc, grace_s)
 
@@ -93,6 +105,7 @@ def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
         run.dir.rename(aside)
     run.dir.mkdir(parents=True)
     cmd = spec.command(run)
+    grace_s = stop_grace_s(spec, run)
     started = time.time()
     _write_marker(run, status="running", started=started, cmd=cmd)
     proc: subprocess.Popen | None = None
@@ -104,14 +117,14 @@ def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
         while proc.poll() is None:
             if spec.cell_timeout_s and time.time() - started > spec.cell_timeout_s:
                 timed_out = True
-                _stop(proc)
+                _stop(proc, grace_s)
                 break
             time.sleep(0.5)
     except _Interrupted:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abandon the tear-down
         code = None
         if proc is not None:
-            _stop(proc)
+            _stop(proc, grace_s)
             code = proc.returncode
         _write_marker(run, status="interrupted", started=started, ended=time.time(), exit_code=code, cmd=cmd)
         raise

@@ -263,6 +263,16 @@ def test_parse_spec_errors_name_the_key(raw, needle):
     assert needle in str(e.value)
 
 
+def test_a_stopped_run_gets_its_learners_stop_grace_and_a_margin():
+    from asyncrl.sweep import STOP_MARGIN_S, stop_grace_s
+
+    spec = parse_spec(_raw())
+    run = spec.runs()[0]
+    assert stop_grace_s(spec, run) == 60.0 + STOP_MARGIN_S  # learner.stop_grace_s's default
+    spec.overrides.append("learner.stop_grace_s=900")  # a big model's final checkpoint
+    assert stop_grace_s(spec, run) == 900.0 + STOP_MARGIN_S  # before: a fixed 120 s
+
+
 def test_extra_cells_join_the_grid_in_run_order(tmp_path: Path):
     objectives = {
         "naive": ["learner.loss.is_mode=none"],
