@@ -155,7 +155,9 @@ class StreamConsumer:
                 seen[consumer] = outages
             # 1) This consumer's pending entries above the cursor, in id order: after a restart all
             #    that an earlier incarnation was given; later only deliveries whose reply was lost.
+            live = consumer in self._cursor  # this instance read for it before: not a restart
             while len(out) < n and not pending_empty:
+                before = self._pending_counts(consumer, cursor, n - len(out)) if live else {}
                 resp = self._client.xreadgroup(
                     self.group_name, consumer, {stream: cursor}, count=n - len(out)
                 )
@@ -163,6 +165,10 @@ class StreamConsumer:
                 if not entries:
                     break
                 cursor = _s(entries[-1][0])
+                if before:  # a lost reply found again: its re-read is no delivery to the learner
+                    self._restore_counts(
+                        consumer, {_s(i): before[_s(i)] for i, _ in entries if _s(i) in before}
+                    )
                 out.extend(self._accept(entries, consumer, redelivered=True))
             # 2) New entries; block only while we have nothing to return.
             while len(out) < n:
@@ -221,8 +227,33 @@ class StreamConsumer:
         complete, lost = len(lost) <= n, lost[:n]
         log.warning("run %s: %d rollouts delivered to %s during a Redis failure were never returned; "
                     "claiming them back", self.run, len(lost), consumer)  # fmt: skip
-        entries = self._client.xclaim(self.keys.rollouts, self.group_name, consumer, 0, lost)
+        times = {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        entries = self._restore_counts(consumer, {i: times[i] for i in lost})
         return self._accept([(i, f) for i, f in entries], consumer, redelivered=True), complete
+
+    def _pending_counts(self, consumer: str, after: str, n: int) -> dict[str, int]:
+        """Delivery counts of ``consumer``'s first ``n`` pending entries above ``after``."""
+        rows = self._client.xpending_range(
+            self.keys.rollouts, self.group_name, min=f"({after}", max="+", count=n, consumername=consumer
+        )
+        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+
+    def _restore_counts(self, consumer: str, counts: dict[str, int]) -> list:
+        """Set the delivery counts of ``consumer``'s pending entries back to ``counts`` (XCLAIM with
+        RETRYCOUNT, one call per distinct count); returns the claimed entries in ``counts``' order.
+
+        Why: the quarantine (``max_deliveries``) counts the learner's attempts at a group. Finding a
+        delivery whose reply was lost again, by XCLAIM (which adds one) or by re-reading the pending
+        entries (also one), is not an attempt: uncorrected, each lost reply brought a group one
+        failure closer to quarantine although the learner had never seen it."""
+        by_count: dict[int, list[str]] = {}
+        for entry_id, c in counts.items():
+            by_count.setdefault(c, []).append(entry_id)
+        got: dict[str, Any] = {}
+        for c, ids in by_count.items():
+            rows = self._client.xclaim(self.keys.rollouts, self.group_name, consumer, 0, ids, retrycount=c)
+            got.update((_s(i), (i, f)) for i, f in rows)
+        return [got[i] for i in counts if i in got]
 
     def _delivery_counts(self, consumer: str, first: str, last: str, n: int) -> dict[str, int]:
         rows = self._client.xpending_range(

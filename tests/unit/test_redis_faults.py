@@ -260,6 +260,52 @@ def test_lost_read_reply_below_a_later_cursor_is_claimed_back_after_an_outage(
     buffer.close()
 
 
+def _delivered(client: redis.Redis, buffer: ReplayBuffer) -> dict[str, int]:
+    rows = client.xpending_range(buffer.keys.rollouts, buffer.group_name, "-", "+", 100)
+    return {r["message_id"].decode(): int(r["times_delivered"]) for r in rows}
+
+
+def test_finding_a_lost_reply_again_is_no_delivery_toward_quarantine(
+    redis_url: str, run_name: str, redis_client: redis.Redis
+) -> None:
+    """max_deliveries counts the learner's attempts at a group. A delivery whose reply was lost, found
+    again by the pending re-walk or claimed back after an outage, keeps the count its one real
+    delivery gave it (before: 2 each, one failure closer to quarantine unseen by the learner); a
+    restarted consumer's re-read still counts (the quarantine's purpose)."""
+    from asyncrl.buffer.cluster import connection_kwargs
+
+    buffer = ReplayBuffer.connect(redis_url, run_name, max_deliveries=2)
+    ids = [buffer.put(small_group()) for _ in range(6)]
+    assert buf_entry_ids(buffer.read("c", 1, block_ms=0)) == ids[:1]
+    stream = {buffer.keys.rollouts: ">"}
+    monitor = connection_kwargs(buffer.client)["retry"].monitor
+    # 1) Lost above the cursor, found by the pending re-walk after a failure the monitor counted.
+    redis_client.xreadgroup(buffer.group_name, "c", stream, count=1)  # ids[1]: served, reply lost
+    monitor.outages += 1
+    assert buf_entry_ids(buffer.read("c", 1, block_ms=0)) == ids[1:2]
+    assert _delivered(redis_client, buffer)[ids[1]] == 1
+    # 2) Lost below a later cursor, claimed back (XCLAIM).
+    redis_client.xreadgroup(buffer.group_name, "c", stream, count=2)  # ids[2:4]: reply lost
+    retried = redis_client.xreadgroup(buffer.group_name, "c", stream, count=1)  # the retry: ids[4]
+    assert [x[0].decode() for x in retried[0][1]] == ids[4:5]
+    buffer._cursor["c"] = ids[4]
+    buffer._returned().add(ids[4])
+    monitor.outages += 1
+    assert buf_entry_ids(buffer.read("c", 10, block_ms=0)) == ids[2:4] + ids[5:6]
+    counts = _delivered(redis_client, buffer)
+    assert [counts[i] for i in ids] == [1, 1, 1, 1, 1, 1], counts
+    # A restart (a new instance, same consumer) re-reads every pending entry and that counts: a second
+    # restart finds them delivered 3 times (> max_deliveries 2) and quarantines them all.
+    again = ReplayBuffer.connect(redis_url, run_name, max_deliveries=2)
+    assert buf_entry_ids(again.read("c", 10, block_ms=0)) == ids
+    assert set(_delivered(redis_client, again).values()) == {2}
+    third = ReplayBuffer.connect(redis_url, run_name, max_deliveries=2)
+    assert third.read("c", 10, block_ms=0) == [] and third.stats()["dead"] == 6
+    for b in (buffer, again, third):
+        b.close()
+    ReplayBuffer.connect(redis_url, run_name).delete_run()
+
+
 def _xreadgroups(client: redis.Redis) -> int:
     return int(client.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))
 
