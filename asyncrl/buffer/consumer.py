@@ -23,7 +23,8 @@ Delivery contract (DESIGN.md, "Delivery semantics"):
 * Entries that do not decode (bad msgpack, schema violations) never reach the caller: they
   are moved to the dead-letter stream with the reason, acknowledged, deleted, and return an
   admission credit so a bad producer cannot deadlock admission. So are entries delivered more
-  than ``max_deliveries`` times (the consumer group's delivery count): a group whose step keeps
+  than ``max_deliveries`` times (the consumer group's delivery count; a lost reply found again is
+  set back to its count, :meth:`StreamConsumer._restore_counts`): a group whose step keeps
   crashing the learner is quarantined instead of being read first again after every restart.
 * Retries (connection.py) are safe: ``put`` is deduplicated by group id in the same script as
   its XADD; drops and dead letters credit exactly the entries their XACK acknowledged, so a
