@@ -191,26 +191,29 @@ class ActorPool:
         return env
 
     def replace_actor(self, i: int, before_spawn: Any = None, timeout: float = 30.0) -> bool:
-        """Kill slot ``i``'s actor for good and start a new one in its place (``asyncrl run``'s
-        supervision); True when the old incarnation was confirmed dead within ``timeout`` seconds.
-        ``before_spawn()`` runs only then, before the new one can admit anything (the supervisor
-        reclaims the dead incarnation's admission slots there).
+        """Kill slot ``i``'s actor for good and, once its death is confirmed (its run call failed
+        within ``timeout`` seconds), start a new one in its place (``asyncrl run``'s supervision);
+        returns whether it did. ``before_spawn()`` runs between the two, before the new one can admit
+        anything (the supervisor reclaims the dead incarnation's admission slots there).
 
-        Invariant: slots are reclaimed only from a process that can no longer write. An unconfirmed
-        one (its node unreachable, say) may still finish a group it holds a slot for: reclaiming that
-        slot as well would credit it twice and widen admission for good, while leaving it taken only
-        narrows admission by the slots it held."""
+        Invariant: no replacement runs beside a possibly live predecessor. They share the slot's actor
+        id, and a new incarnation reclaims that id's in-flight slots as it starts, so a predecessor
+        that could still write (its node unreachable, say) would have a slot credited twice and
+        admission widened for good. Unconfirmed, the slot stays killed and unreplaced (its slots
+        taken); the supervisor tries again at its next check."""
         import ray
 
         ray.kill(self.actors[i], no_restart=True)
         # Its run() call fails once the process is gone: proof that it can no longer write or admit.
         dead, _ = ray.wait([self.run_refs[i]], timeout=timeout)
-        if dead and before_spawn is not None:
+        if not dead:
+            return False
+        if before_spawn is not None:
             before_spawn()
         self.generations[i] += 1
         self.actors[i] = self._spawn(i, self.generations[i])
         self.run_refs[i] = self.actors[i].run.remote(None)
-        return bool(dead)
+        return True
 
     def bundle(self) -> dict[str, float]:
         """One actor's reservation: its CPUs, GPUs for every tensor/pipeline-parallel worker of its engine,

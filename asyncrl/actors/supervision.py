@@ -129,12 +129,15 @@ class ActorSupervisor:
 
             dead = self.pool.replace_actor(i, before_spawn=reclaim)
             self.spawned[i] = time.time()
-            slots = (f"{sum(reclaimed)} admission slots reclaimed" if dead else
-                     "its admission slots not reclaimed (the old incarnation was not confirmed dead)")  # fmt: skip
-            msg = f"actor slot {i} ({actor_id}) {why}: replaced ({self.restarts[i]}/{self.max_restarts}), {slots}"
-            (log.info if dead else log.warning)(
-                msg
-            )  # the caller shows and records it (console, supervision.log)
+            if dead:
+                msg = (f"actor slot {i} ({actor_id}) {why}: replaced ({self.restarts[i]}/{self.max_restarts}), "
+                       f"{sum(reclaimed)} admission slots reclaimed")  # fmt: skip
+            else:  # no replacement beside a possibly live predecessor (ActorPool.replace_actor)
+                msg = (f"actor slot {i} ({actor_id}) {why}: killed, but its death is not confirmed: not "
+                       f"replaced yet, its admission slots stay taken; tried again at a later check "
+                       f"({self.restarts[i]}/{self.max_restarts})")  # fmt: skip
+            # The caller shows and records it too (asyncrl run: console + supervision.log).
+            (log.info if dead else log.warning)(msg)
             self.events.append(msg)
             done.append(msg)
         return done

@@ -67,10 +67,13 @@ def test_a_slot_without_heartbeat_reclaims_its_own_pools_id(buffer) -> None:
             ray.shutdown()
 
 
-def test_replace_actor_reclaims_only_from_a_confirmed_death() -> None:
-    """ActorPool.replace_actor on real Ray actors: the reclaim hook runs once the old incarnation's run
-    call has failed (it can no longer write), and not when its death is unconfirmed at the timeout
-    (timeout 0: the kill is asynchronous, so nothing can confirm it yet); the slot is replaced either way."""
+def test_replace_actor_replaces_only_a_confirmed_death() -> None:
+    """ActorPool.replace_actor on real Ray actors: the reclaim hook runs and a new incarnation starts
+    once the killed actor's run call has failed (it can no longer write). While that call is not
+    resolved at the timeout neither happens, since the new incarnation would reclaim the slot's
+    in-flight slots itself as it starts; a later call, once the death is confirmed, replaces it.
+    (Unconfirmed is made deterministic by handing the pool a run call of another, live actor: a kill
+    itself is confirmed within milliseconds here, even at timeout 0.)"""
     ray = pytest.importorskip("ray")
     from asyncrl.actors.pool import ActorPool
 
@@ -83,6 +86,7 @@ def test_replace_actor_reclaims_only_from_a_confirmed_death() -> None:
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    bystander = Looping.remote()
     try:
         pool = ActorPool.__new__(ActorPool)
         pool._spawn = lambda i, generation: Looping.remote()
@@ -91,15 +95,23 @@ def test_replace_actor_reclaims_only_from_a_confirmed_death() -> None:
         pool.generations = [0]
         ray.wait(pool.run_refs, timeout=0.5)  # running (it never returns)
         calls: list[int] = []
-        old = pool.actors[0]
+        first = pool.actors[0]
         assert pool.replace_actor(0, before_spawn=lambda: calls.append(1), timeout=30.0) is True
-        assert calls == [1] and pool.generations == [1] and pool.actors[0] is not old
+        assert calls == [1] and pool.generations == [1] and pool.actors[0] is not first
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(old.run.remote(None), timeout=30)
-        assert pool.replace_actor(0, before_spawn=lambda: calls.append(2), timeout=0.0) is False
-        assert calls == [1] and pool.generations == [2]
-        # The new incarnation runs (its run call has not ended).
-        assert ray.wait(pool.run_refs, timeout=0.5)[0] == []
+            ray.get(first.run.remote(None), timeout=30)
+        second, second_ref = pool.actors[0], pool.run_refs[0]
+        unresolved = bystander.run.remote(None)
+        pool.run_refs[0] = unresolved
+        assert pool.replace_actor(0, before_spawn=lambda: calls.append(2), timeout=1.0) is False
+        assert calls == [1] and pool.generations == [1]
+        assert pool.actors[0] is second and pool.run_refs[0] is unresolved  # killed, not replaced
+        # Confirmed at a later check (its own run call has failed): replaced then.
+        pool.run_refs[0] = second_ref
+        assert pool.replace_actor(0, before_spawn=lambda: calls.append(3), timeout=30.0) is True
+        assert calls == [1, 3] and pool.generations == [2] and pool.actors[0] is not second
+        assert ray.wait([pool.run_refs[0]], timeout=0.5)[0] == []  # the new incarnation runs
     finally:
+        ray.kill(bystander)
         if started:
             ray.shutdown()
