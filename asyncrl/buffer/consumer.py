@@ -155,8 +155,11 @@ class StreamConsumer:
             if complete:  # else scan again on the next call (at most n are claimed per call)
                 seen[consumer] = outages
             # 1) This consumer's pending entries above the cursor, in id order: after a restart all
-            #    that an earlier incarnation was given; later only deliveries whose reply was lost.
-            live = consumer in self._cursor  # this instance read for it before: not a restart
+            #    that an earlier incarnation was given (walked n at a time, over as many reads as it
+            #    takes); once that walk ran dry here, only deliveries whose reply was lost.
+            walked = self._walked()
+            live = consumer in walked  # the walk ran dry in this instance: what it finds now is a lost reply
+            drained = pending_empty
             while len(out) < n and not pending_empty:
                 before = self._pending_counts(consumer, cursor, n - len(out)) if live else {}
                 resp = self._client.xreadgroup(
@@ -164,11 +167,15 @@ class StreamConsumer:
                 )
                 entries = resp[0][1] if resp else []
                 if not entries:
+                    drained = True
+                    walked.add(consumer)
                     break
                 cursor = _s(entries[-1][0])
                 if before:  # a lost reply found again: its re-read is no delivery to the learner
+                    # (only entries still in the stream: XCLAIM drops a deleted one from the pending
+                    # list, and its dead letter below must still acknowledge and credit it)
                     self._restore_counts(
-                        consumer, {_s(i): before[_s(i)] for i, _ in entries if _s(i) in before}
+                        consumer, {_s(i): before[_s(i)] for i, f in entries if f and _s(i) in before}
                     )
                 out.extend(self._accept(entries, consumer, redelivered=True))
             # 2) New entries; block only while we have nothing to return.
@@ -187,8 +194,13 @@ class StreamConsumer:
                     break
             self._cursor[consumer] = cursor
             self._returned().update(e.entry_id for e in out)
-            clean[consumer] = outages  # the count before this call's I/O: a failure during it shows
+            if drained:  # else pending entries may remain above the cursor (a restart's walk, n at a time)
+                clean[consumer] = outages  # the count before this call's I/O: a failure during it shows
         return out
+
+    def _walked(self) -> set[str]:
+        """Consumers whose pending walk (step 1 of read) ran dry in this instance."""
+        return self.__dict__.setdefault("_walked_consumers", set())
 
     def _clean_reads(self) -> dict[str, int]:
         """consumer -> the outage count before its last read, for reads that returned normally."""
@@ -233,11 +245,14 @@ class StreamConsumer:
         return self._accept([(i, f) for i, f in entries], consumer, redelivered=True), complete
 
     def _pending_counts(self, consumer: str, after: str, n: int) -> dict[str, int]:
-        """Delivery counts of ``consumer``'s first ``n`` pending entries above ``after``."""
+        """Delivery counts of ``consumer``'s first ``n`` pending entries above ``after`` (an inclusive
+        range less ``after`` itself: exclusive ranges need Redis 6.2)."""
         rows = self._client.xpending_range(
-            self.keys.rollouts, self.group_name, min=f"({after}", max="+", count=n, consumername=consumer
+            self.keys.rollouts, self.group_name, min=after, max="+", count=n + 1, consumername=consumer
         )
-        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        counts = {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        counts.pop(after, None)
+        return dict(list(counts.items())[:n])
 
     def _restore_counts(self, consumer: str, counts: dict[str, int]) -> list:
         """Set the delivery counts of ``consumer``'s pending entries back to ``counts`` (XCLAIM with

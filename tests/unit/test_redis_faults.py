@@ -306,6 +306,28 @@ def test_finding_a_lost_reply_again_is_no_delivery_toward_quarantine(
     ReplayBuffer.connect(redis_url, run_name).delete_run()
 
 
+def test_a_restarted_consumer_walks_all_its_pending_entries_n_at_a_time(
+    redis_url: str, run_name: str, redis_client: redis.Redis
+) -> None:
+    """The learner acknowledges at checkpoints, so a crash leaves up to checkpoint_every batches pending.
+    The restarted consumer (asyncrl's monitored client) must get every one of them back, a batch per
+    read, before new entries. Before: its first read took n and marked the consumer clean, so the next
+    read skipped the pending walk and the rest stayed pending (untrained, their slots never credited)
+    until some later outage or restart."""
+    first = ReplayBuffer.connect(redis_url, run_name, max_deliveries=3)
+    ids = [first.put(small_group()) for _ in range(7)]
+    assert buf_entry_ids(first.read("learner", 6, block_ms=0)) == ids[:6]  # delivered, never acked
+    first.close()  # the crash
+    again = ReplayBuffer.connect(redis_url, run_name, max_deliveries=3)
+    got = [buf_entry_ids(again.read("learner", 2, block_ms=0)) for _ in range(4)]
+    assert got == [ids[0:2], ids[2:4], ids[4:6], ids[6:7]], got  # before: [ids[0:2], ids[6:7], [], []]
+    assert again.read("learner", 2, block_ms=0) == []
+    counts = _delivered(redis_client, again)
+    assert [counts[i] for i in ids] == [2] * 6 + [1], counts  # the restart's re-read counts once each
+    again.close()
+    ReplayBuffer.connect(redis_url, run_name).delete_run()
+
+
 def _xreadgroups(client: redis.Redis) -> int:
     return int(client.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))
 
