@@ -64,6 +64,7 @@ class StalenessController:
         self.every_steps, self.target_idle = every_steps, target_idle
         self.min_ess, self.max_drift_kl = min_ess, max_drift_kl
         self._window: list[Mapping[str, Any]] = []
+        self._fresh_kl: float | None = None  # the s = 0 bucket's mean of the last window that had one
 
     def observe(self, rec: Mapping[str, Any]) -> Decision | None:
         """Take one step record; every ``every_steps`` records, decide and return the decision."""
@@ -76,7 +77,8 @@ class StalenessController:
         # ESS only where importance weights were computed (a step without loss tokens reports 0).
         ess_vals = [float(r["ess"]) for r in win if r.get("ess") and math.isfinite(float(r["ess"]))]
         ess = sum(ess_vals) / len(ess_vals) if ess_vals else None
-        kl = staleness_drift(win)
+        kl = staleness_drift(win, self._fresh_kl)
+        self._fresh_kl = bucket_means(win).get(0, self._fresh_kl)
         prev = self.bound
         if ess is not None and ess < self.min_ess:
             reason, want = "ess", prev - 1
@@ -92,26 +94,32 @@ class StalenessController:
         return Decision(int(win[-1].get("step", 0)), self.bound, prev, reason, idle, ess, kl)
 
 
-def staleness_drift(win: list[Mapping[str, Any]]) -> float | None:
-    """The drift the bound can act on, from a window of step records: per token-staleness bucket the
-    mean of ``drift_kl`` over the window's steps, and of the stale buckets (s >= 1) the worst one's
-    excess over the fresh bucket (s = 0) when the window measured it, clipped at 0; None when no
-    stale bucket has a finite value.
+def bucket_means(win: list[Mapping[str, Any]]) -> dict[int, float]:
+    """Per token-staleness bucket, the mean of ``drift_kl`` over a window's steps (finite values only)."""
+    buckets: dict[int, list[float]] = {}
+    for r in win:
+        for k, v in (r.get("drift_kl") or {}).items():
+            if math.isfinite(float(v)):
+                buckets.setdefault(int(k), []).append(float(v))
+    return {s: sum(v) / len(v) for s, v in buckets.items()}
+
+
+def staleness_drift(win: list[Mapping[str, Any]], fresh: float | None = None) -> float | None:
+    """The drift the bound can act on, from a window of step records: of the stale buckets' means
+    (s >= 1, :func:`bucket_means`) the worst one's excess over the fresh bucket's (s = 0), clipped at
+    0; the fresh mean is the window's, else ``fresh`` (the last window that measured it: a window of
+    only stale tokens, typical while the bound holds the actors back, carries the mismatch too), else
+    0; None when no stale bucket has a finite value.
 
     Why not every bucket as it is: the s = 0 bucket is KL(mu || pi_prox) of tokens sampled by the very
     weights being trained, i.e. the engine/trainer mismatch (a bf16 engine against fp32 training,
     another kernel). No admission bound lowers it, and the stale buckets carry it too, so a mismatch
     above ``max_drift_kl`` alone would ratchet the bound down to ``min_bound``, throughput lost for
     nothing."""
-    buckets: dict[int, list[float]] = {}
-    for r in win:
-        for k, v in (r.get("drift_kl") or {}).items():
-            if math.isfinite(float(v)):
-                buckets.setdefault(int(k), []).append(float(v))
-    means = {s: sum(v) / len(v) for s, v in buckets.items()}
-    fresh = means.get(0, 0.0)
+    means = bucket_means(win)
+    base = means.get(0, fresh if fresh is not None else 0.0)
     stale = [m for s, m in means.items() if s >= 1]
-    return max(max(stale) - fresh, 0.0) if stale else None
+    return max(max(stale) - base, 0.0) if stale else None
 
 
 def install(cfg: Any, buffer: Any, run_dir: Path) -> Callable[[Any], None] | None:

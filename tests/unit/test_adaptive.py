@@ -96,10 +96,15 @@ def test_engine_mismatch_alone_does_not_lower_the_bound() -> None:
     # Staleness on top of the mismatch still lowers it: bucket 3 at 0.08 + 0.06.
     ds = _feed(c, [_rec(21, kl={"0": 0.08, "3": 0.14}), _rec(22, kl={"0": 0.08, "3": 0.14})])
     assert (ds[0].bound, ds[0].reason) == (7, "drift_kl") and ds[0].drift_kl == pytest.approx(0.06)
+    # Windows with no fresh tokens (the actors run ahead): the last measured mismatch (0.08) is carried.
+    ds = _feed(c, [_rec(s, kl={"2": 0.09, "4": 0.1}) for s in range(23, 29)])
+    assert [d.bound for d in ds] == [7, 7, 7] and ds[0].drift_kl == pytest.approx(0.02)
 
 
 def test_staleness_drift_matches_float64_reference() -> None:
     import random
+
+    import numpy as np
 
     from asyncrl.learner.adaptive import staleness_drift
 
@@ -112,6 +117,13 @@ def test_staleness_drift_matches_float64_reference() -> None:
                 kl[str(s)] = rng.choice([rng.expovariate(20.0), 1e-30, 0.0, float("nan"), float("inf"), 5e3])
             win.append({"drift_kl": kl})
         got, want = staleness_drift(win), _drift_reference(win)
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+        fresh = rng.expovariate(30.0)  # a carried mismatch stands in only where the window has no s = 0
+        got = staleness_drift(win, fresh)
+        want = _drift_reference(win if any("0" in r["drift_kl"] and np.isfinite(r["drift_kl"]["0"]) for r in win)
+                                else win + [{"drift_kl": {"0": fresh}}])  # fmt: skip
         assert (got is None) == (want is None)
         if want is not None:
             assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
