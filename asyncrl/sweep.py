@@ -17,6 +17,7 @@ sweep file format is documented in ``configs/sweep_staleness.yaml`` and validate
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import signal
 import subprocess
@@ -25,11 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import ConfigError, LearnerConfig, load_config
 from asyncrl.launch import stop_process
 from asyncrl.orchestrator import read_summary
 from asyncrl.sweep_report import SeedRun, write_report
 from asyncrl.sweep_spec import SweepSpec, load_spec
+
+log = logging.getLogger(__name__)
 
 MARKER = "sweep_cell.json"
 
@@ -81,13 +84,23 @@ def disk_status(run: SeedRun) -> str:
 #: Seconds a stopped run gets beyond its learner's own stop grace (learner.stop_grace_s), for the rest of
 #: its tear-down (actors, Ray, Redis's final save).
 STOP_MARGIN_S = 60.0
+#: learner.stop_grace_s's default, for a run whose config no longer loads.
+DEFAULT_STOP_GRACE_S = LearnerConfig().stop_grace_s
 
 
 def stop_grace_s(spec: SweepSpec, run: SeedRun) -> float:
     """How long a stopped run may take before its process group is killed: its learner's
     ``learner.stop_grace_s`` (the final checkpoint) plus :data:`STOP_MARGIN_S`. A fixed 120 s killed a
-    run whose learner was given more, mid-checkpoint (the learner dies with its parent)."""
-    return load_config(spec.base_config, spec.run_overrides(run)).learner.stop_grace_s + STOP_MARGIN_S
+    run whose learner was given more, mid-checkpoint (the learner dies with its parent). A config that
+    no longer loads (edited or removed mid-sweep) gets the default's grace: the run itself then fails
+    on it and is marked failed, as any failed run, and the sweep goes on."""
+    try:
+        cfg = load_config(spec.base_config, spec.run_overrides(run))
+    except (ConfigError, OSError) as e:
+        log.warning("sweep run %s: its config does not load (%s); stop grace %.0f s", run.name, e,
+                    DEFAULT_STOP_GRACE_S + STOP_MARGIN_S)  # fmt: skip
+        return DEFAULT_STOP_GRACE_S + STOP_MARGIN_S
+    return cfg.learner.stop_grace_s + STOP_MARGIN_S
 
 
 def _stop(proc: subprocess.Popen, grace_s: float) -> None:

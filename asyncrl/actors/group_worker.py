@@ -162,7 +162,16 @@ class GroupProduction:
         kwargs = {} if group_id is None else {"request_id": group_id}
         fut = asyncio.ensure_future(asyncio.to_thread(self.buffer.credit, 1, self.actor_id, **kwargs))
         self._writes.add(fut)
-        fut.add_done_callback(self._writes.discard)
+
+        def done(f: asyncio.Future) -> None:
+            self._writes.discard(f)
+            if not f.cancelled() and f.exception() is not None:
+                # Nobody awaits it to raise; the slot stays in this actor's in-flight tally, which the
+                # next incarnation's start-up reclaim (or the supervisor's) turns into a credit.
+                log.warning("%s: admission credit not returned (%s); reclaimed at the actor's next start",
+                            self.actor_id, f.exception())  # fmt: skip
+
+        fut.add_done_callback(done)
 
     def _put_batcher(self) -> PutBatcher:
         """This actor's put batcher (groups finishing together share one round trip; put_batch.py)."""

@@ -177,6 +177,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def _omegaconf_yaml_loader() -> Any:
+    """The YAML loader OmegaConf reads files with: it types more plain scalars than PyYAML's SafeLoader
+    (``1e3`` is a float to it, a str to SafeLoader), and a scalar is re-typed exactly when OmegaConf's
+    loader types it. Private in omegaconf (``omegaconf._yaml``, earlier ``omegaconf._utils``): SafeLoader
+    when neither is there."""
+    for module in ("omegaconf._yaml", "omegaconf._utils"):
+        try:
+            return __import__(module, fromlist=["get_yaml_loader"]).get_yaml_loader()
+        except (ImportError, AttributeError):
+            continue
+    return yaml.SafeLoader
+
+
 def _keep_str_text(loaded: Any, path: Path) -> Any:
     """``loaded`` (the file as OmegaConf read it) with each plain (unquoted) scalar of a ``str`` field
     set back to its text in the file. YAML types a bare ``007`` as 7, ``1e3`` as 1000.0 and ``yes`` as
@@ -184,7 +197,7 @@ def _keep_str_text(loaded: Any, path: Path) -> Any:
     (another run dir, other Redis keys). The same rule as a ``key=value`` override (_apply_override);
     a quoted scalar is taken as YAML reads it, and a null stays null (the schema judges it)."""
     try:
-        root = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
+        root = yaml.compose(path.read_text(), Loader=_omegaconf_yaml_loader())
     except yaml.YAMLError:
         return loaded  # OmegaConf read it; its own errors stand
 
@@ -198,7 +211,8 @@ def _keep_str_text(loaded: Any, path: Path) -> Any:
             tp = _field_type(key)
             if dataclasses.is_dataclass(tp):
                 walk(vnode, key + ".")
-            elif (tp is str and isinstance(vnode, yaml.ScalarNode) and vnode.style is None
+            # A plain scalar's style is None or '' (by loader); quoted ones are ' or ", blocks | or >.
+            elif (tp is str and isinstance(vnode, yaml.ScalarNode) and not vnode.style
                   and vnode.tag not in ("tag:yaml.org,2002:str", "tag:yaml.org,2002:null")):  # fmt: skip
                 OmegaConf.update(loaded, key, vnode.value, merge=True)
 

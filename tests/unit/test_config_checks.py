@@ -43,6 +43,12 @@ def test_str_fields_of_a_yaml_file_keep_their_text(tmp_path):
     )  # YAML: 7, 2024, 83, True; an int field keeps YAML's reading
     cfg = load_config(f)
     assert (cfg.run.name, cfg.run.dir, cfg.task.alphabet) == ("007", "2024", "0123")
+    f.write_text("run:\n  name: 1e3\n")  # a float to OmegaConf's loader (not to PyYAML's SafeLoader)
+    assert load_config(f).run.name == "1e3"
+    f.write_text(
+        "run:\n  name: 007\n  dir: 2024\ntask:\n  alphabet: 0123\n  system_prompt: yes\n"
+        "buffer:\n  max_staleness: 0x2\n"
+    )
     assert (cfg.task.system_prompt, cfg.buffer.max_staleness) == ("yes", 2)
     f.write_text("run:\n  name: '007'\n")  # quoted: YAML's str, as written
     assert load_config(f).run.name == "007"

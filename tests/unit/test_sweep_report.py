@@ -271,6 +271,9 @@ def test_a_stopped_run_gets_its_learners_stop_grace_and_a_margin():
     assert stop_grace_s(spec, run) == 60.0 + STOP_MARGIN_S  # learner.stop_grace_s's default
     spec.overrides.append("learner.stop_grace_s=900")  # a big model's final checkpoint
     assert stop_grace_s(spec, run) == 900.0 + STOP_MARGIN_S  # before: a fixed 120 s
+    # A config that stopped loading mid-sweep: the default's grace, no error (the run fails on it itself).
+    spec.overrides.append("learner.no_such_key=1")
+    assert stop_grace_s(spec, run) == 60.0 + STOP_MARGIN_S
 
 
 def test_extra_cells_join_the_grid_in_run_order(tmp_path: Path):
