@@ -135,11 +135,11 @@ class GroupProduction:
         self.counters["preadmissions_returned"] += 1
         return False
 
-    async def _write(self, fn: Any, *args: Any, written: bool = False) -> Any:
-        """A buffer write (a blocking call, run in a thread, or the put batcher's coroutine, run as a
-        task), shielded from the worker's cancellation: once started it runs to its end (retries
-        included), is counted when it succeeds (``written``: a put), and is awaited by
-        :meth:`_writes_done` before a reclaim or shutdown."""
+    def _start_write(self, fn: Any, *args: Any, written: bool = False) -> asyncio.Future:
+        """Start a buffer write (a blocking call, run in a thread, or the put batcher's coroutine, run
+        as a task) that nothing cancels: it runs to its end (retries included), is counted when it
+        succeeds (``written``: a put), and is awaited by :meth:`_writes_done` before a reclaim or
+        shutdown."""
         # A coroutine function (the put batcher) runs as a task; a plain one (a Redis call) in a thread.
         coro = fn(*args) if asyncio.iscoroutinefunction(fn) else asyncio.to_thread(fn, *args)
         fut = asyncio.ensure_future(coro)
@@ -151,27 +151,27 @@ class GroupProduction:
                 self.counters["groups_written"] += 1
 
         fut.add_done_callback(done)
-        return await asyncio.shield(fut)
+        return fut
+
+    async def _write(self, fn: Any, *args: Any, written: bool = False) -> Any:
+        """:meth:`_start_write`, awaited; shielded from the worker's cancellation."""
+        return await asyncio.shield(self._start_write(fn, *args, written=written))
 
     def _give_back(self, group_id: str | None = None) -> None:
         """Credit an admission slot from a cancellation or failure path without blocking the event loop:
-        the credit runs in a thread, tracked like a write (:meth:`_writes_done` waits for it before a
-        reclaim or shutdown), and the caller re-raises at once. Called inline, a Redis outage held the
-        loop (every worker, the version watcher, the heartbeat) for the whole retry budget, and a
-        credit that then failed replaced the CancelledError being raised."""
-        kwargs = {} if group_id is None else {"request_id": group_id}
-        fut = asyncio.ensure_future(asyncio.to_thread(self.buffer.credit, 1, self.actor_id, **kwargs))
-        self._writes.add(fut)
+        a write started (:meth:`_start_write`) and not awaited; the caller re-raises at once. Called
+        inline, a Redis outage held the loop (every worker, the version watcher, the heartbeat) for the
+        whole retry budget, and a credit that then failed replaced the CancelledError being raised."""
+        args = (1, self.actor_id) if group_id is None else (1, self.actor_id, group_id)
 
-        def done(f: asyncio.Future) -> None:
-            self._writes.discard(f)
+        def failed(f: asyncio.Future) -> None:
             if not f.cancelled() and f.exception() is not None:
                 # Nobody awaits it to raise; the slot stays in this actor's in-flight tally, which the
                 # next incarnation's start-up reclaim (or the supervisor's) turns into a credit.
                 log.warning("%s: admission credit not returned (%s); reclaimed at the actor's next start",
                             self.actor_id, f.exception())  # fmt: skip
 
-        fut.add_done_callback(done)
+        self._start_write(self.buffer.credit, *args).add_done_callback(failed)
 
     def _put_batcher(self) -> PutBatcher:
         """This actor's put batcher (groups finishing together share one round trip; put_batch.py)."""

@@ -22,8 +22,10 @@ def version_span(seqs: Sequence[SampledCompletion], v_start: int, v_end: int) ->
     Why not the engine's versions alone: ``v_start`` is read before the group reaches the engine, and
     a swap that lands in between (a between-groups drain, a swap the admission waited for) serves the
     whole group with the newer weights; the meta then named a version no token had."""
-    versions = [v for s in seqs for v in s.versions]
-    return (min(versions), max(versions)) if versions else (v_start, v_end)
+    sampled = [s.versions for s in seqs if s.versions]
+    if not sampled:
+        return v_start, v_end
+    return min(min(v) for v in sampled), max(max(v) for v in sampled)
 
 
 def build_group(

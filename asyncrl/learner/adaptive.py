@@ -77,8 +77,9 @@ class StalenessController:
         # ESS only where importance weights were computed (a step without loss tokens reports 0).
         ess_vals = [float(r["ess"]) for r in win if r.get("ess") and math.isfinite(float(r["ess"]))]
         ess = sum(ess_vals) / len(ess_vals) if ess_vals else None
-        kl = staleness_drift(win, self._fresh_kl)
-        self._fresh_kl = bucket_means(win).get(0, self._fresh_kl)
+        means = bucket_means(win)
+        kl = _drift(means, self._fresh_kl)
+        self._fresh_kl = means.get(0, self._fresh_kl)
         prev = self.bound
         if ess is not None and ess < self.min_ess:
             reason, want = "ess", prev - 1
@@ -116,7 +117,11 @@ def staleness_drift(win: list[Mapping[str, Any]], fresh: float | None = None) ->
     another kernel). No admission bound lowers it, and the stale buckets carry it too, so a mismatch
     above ``max_drift_kl`` alone would ratchet the bound down to ``min_bound``, throughput lost for
     nothing."""
-    means = bucket_means(win)
+    return _drift(bucket_means(win), fresh)
+
+
+def _drift(means: Mapping[int, float], fresh: float | None) -> float | None:
+    """:func:`staleness_drift` from the window's :func:`bucket_means`."""
     base = means.get(0, fresh if fresh is not None else 0.0)
     stale = [m for s, m in means.items() if s >= 1]
     return max(max(stale) - base, 0.0) if stale else None
