@@ -241,8 +241,23 @@ class StreamConsumer:
         log.warning("run %s: %d rollouts delivered to %s during a Redis failure were never returned; "
                     "claiming them back", self.run, len(lost), consumer)  # fmt: skip
         times = {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
-        entries = self._restore_counts(consumer, {i: times[i] for i in lost})
-        return self._accept([(i, f) for i, f in entries], consumer, redelivered=True), complete
+        # XCLAIM drops an entry deleted from the stream (trimmed) from the pending list and returns
+        # nothing for it, so its dead letter could no longer acknowledge it and its admission slot
+        # would never be credited: those go to ``_accept`` as deleted entries, unclaimed.
+        gone = self._deleted(lost)
+        claimed = dict(
+            (_s(i), (i, f))
+            for i, f in self._restore_counts(consumer, {i: times[i] for i in lost if i not in gone})
+        )
+        entries = [claimed[i] if i in claimed else (i, None) for i in lost if i in claimed or i in gone]
+        return self._accept(entries, consumer, redelivered=True), complete
+
+    def _deleted(self, entry_ids: list[str]) -> set[str]:
+        """The ``entry_ids`` no longer in the rollout stream (one pipelined XRANGE each)."""
+        pipe = self._client.pipeline(transaction=False)
+        for i in entry_ids:
+            pipe.xrange(self.keys.rollouts, min=i, max=i, count=1)
+        return {i for i, rows in zip(entry_ids, pipe.execute(), strict=True) if not rows}
 
     def _pending_counts(self, consumer: str, after: str, n: int) -> dict[str, int]:
         """Delivery counts of ``consumer``'s first ``n`` pending entries above ``after`` (an inclusive

@@ -260,6 +260,38 @@ def test_lost_read_reply_below_a_later_cursor_is_claimed_back_after_an_outage(
     buffer.close()
 
 
+def test_a_lost_reply_whose_entry_was_deleted_is_dead_lettered_and_credited(
+    redis_url: str, run_name: str, redis_client: redis.Redis
+) -> None:
+    """An entry lost below a later cursor and then deleted from the stream (a maxlen trim) before the
+    claim-back: XCLAIM would drop it from the pending list and return nothing, so it was never
+    acknowledged, dead-lettered or credited (its admission slot lost for the run). It is dead-lettered
+    with a reason and credited once; the other lost entry comes back as before."""
+    from asyncrl.buffer.cluster import connection_kwargs
+
+    buffer = ReplayBuffer.connect(redis_url, run_name)
+    ids = [buffer.put(small_group()) for _ in range(4)]
+    assert buf_entry_ids(buffer.read("c", 1, block_ms=0)) == ids[:1]
+    stream = {buffer.keys.rollouts: ">"}
+    redis_client.xreadgroup(buffer.group_name, "c", stream, count=2)  # ids[1:3]: served, reply lost
+    redis_client.xreadgroup(buffer.group_name, "c", stream, count=1)  # the retry: ids[3]
+    buffer._cursor["c"] = ids[3]
+    buffer._returned().add(ids[3])
+    redis_client.xdel(buffer.keys.rollouts, ids[1])  # trimmed while pending
+    connection_kwargs(buffer.client)["retry"].monitor.outages += 1
+    credits = buffer.stats()["credits"]
+    assert buf_entry_ids(buffer.read("c", 10, block_ms=0)) == ids[2:3]
+    s = buffer.stats()
+    assert s["credits"] == credits + 1 and s["dead"] == 1, s
+    (dead,) = buffer.dead_letters()
+    assert dead["original_id"] == ids[1] and "deleted from the stream" in dead["reason"]
+    assert ids[1] not in _delivered(redis_client, buffer)
+    buffer.ack([ids[0], ids[2], ids[3]])
+    assert buffer.read("c", 10, block_ms=0) == [] and buffer.stats()["pending"] == 0
+    buffer.delete_run()
+    buffer.close()
+
+
 def _delivered(client: redis.Redis, buffer: ReplayBuffer) -> dict[str, int]:
     rows = client.xpending_range(buffer.keys.rollouts, buffer.group_name, "-", "+", 100)
     return {r["message_id"].decode(): int(r["times_delivered"]) for r in rows}
