@@ -19,7 +19,7 @@ from typing import Any
 
 from asyncrl.tasks import Prompt, prompt_token_ids
 
-from .groups import build_group, version_span
+from .groups import build_group, swaps_seen, version_span
 from .put_batch import PutBatcher
 from .rewards import RewardFailure
 from .seeding import prompt_seq, request_seed
@@ -214,7 +214,7 @@ class GroupProduction:
             prompt = self.source.next()
             prompt_ids = self._encode_prompt(prompt)
             group_id = f"{self.actor_id}-{uuid.uuid4().hex[:12]}"
-            v_start, swaps_start = self.engine.version, self.counters["swaps"]
+            v_start = self.engine.version
             rec["t_gen0"] = time.time()
             try:
                 seqs = await self.engine.generate_group(
@@ -241,7 +241,7 @@ class GroupProduction:
                 "actor_index": self.index,
                 "version_start": first,
                 "version_end": last,
-                "swaps": int(self.counters["swaps"] - swaps_start),
+                "swaps": swaps_seen(seqs),
                 "swap_mode": self.swap_mode,
                 "prompt_seq": seq,
             }

@@ -28,6 +28,17 @@ def version_span(seqs: Sequence[SampledCompletion], v_start: int, v_end: int) ->
     return min(min(v) for v in sampled), max(max(v) for v in sampled)
 
 
+def swaps_seen(seqs: Sequence[SampledCompletion]) -> int:
+    """How many weight swaps landed while a group's tokens were being sampled: its distinct token
+    versions less one (0 without tokens). Counting the actor's swaps between the engine read before
+    the request and the end also counted a swap that landed before the group reached the engine (its
+    tokens then all carry the newer version) and one after its last token."""
+    seen: set[int] = set()
+    for s in seqs:
+        seen.update(s.versions)
+    return max(len(seen) - 1, 0)
+
+
 def build_group(
     group_id: str,
     rewards: Sequence[float],

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("vllm")  # asyncrl.actors.engine imports vLLM's types
 
 from asyncrl.actors.engine import SampledCompletion  # noqa: E402
-from asyncrl.actors.groups import version_span  # noqa: E402
+from asyncrl.actors.groups import swaps_seen, version_span  # noqa: E402
 
 
 def _seq(versions: list[int]) -> SampledCompletion:
@@ -25,3 +25,12 @@ def test_a_swap_between_the_engine_read_and_the_first_token_is_not_the_start_ver
     # No tokens at all (every completion empty): the engine's versions.
     assert version_span([_seq([]), _seq([])], 2, 3) == (2, 3)
     assert version_span([], 2, 2) == (2, 2)
+
+
+def test_swaps_seen_counts_the_swaps_inside_the_tokens_only() -> None:
+    # A swap before the group reached the engine (all tokens v4) is none the group saw (before: 1).
+    assert swaps_seen([_seq([4, 4]), _seq([4, 4, 4])]) == 0
+    # A lagged swap 0 -> 2 is one swap; two swaps in flight, seen by different completions, are two.
+    assert swaps_seen([_seq([0, 0, 2]), _seq([0])]) == 1
+    assert swaps_seen([_seq([3, 4]), _seq([3, 4, 5])]) == 2
+    assert swaps_seen([_seq([]), _seq([])]) == 0 and swaps_seen([]) == 0
