@@ -253,7 +253,14 @@ def main(argv: list[str] | None = None) -> int:
             exporter, stop_metrics = _learner_metrics(cfg)
             tracker = _tracker(cfg, rdir)
             try:
-                learn(cfg, rdir, resume=args.resume, start_time=start, on_step=[exporter, *tracker])
+                learn(
+                    cfg,
+                    rdir,
+                    resume=args.resume,
+                    start_time=start,
+                    on_step=[exporter, *tracker],
+                    on_wait=[exporter.waiting],
+                )
             finally:
                 for t in tracker:
                     t.close()

@@ -233,6 +233,13 @@ LEARNER_METRICS: tuple[Metric, ...] = (
     Metric(
         "asyncrl_learner_last_step_timestamp_seconds", "gauge", "Unix time of the last step.", "step_time"
     ),
+    # Live, not per step: a learner blocked on data (AsyncrlLearnerStarved) vs one in a long step.
+    Metric(
+        "asyncrl_learner_waiting_since_timestamp_seconds",
+        "gauge",
+        "Unix time the learner began waiting for its current batch (0 while it trains).",
+        "waiting_since",
+    ),  # fmt: skip
     # Periodic eval (asyncrl.evaluate): the newest result the learner has seen (eval_version -1 = none).
     Metric(
         "asyncrl_learner_eval_policy_version", "gauge", "Policy version of the newest eval.", "eval_version"

@@ -189,6 +189,12 @@ class LearnerExporter:
         # Until the first step, "last step" is this exporter's start, not 0: a 0 made AsyncrlNoLearnerStep
         # (time() - this > 600) fire during every learner start-up and restart (checkpoint load, DeepSpeed).
         self.stats["step_time"] = time.time()
+        self.stats["waiting_since"] = 0.0
+
+    def waiting(self, since: float) -> None:
+        """The learner loop's ``on_wait``: unix time it began waiting for a batch, 0.0 once it has one."""
+        with self.stats.lock:
+            self.stats["waiting_since"] = float(since)
 
     def __call__(self, record: Any) -> None:
         d = record.to_dict() if hasattr(record, "to_dict") else dict(record)

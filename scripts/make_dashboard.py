@@ -120,8 +120,11 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("p90", "histogram_quantile(0.9, sum by (run, le) (rate(asyncrl_actor_swap_pause_seconds_bucket[5m])))"),
             ("swaps/min {{actor}}", "rate(asyncrl_actor_weight_swaps_total[5m]) * 60"),
         ]),
-        ("Since last learner step", "s", [
-            ("seconds", "time() - asyncrl_learner_last_step_timestamp_seconds"),
+        ("Since last learner step; waiting for data", "s", [
+            ("since the last step", "time() - asyncrl_learner_last_step_timestamp_seconds"),
+            # 0 while it trains (a long step is no starvation); never empty, so the panel always has data.
+            ("waiting for data", "(time() - asyncrl_learner_waiting_since_timestamp_seconds)"
+             " * (asyncrl_learner_waiting_since_timestamp_seconds > bool 0)"),
         ]),
     ]),
 ]  # fmt: skip

@@ -115,12 +115,15 @@ def learn(
     start_time: float | None = None,
     stop_event: threading.Event | None = None,
     on_step: Iterable[Callable[[StepRecord], None]] = (),
+    on_wait: Iterable[Callable[[float], None]] = (),
 ) -> LearnerState:
     """Run the learner until ``run.max_steps`` (0 = forever) or a stop; returns the final state.
 
     ``start_time``: unix time the record ``time`` counts from (default: now). ``stop_event`` or
     SIGTERM/SIGINT: finish the current step, checkpoint, acknowledge, return. ``on_step``: callbacks
-    called on rank 0 with every :class:`StepRecord` (after it is written to metrics.jsonl).
+    called on rank 0 with every :class:`StepRecord` (after it is written to metrics.jsonl). ``on_wait``:
+    called on rank 0 with the unix time the learner starts waiting for a batch, and with 0.0 once it
+    has one (a live "blocked on data" signal: the step records only say how long a wait was after it).
     ``resume``: restore the last checkpoint (a fresh start when there is none); without it the run
     must have no published weights and no checkpoint.
     """
@@ -129,6 +132,7 @@ def learn(
     run_dir = Path(run_dir)
     stop = stop_event or threading.Event()
     callbacks = list(on_step)
+    waiting = list(on_wait)
     rank, world = init_distributed()
     torch.manual_seed(cfg.run.seed + rank)
     np.random.seed(cfg.run.seed + rank)
@@ -214,7 +218,11 @@ def learn(
             if r0 is not None:
                 r0.buffer.set_learner_status({"step": state.step, "version": state.version,
                                               "time": time.time() - start_time, "state": "waiting"})  # fmt: skip
+                for cb in waiting:
+                    cb(time.time())
                 batch = r0.gather(state.consumer, state.version, stop, world)
+                for cb in waiting:
+                    cb(0.0)
                 msg = {"kind": "stop"} if batch is None else {
                     "kind": "batch", "version": state.version, "groups": [encode(g) for g in batch.groups]}  # fmt: skip
             else:

@@ -227,12 +227,13 @@ def test_filters_fill_window_and_stop_event(redis_url, redis_client, run_name, s
         c.reward = 0.5  # zero reward variance
     stop = threading.Event()
     seen: list[StepRecord] = []
+    waits: list[float] = []  # on_wait: the time a wait for a batch began, 0.0 once it has one
     out: dict = {}
     dist_env()
 
     def run() -> None:
         try:
-            out["state"] = learn(cfg, rdir, stop_event=stop, on_step=[seen.append])
+            out["state"] = learn(cfg, rdir, stop_event=stop, on_step=[seen.append], on_wait=[waits.append])
         except BaseException as exc:  # surfaced below
             out["error"] = exc
 
@@ -244,8 +245,10 @@ def test_filters_fill_window_and_stop_event(redis_url, redis_client, run_name, s
         _wait_for(lambda: buf.learner_status().get("state") == "waiting" or "error" in out, 240, "learner up")
         time.sleep(1.0)
         assert seen == []  # 3 unread < window 4: fill_window holds the step back
+        assert len(waits) == 1 and time.time() - 300 < waits[0] < time.time() - 1.0  # waiting, live
         buf.put(good[3])
         _wait_for(lambda: len(seen) >= 1 or "error" in out, 60, "step 1")
+        assert waits[1] == 0.0 and all(w > 0 for w in waits[2::2]), waits  # had its batch; waits again
         for g in good[4:6]:
             buf.put(g)
         _wait_for(lambda: len(seen) >= 2 or "error" in out, 60, "step 2")

@@ -106,3 +106,24 @@ def test_the_learners_last_step_time_is_its_start_until_the_first_step() -> None
     assert t0 <= last_step(exporter) <= time.time()
     exporter(StepRecord(step=1, version=1, step_time=t0 + 100.0))
     assert last_step(exporter) == t0 + 100.0
+
+
+def test_the_learners_waiting_since_gauge_is_live() -> None:
+    """AsyncrlLearnerStarved tells a learner blocked on data from one in a long step by this gauge: the
+    time its current wait began, 0 while it trains, set as it happens (not from the step records)."""
+    from asyncrl.learner.records import StepRecord
+    from asyncrl.metrics_export import LearnerExporter, learner_collectors
+
+    def since(exporter: LearnerExporter) -> float:
+        (col, _buf) = learner_collectors(exporter, dict)
+        fam = next(f for f in col.collect() if f.name == "asyncrl_learner_waiting_since_timestamp_seconds")
+        return fam.samples[0].value
+
+    exporter = LearnerExporter()
+    assert since(exporter) == 0.0  # start-up: not waiting yet
+    exporter.waiting(1234.5)
+    assert since(exporter) == 1234.5
+    exporter(StepRecord(step=1, version=1, step_time=2000.0))  # a step record leaves it alone
+    assert since(exporter) == 1234.5
+    exporter.waiting(0.0)
+    assert since(exporter) == 0.0
