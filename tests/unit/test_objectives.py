@@ -258,3 +258,22 @@ def test_group_advantages_match_reference(normalize_std, shape, seed):
         ref.append([(r - mean) / (std + 1e-6) if normalize_std else r - mean for r in row])
     assert torch.isfinite(out).all()
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_group_of_equal_rewards_has_exactly_zero_advantage(normalize_std, dtype):
+    """Rewards whose fp32 mean is an ulp off them (0.6 x 8: the copy task's partial credit). Before:
+    (r - mean) / (std + eps) was that ulp over an ulp-sized std, 0.056 for every completion of the
+    group (one sign: a push with no signal behind it). Groups that differ keep the reference values."""
+    values = [0.6, 0.7, 1 / 3, 2.3, 10.1, 123.4]
+    for g in (2, 4, 8, 16):
+        rewards = torch.tensor([[v] * g for v in values] + [[0.6] * (g - 1) + [1.0]], dtype=dtype)
+        out = group_advantages(rewards, normalize_std=normalize_std)
+        assert out.dtype == dtype
+        assert out[:-1].abs().max().item() == 0.0, (g, out[:-1])
+        row = rewards[-1].double().tolist()
+        mean = sum(row) / g
+        std = math.sqrt(sum((r - mean) ** 2 for r in row) / (g - 1))
+        ref = [(r - mean) / (std + 1e-6) if normalize_std else r - mean for r in row]
+        assert_close(out[-1:], [ref], tol=1e-5 if dtype == torch.float32 else 1e-12)

@@ -206,11 +206,19 @@ def group_advantages(rewards: Tensor, normalize_std: bool = True, eps: float = 1
     A = r - mean_group(r), divided by (unbiased group std + eps) when ``normalize_std``
     (GRPO); ``normalize_std=False`` is Dr.GRPO, which drops the std division because it
     up-weights groups whose rewards barely differ. G = 1 has std 0 (not NaN), so A = 0.
+
+    A group whose rewards are all equal gets exactly A = 0 (no learning signal): its mean can be an
+    ulp off the rewards (fp32 0.6 x 8 sums inexactly), and with the std division that ulp over an
+    ulp-sized std was an O(1) advantage of one sign for every completion (0.056 at reward 0.6). The
+    arithmetic runs in float64; the result has the rewards' dtype promoted to at least float32.
     """
-    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    out_dtype = torch.promote_types(rewards.dtype, torch.float32)
+    r = rewards.to(torch.float64)
     adv = r - r.mean(dim=-1, keepdim=True)
     if normalize_std:
         g = r.shape[-1]
         std = r.std(dim=-1, keepdim=True, unbiased=True) if g > 1 else torch.zeros_like(adv[..., :1])
         adv = adv / (std + eps)
-    return adv
+    if r.shape[-1] > 0:
+        adv = torch.where(r.amax(dim=-1, keepdim=True) == r.amin(dim=-1, keepdim=True), 0.0, adv)
+    return adv.to(out_dtype)
