@@ -90,8 +90,12 @@ BATCHES = [
 
 
 def ref_kl(lp: float, lr: float, kind: str) -> float:
-    d = clamp(lp - lr)
-    return {"k1": d, "abs": abs(d), "k2": d * d / 2, "k3": math.exp(-d) + d - 1}[kind]
+    # k3 (exp) and the k1 metric use the clamped log-ratio; k2 and abs the plain one (a finite one).
+    raw = lp - lr
+    d = raw if kind in ("abs", "k2") and math.isfinite(raw) else clamp(raw)
+    if kind == "k3":
+        return math.exp(-d) + d - 1
+    return {"k1": d, "abs": abs(d), "k2": d * d / 2}[kind]
 
 
 def ref_dppo(lp: float, la: float, a: float, divergence: str, low: float, high: float) -> tuple[bool, bool]:

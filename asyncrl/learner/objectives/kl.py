@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from asyncrl.learner.objectives.common import log_ratio, safe
+from asyncrl.learner.objectives.common import LOG_RATIO_CLAMP, log_ratio, safe
 
 __all__ = [
     "KL_LOSS_KINDS",
@@ -40,6 +40,7 @@ __all__ = [
     "kl_estimates_from_log_ratio",
     "kl_from_log_ratio",
     "kl_penalty",
+    "penalty_log_ratio",
     "rollout_kl_estimates",
 ]
 
@@ -50,10 +51,25 @@ KL_LOSS_KINDS: tuple[str, ...] = ("abs", "k2", "k3")
 KL_METRICS: tuple[str, ...] = ("kl_mu_pi_k1", "kl_mu_pi_k2", "kl_mu_pi_k3", "kl_pi_mu_is")
 
 
+def penalty_log_ratio(a: Tensor, b: Tensor, kind: str) -> Tensor:
+    """The log-ratio ``a - b`` a KL penalty of ``kind`` is computed from.
+
+    k3 (and k1) take ``clamp(a - b, -20, 20)``: k3 has exp(-d), which must stay finite. k2 and abs
+    have no exp and take the plain difference: a clamp there made the penalty flat (zero gradient)
+    past |d| = 20, on exactly the tokens that moved furthest, which the rollout-KL term exists to pull
+    back (and the reference KL stopped acting on tokens furthest from the base model). Only a
+    non-finite difference (an infinite logprob at a loss position) is clamped in every kind; its
+    gradient through the clamp is 0, never NaN (torch.where routes it)."""
+    if kind in ("k2", "abs"):
+        diff = a - b
+        return torch.where(torch.isfinite(diff), diff, diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return log_ratio(a, b)
+
+
 def kl_penalty(logp: Tensor, logp_ref: Tensor, kind: KLKind = "k2", mask: Tensor | None = None) -> Tensor:
     """Per-token KL penalty between pi_theta and a reference from sampled-token logprobs.
 
-    With d = clamp(logp - logp_ref, -20, 20):
+    With d = logp - logp_ref (:func:`penalty_log_ratio`: clamped to [-20, 20] for k1 and k3 only):
 
     - ``k1``  = d                   (metric only: refused as a loss, see the module docstring);
     - ``abs`` = |d|;
@@ -63,11 +79,12 @@ def kl_penalty(logp: Tensor, logp_ref: Tensor, kind: KLKind = "k2", mask: Tensor
     ``mask`` (optional): positions outside it are replaced by 0 *before* the subtraction, so the
     result there is exactly 0 and gradients are exactly 0 even if logp is -inf there.
     """
-    return kl_from_log_ratio(log_ratio(safe(logp, mask), safe(logp_ref, mask)), kind)
+    return kl_from_log_ratio(penalty_log_ratio(safe(logp, mask), safe(logp_ref, mask), kind), kind)
 
 
 def kl_from_log_ratio(d: Tensor, kind: KLKind = "k2") -> Tensor:
-    """:func:`kl_penalty` from the clamped log-ratio ``d`` (0 where d is 0, e.g. off a mask)."""
+    """:func:`kl_penalty` from the log-ratio ``d`` of :func:`penalty_log_ratio` (0 where d is 0, e.g.
+    off a mask)."""
     if kind == "k1":
         return d
     if kind == "abs":

@@ -38,7 +38,7 @@ from asyncrl.learner.objectives.importance import (
     staleness_mask,
     weights_from_log_rho,
 )
-from asyncrl.learner.objectives.kl import kl_from_log_ratio, kl_penalty
+from asyncrl.learner.objectives.kl import kl_from_log_ratio, kl_penalty, penalty_log_ratio
 from asyncrl.learner.objectives.options import MASK_LOSSES, ObjectiveConfig
 from asyncrl.learner.objectives.trust_region import dppo_drop_masks, m2po_keep_mask
 
@@ -107,10 +107,17 @@ def objective_terms(logp: Tensor, logp_behav: Tensor, advantages: Tensor, mask: 
     else:
         prox = loglinear_prox_logp(logp, behav, token_versions, version, loss_mask, prox_offset, progress)
     anchor = behav if cfg.anchor == "behaviour" else prox
-    # d = clamp(log pi_theta - log mu): the rollout-KL term (with gradient) and the KL metrics.
-    d_grad = log_ratio(logp, behav) if rollout_kl and cfg.beta_rollout_kl else None
+    # log pi_theta - log mu: the rollout-KL term's (with gradient; unclamped for k2/abs, see
+    # penalty_log_ratio) and, clamped, the KL metrics' d (their k3 has an exp).
+    d_grad = (
+        penalty_log_ratio(logp, behav, cfg.rollout_kl_kind) if rollout_kl and cfg.beta_rollout_kl else None
+    )
     with torch.no_grad():
-        d = d_grad.detach() if d_grad is not None else log_ratio(logp.detach(), behav)
+        d = (
+            d_grad.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            if d_grad is not None
+            else log_ratio(logp.detach(), behav)
+        )
         log_rho = log_ratio(prox, behav)  # token log(pi_prox / mu)
     is_args = (cfg.is_mode, cfg.is_cap, cfg.is_low, cfg.is_level, cfg.is_veto)
     sides: dict[str, Tensor] = {}
