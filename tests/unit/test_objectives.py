@@ -68,7 +68,9 @@ def test_kl_penalty_huge_differences_finite_and_masked_grad_zero(kind):
     if kind in ("k1", "k3"):  # beyond k3's clamp (its exp) the estimate is constant: gradient 0, not inf/NaN
         assert logp.grad[0, 0] == 0 and logp.grad[0, 6] == 0 and logp.grad[0, 2] != 0
     else:  # k2 and abs have no exp and no clamp: they keep pulling (before: flat past |d| = 20)
-        want = [float(x) for x in d[0, :7]] if kind == "k2" else [math.copysign(1.0, float(x)) for x in d[0, :7]]
+        want = (
+            [float(x) for x in d[0, :7]] if kind == "k2" else [math.copysign(1.0, float(x)) for x in d[0, :7]]
+        )
         want[3] = 0.0  # d = 0: k2's gradient is 0, abs's subgradient is taken as 0
         assert logp.grad[0, :7].tolist() == want, logp.grad
 
