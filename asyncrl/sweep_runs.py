@@ -9,6 +9,7 @@ two budget views (steps, wall clock after start-up) these columns serve.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,6 @@ def run_metrics(run_dir: Path, marks: Marks) -> dict[str, Any]:
         row["staleness_max"] = max(r["staleness_max"] for r in recs)
     row["mismatch_kl_mean"] = _mean([r["mismatch_kl"] for r in recs])
     row["rollout_kl_mean"] = _mean([r["rollout_kl"] for r in recs])
-    row["ess_mean"] = _mean([r["ess"] for r in recs if "ess" in r])
+    row["ess_mean"] = _mean([r["ess"] for r in recs if "ess" in r and math.isfinite(r["ess"])])
     row["dropped_groups"] = sum(r["dropped_stale"] for r in recs)
     return row

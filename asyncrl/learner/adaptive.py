@@ -74,8 +74,11 @@ class StalenessController:
         win, self._window = self._window, []
         step_s = sum(float(r.get("step_s", 0.0)) for r in win)
         idle = sum(float(r.get("wait_s", 0.0)) for r in win) / step_s if step_s > 0 else 0.0
-        # ESS only where importance weights were computed (a step without loss tokens reports 0).
-        ess_vals = [float(r["ess"]) for r in win if r.get("ess") and math.isfinite(float(r["ess"]))]
+        # ESS only where importance weights were computed (a step without loss tokens reports NaN); an
+        # ESS of 0 (every weight masked) is the worst measurement, not a missing one.
+        ess_vals = [
+            float(r["ess"]) for r in win if r.get("ess") is not None and math.isfinite(float(r["ess"]))
+        ]
         ess = sum(ess_vals) / len(ess_vals) if ess_vals else None
         means = bucket_means(win)
         kl = _drift(means, self._fresh_kl)

@@ -404,7 +404,7 @@ def _record(
         empty_mini_batches=int(m.get("empty_mini_batches", 0)), **{k: m.get(k, 0.0) for k in OBJECTIVE_FIELDS},
         ref_kl=m.get("ref_kl", 0.0), dppo_masked_frac=m.get("dppo_masked_frac", 0.0),
         is_weight_mean=m.get("is_weight_mean", 0.0), is_weight_max=m.get("is_weight_max", 0.0),
-        ess=m.get("ess", 0.0), entropy=m.get("entropy", 0.0), grad_norm=grad_norm, lr=lr,
+        ess=m.get("ess", math.nan), entropy=m.get("entropy", 0.0), grad_norm=grad_norm, lr=lr,
         optimizer_steps=res.optimizer_steps, micro_batches=res.micro_batches,
         padding_micro_batches=res.padding_micro_batches, skipped=res.skipped,
         skipped_nonfinite=int(counters["skipped_nonfinite"]), published=published, checkpointed=checkpointed,

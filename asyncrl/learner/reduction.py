@@ -57,6 +57,7 @@ them, or call :func:`aggregate_metrics` on the concatenated list of per-micro-ba
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Literal, NamedTuple
 
@@ -246,7 +247,9 @@ class MetricAccumulator:
                 out[k] = s
         if "is_weight_mean" in out and "is_weight_sq_mean" in out:
             m, m2 = out["is_weight_mean"], out["is_weight_sq_mean"]
-            out["ess"] = m * m / m2 if m2 > 0 else 0.0
+            # 0 when every loss token's weight is 0 (icepop masked them all: nothing effective);
+            # NaN without loss tokens (not measured: an adaptive bound must not read it as 0).
+            out["ess"] = m * m / m2 if m2 > 0 else (0.0 if out.get("num_tokens", 0.0) > 0 else math.nan)
         return out
 
 

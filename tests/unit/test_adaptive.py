@@ -59,10 +59,17 @@ def test_floor_missing_signals_and_bad_values() -> None:
     c = StalenessController(4, min_bound=2, start=2, every_steps=1)
     (d,) = _feed(c, [_rec(1, ess=0.1)])
     assert (d.bound, d.reason) == (2, "at limit")
-    # ess 0 (a step without importance weights) and NaN KL are no evidence: neither lowers the bound.
+    # ess NaN (a step without loss tokens: not measured) and NaN KL are no evidence: neither lowers it.
     c = StalenessController(4, start=1, every_steps=2)
-    ds = _feed(c, [_rec(1, 0.9, ess=0.0, kl={"2": float("nan")}), _rec(2, 0.9, ess=float("nan"), kl={})])
+    ds = _feed(
+        c, [_rec(1, 0.9, ess=float("nan"), kl={"2": float("nan")}), _rec(2, 0.9, ess=float("nan"), kl={})]
+    )
     assert ds[0].ess is None and ds[0].drift_kl is None and (ds[0].bound, ds[0].reason) == (2, "starved")
+    # ess 0 is a measurement, the worst one (every weight masked, e.g. sequence-level icepop on long
+    # sequences): it lowers the bound even while the learner starves (before: read as missing, raised).
+    c = StalenessController(4, start=2, every_steps=2)
+    ds = _feed(c, [_rec(1, 0.9, ess=0.0), _rec(2, 0.9, ess=0.0)])
+    assert ds[0].ess == 0.0 and (ds[0].previous, ds[0].bound, ds[0].reason) == (2, 1, "ess")
     assert (
         StalenessController(4, start=9).bound == 4 and StalenessController(4, start=0, min_bound=1).bound == 1
     )

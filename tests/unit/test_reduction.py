@@ -315,6 +315,19 @@ def test_metric_accumulator_merges_ranks_like_the_full_batch():
     assert got["num_tokens"] > 0 and 0 < got["ess"] <= 1
 
 
+def test_ess_is_nan_without_loss_tokens_and_zero_when_every_weight_is_masked():
+    """Not measured (no loss tokens) is NaN, never 0: the adaptive bound reads 0 as the worst ESS."""
+    none = MetricAccumulator()
+    none.update({"num_tokens": 0.0, "is_weight_mean": 0.0, "is_weight_sq_mean": 0.0})
+    assert math.isnan(none.compute()["ess"])
+    masked = MetricAccumulator()
+    masked.update({"num_tokens": 5.0, "is_weight_mean": 0.0, "is_weight_sq_mean": 0.0})
+    assert masked.compute()["ess"] == 0.0
+    some = MetricAccumulator()
+    some.update({"num_tokens": 2.0, "is_weight_mean": 0.5, "is_weight_sq_mean": 0.5})
+    assert some.compute()["ess"] == 0.5
+
+
 def test_unknown_metrics_average_uniformly_and_floats_work():
     agg = aggregate_metrics(
         [
