@@ -28,10 +28,29 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A Hugging Face causal LM from a local directory, in ``dtype``, never downloaded."""
-    from transformers import AutoModelForCausalLM
+    """A Hugging Face causal LM from a local directory, in ``dtype``, never downloaded, dropout off.
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    Dropout off: the learner's logprobs must be those of the policy that sampled (vLLM never drops).
+    With a config's dropout in train mode (the policy trains in train mode), log pi was random: the
+    on-policy ratio was not 1, and the policy and the eval-mode reference no longer shared one
+    precision path. Every numeric ``*dropout*`` / ``*pdrop*`` field of the config is set to 0 before
+    the modules are built (HF attention reads its rate from there), and every ``nn.Dropout`` gets
+    p = 0 after. An export copies the base model's own config.json, so the user's rates stay there.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    for key, value in config.to_dict().items():
+        if (
+            ("dropout" in key or "pdrop" in key)
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+        ):
+            setattr(config, key, 0.0)
+    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype, local_files_only=True)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     # Generation caches are useless (and costly) for teacher-forced training forwards.
     model.config.use_cache = False
     return model
