@@ -109,7 +109,8 @@ async def _reference(cfg: Config, rdir: Path, steps: int) -> list[dict[str, Any]
     np.random.seed(cfg.run.seed)
     model_path = resolve_model_path(cfg, rdir)
     le = build_engine(cfg, model_path)
-    ref = ReferenceModel(model_path, le.dtype, "cpu") if cfg.learner.loss.ref_kl_coef > 0 else None
+    # On the engine's device (a CUDA learner's micro-batches are there; "cpu" was a device mismatch).
+    ref = ReferenceModel(model_path, le.dtype, le.device) if cfg.learner.loss.ref_kl_coef > 0 else None
     mc = le.module.config
     pad_id = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
     trainer = Trainer(cfg, le, ref, int(pad_id))

@@ -177,6 +177,11 @@ class LearnerEngine:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    @property
+    def device(self) -> torch.device | str:
+        """Where the policy's micro-batches go (a reference model must sit there too)."""
+        return getattr(self.engine, "device", "cpu")
+
     def set_lr(self, lr: float) -> None:
         # The base optimizer's param_groups are the ones every ZeRO wrapper steps with.
         for g in self.optimizer.param_groups:

@@ -148,8 +148,7 @@ def learn(
     try:
         le = build_engine(cfg, model_path)
         marks["deepspeed_ready"] = time.time()
-        device = getattr(le.engine, "device", "cpu")
-        ref = ReferenceModel(model_path, le.dtype, device) if cfg.learner.loss.ref_kl_coef > 0 else None
+        ref = ReferenceModel(model_path, le.dtype, le.device) if cfg.learner.loss.ref_kl_coef > 0 else None
         mc = le.module.config
         pad_id = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
         trainer = Trainer(cfg, le, ref, int(pad_id))
