@@ -50,7 +50,12 @@ class LossConfig:
     dppo_low: float = F(0.2, "DPPO threshold for tokens with A < 0.", gt=0)
     dppo_high: float = F(0.2, "DPPO threshold for tokens with A > 0.", gt=0)
     m2po_tau: float = F(
-        0.04, "M2PO: tokens with the largest log-ratio^2 are dropped until mean(log-ratio^2) <= this.", gt=0
+        0.04,
+        "M2PO: tokens with the largest log-ratio^2 are dropped until mean(log-ratio^2) <= this. Taken per "
+        "micro-batch (the mask needs pi_theta, known only inside each micro-batch's forward), so which "
+        "tokens drop depends on learner.micro_batch_tokens and the number of ranks; dppo's per-token mask "
+        "does not.",
+        gt=0,
     )
     eps_low: float = F(0.2, "ppo_clip / cispo ratio clip: r >= 1 - eps_low.", gt=0, lt=1)
     eps_high: float = F(0.28, "ppo_clip / cispo ratio clip: r <= 1 + eps_high (DAPO clip-higher).", gt=0)
