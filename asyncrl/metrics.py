@@ -63,6 +63,13 @@ ACTOR_METRICS: tuple[Metric, ...] = (
         "groups_reward_failed",
     ),
     Metric(
+        "asyncrl_actor_rejected_groups_total",
+        "counter",
+        "Groups whose request the engine refused (e.g. a prompt longer than model.max_model_len): "
+        "dead-lettered with the engine's reason, never retried.",
+        "groups_rejected",
+    ),
+    Metric(
         "asyncrl_actor_loop_restarts_total",
         "counter",
         "Restarts of the actor's failed generation loop (actors.loop_restarts).",

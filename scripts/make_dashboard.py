@@ -52,6 +52,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("in flight {{actor}}", "asyncrl_actor_inflight_requests"),
             ("engine errors/s {{actor}}", "rate(asyncrl_actor_engine_errors_total[5m])"),
             ("reward failures/s {{actor}}", "rate(asyncrl_actor_reward_failures_total[5m])"),
+            ("rejected by the engine/s {{actor}}", "rate(asyncrl_actor_rejected_groups_total[5m])"),
             ("loop restarts {{actor}}", "increase(asyncrl_actor_loop_restarts_total[15m])"),
         ]),
     ]),

@@ -82,6 +82,7 @@ def initial_counters(actor_id: str) -> dict[str, Any]:
         "engine_errors": 0,
         "reconstructed": False,
         "groups_reward_failed": 0,
+        "groups_rejected": 0,  # requests the engine refused (group_worker: dead-lettered, slot credited)
         # Slots taken for the version a swap was preparing (group_worker._await_swap), and those
         # given back because that swap did not serve it.
         "preadmissions": 0,

@@ -17,6 +17,8 @@ import time
 import uuid
 from typing import Any
 
+from vllm.exceptions import VLLMClientError
+
 from asyncrl.tasks import Prompt, prompt_token_ids
 
 from .groups import build_group, swaps_seen, version_span
@@ -220,6 +222,16 @@ class GroupProduction:
                 seqs = await self.engine.generate_group(
                     prompt_ids, a.group_size, a.temperature, a.top_p, a.max_tokens, group_id, seed=seed
                 )
+            except VLLMClientError as e:
+                # The request itself is bad (vLLM's client-error class: a prompt longer than
+                # model.max_model_len, ...): poison for this prompt, not a failure of the actor. Before,
+                # it failed the generation loop, whose restarts cancelled every group in flight and
+                # would end the actor after actors.loop_restarts (a task with a few long prompts).
+                reason = f"prompt {prompt.prompt_id!r} ({len(prompt_ids)} tokens) refused by the engine: {e}"
+                log.warning("%s: group %s dropped: %s", self.actor_id, group_id, reason)
+                await self._write(self.buffer.abandon, group_id, self.actor_id, reason)
+                self.counters["groups_rejected"] += 1  # after its dead letter, as groups_reward_failed
+                continue
             except BaseException:
                 # Cancelled (stop with abort) or failed: nothing is written, the slot goes back.
                 self._give_back(group_id)

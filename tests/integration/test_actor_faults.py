@@ -102,6 +102,42 @@ def test_actor_survives_reward_faults_and_a_redis_freeze_past_its_budget(tmp_pat
         server.stop()
 
 
+def test_prompts_the_engine_refuses_are_dead_lettered_without_failing_the_loop(tmp_path: Path) -> None:
+    """Copy prompts of 8-30 tokens against model.max_model_len=20: vLLM refuses the longer ones
+    (VLLMValidationError). Each such group is dead-lettered with the engine's reason and its slot
+    credited; the loop never fails (before: every refusal failed the generation loop, whose restarts
+    cancelled the groups in flight and ended the actor after actors.loop_restarts)."""
+    server, buf, actor = _actor(tmp_path, [
+        "run.name=actor-long-prompts", "task.min_len=2", "task.max_len=24", "model.max_model_len=20",
+        "actors.loop_restarts=1",
+    ])  # fmt: skip
+    c = actor.counters
+
+    async def main() -> None:
+        run = asyncio.create_task(actor.run())
+        await _until(
+            lambda: c["groups_written"] >= 4 and c["groups_rejected"] >= 3 or run.done(), 180, "groups"
+        )
+        assert not run.done()
+        await actor.stop(abort=True)
+        await run
+
+    try:
+        asyncio.run(main())
+        assert c["loop_restarts"] == 0 and c["engine_errors"] == 0
+        s = buf.stats()
+        reasons = [d["reason"] for d in buf.dead_letters(count=1000)]
+        assert len(reasons) == c["groups_rejected"] == s["dead"]
+        assert all("refused by the engine" in r and "maximum model length of 20" in r for r in reasons), (
+            reasons
+        )
+        inflight = sum(int(v) for v in buf.client.hvals(buf.keys.inflight))
+        assert inflight == 0 and s["admitted"] == s["depth"] + s["credits"]
+    finally:
+        buf.close()
+        server.stop()
+
+
 def test_a_stop_that_aborts_groups_hung_in_their_reward_gives_their_slots_back(tmp_path: Path) -> None:
     """Every reward call hangs (task.reward_fault=hang): both groups in flight wait in scoring when the
     stop (abort) comes. It cancels them at once, nothing is written, and both admission slots are
