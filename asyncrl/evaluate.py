@@ -50,6 +50,9 @@ class EvalResult:
     pass_at_k: float  # share of prompts with at least one completion scoring >= pass_threshold
     length_mean: float  # mean completion length, tokens
     seconds: float  # wall time of the evaluation
+    # Prompts whose reward failed (raised, non-finite, past task.reward_timeout_s): left out of
+    # reward_mean and pass_at_k (NaN when none scored), logged; the eval itself goes on.
+    reward_failures: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,7 +70,14 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
     k = e.samples
     t0 = time.perf_counter()
 
-    async def one(i: int, p: Prompt) -> tuple[list[float], list[int]]:
+    # The training path's reward runner (asyncrl.actors.rewards): the user's reward runs off the event
+    # loop, which on actor 0 also drives training generation, swaps and heartbeats, within
+    # task.reward_timeout_s, and a failure costs that prompt's score, not the eval (nor actor 0's loop).
+    from asyncrl.actors.rewards import RewardFailure, RewardRunner
+
+    runner = RewardRunner(task, cfg.task.reward_timeout_s)
+
+    async def one(i: int, p: Prompt) -> tuple[list[float] | None, list[int]]:
         ids = prompt_token_ids(tokenizer, p.text, cfg.model.chat_template, cfg.task.system_prompt)
         params = SamplingParams(n=k, temperature=e.temperature, top_p=1.0, seed=e.seed + i * k,
                                 max_tokens=e.max_tokens or cfg.actors.max_tokens,
@@ -78,15 +88,24 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
             final = out
         assert final is not None
         outs = sorted(final.outputs, key=lambda c: c.index)
-        return [await task.score(p, c.text) for c in outs], [len(c.token_ids) for c in outs]
+        lengths = [len(c.token_ids) for c in outs]
+        try:
+            return await runner.score(p, [c.text for c in outs]), lengths
+        except RewardFailure as exc:
+            log.warning("eval of v%d: prompt %s not scored: %s", version, p.prompt_id, exc)
+            return None, lengths
 
     results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    rewards = [r for rs, _ in results for r in rs]
+    scored = [rs for rs, _ in results if rs is not None]
+    rewards = [r for rs in scored for r in rs]
     lengths = [n for _, ns in results for n in ns]
-    passed = sum(any(r >= e.pass_threshold for r in rs) for rs, _ in results)
+    passed = sum(any(r >= e.pass_threshold for r in rs) for rs in scored)
+    nan = float("nan")
     return EvalResult(version=version, prompts=len(prompts), samples=k,
-                      reward_mean=sum(rewards) / len(rewards), pass_at_k=passed / len(prompts),
-                      length_mean=sum(lengths) / len(lengths), seconds=time.perf_counter() - t0)  # fmt: skip
+                      reward_mean=sum(rewards) / len(rewards) if rewards else nan,
+                      pass_at_k=passed / len(scored) if scored else nan,
+                      length_mean=sum(lengths) / len(lengths), seconds=time.perf_counter() - t0,
+                      reward_failures=len(results) - len(scored))  # fmt: skip
 
 
 def require_eval_prompts(task: Task) -> list[Prompt]:
