@@ -20,7 +20,12 @@ class ActorsConfig:
         "as none is left. 0 = never wait.",
         ge=0,
     )
-    group_size: int = F(8, "Completions per prompt (G); the unit of GRPO advantages.", ge=1)
+    group_size: int = F(
+        8,
+        "Completions per prompt (G); the unit of GRPO advantages. At least 2: a group of one has "
+        "advantage 0 (its reward less its own mean), so nothing would be learned.",
+        ge=2,
+    )
     temperature: float = F(1.0, "Sampling temperature; the learner divides logits by the same value.", gt=0)
     top_p: float = F(
         1.0, "Nucleus sampling mass (1 = off; <1 makes behaviour logprobs a truncated law).", gt=0, le=1

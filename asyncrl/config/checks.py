@@ -32,9 +32,36 @@ TINY_RESERVED = ":=+\n"
 
 def check_config(cfg: Any) -> None:
     """Checks across fields of one loaded config; raises ``ConfigError`` naming the keys."""
+    _check_run(cfg.run)
     _check_task(cfg.task)
     _check_tiny_model(cfg.model)
     _check_redis(cfg.redis)
+    _check_lengths(cfg)
+
+
+def _check_run(r: Any) -> None:
+    # The name is a directory under runs/ and part of every Redis key: empty made the run dir runs/
+    # itself; a slash nests it, whitespace and '.'/'..' are paths nobody means.
+    n = r.name
+    if not n or n in (".", "..") or "/" in n or "\\" in n or any(c.isspace() for c in n):
+        raise ConfigError(
+            f"run.name={n!r} is not allowed: a non-empty name without '/', '\\' or whitespace "
+            "(it names the run directory and every Redis key of the run)"
+        )
+
+
+def _check_lengths(cfg: Any) -> None:
+    # vLLM refuses a prompt longer than max_model_len and silently cuts a completion at it: a token
+    # budget with no room for a prompt is a config mistake, not a run that learns nothing.
+    limit = cfg.model.max_model_len
+    for key, value in (
+        ("actors.max_tokens", cfg.actors.max_tokens),
+        ("eval.max_tokens", cfg.eval.max_tokens),
+    ):
+        if value >= limit:
+            raise ConfigError(
+                f"{key}={value} must be < model.max_model_len={limit} (prompt + completion must fit)"
+            )
 
 
 def _check_task(t: Any) -> None:

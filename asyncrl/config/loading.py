@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,8 @@ def _validate(obj: Any, prefix: str) -> None:
             _validate(value, key + ".")
             continue
         m = f.metadata
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
         # YAML 1.1 reads a bare on/off/yes/no as a boolean, which a str field then holds as "True"/"False"
         # (a YAML file: appendfsync: no); map it back to the word among the allowed values.
         if m.get("choices") is not None and value in _YAML_BOOL_WORDS:
@@ -164,7 +167,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.path=value")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), _keep_str_text(OmegaConf.load(p), p))
+        loaded = OmegaConf.load(p)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:  # a tab, a duplicate key, a binary file
+        raise ConfigError(f"{p}: not a valid YAML file: {_yaml_problem(e)}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(
+            f"{p}: the top level must be a mapping of sections (run:, actors:, ...), not a list"
+        )
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), _keep_str_text(loaded, p))
     except (ConfigKeyError, ConfigAttributeError) as e:
         raise _unknown_key(e) from None
     except OmegaConfBaseException as e:
@@ -247,6 +258,15 @@ def _unknown_key(e: OmegaConfBaseException) -> ConfigError:
     parent = key.rsplit(".", 1)[0] if "." in key else ""
     allowed = _allowed_keys(parent)
     return ConfigError(f"unknown config key {key!r}; allowed keys here: {', '.join(allowed)}")
+
+
+def _yaml_problem(e: Exception) -> str:
+    """What is wrong and where (PyYAML's first message line is only its context, "while scanning...")."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _first_line(e: OmegaConfBaseException) -> str:

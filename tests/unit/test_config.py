@@ -32,6 +32,17 @@ def test_default_yaml_loads_and_overrides_apply():
         ("learner.loss.is_mode=magic", "learner.loss.is_mode"),
         ("model.tiny.num_heads=8", "model.tiny.num_heads"),
         ("learner.lr=abc", "learner.lr"),
+        # Accepted before: a non-finite float, a group of one (advantage 0: nothing learned), a run name
+        # that is no directory name (empty made the run dir runs/ itself), a completion budget with no
+        # room for a prompt.
+        ("learner.lr=inf", "learner.lr=inf must be a finite number"),
+        ("actors.temperature=nan", "actors.temperature=nan must be a finite number"),
+        ("actors.group_size=1", "actors.group_size=1 is out of range; must be >= 2"),
+        ("run.name=", "run.name=''"),
+        ("run.name=a/b", "run.name='a/b'"),
+        ("run.name=a b", "run.name='a b'"),
+        ("actors.max_tokens=256", "actors.max_tokens=256 must be < model.max_model_len=256"),
+        ("eval.max_tokens=1000", "eval.max_tokens=1000 must be < model.max_model_len=256"),
     ],
 )
 def test_bad_values_fail_with_key_path(override, needle):
@@ -64,6 +75,24 @@ def test_every_field_is_documented_and_typed():
     walk(Config())
     lines = explain()
     assert any(line.strip().startswith("buffer.max_staleness = 1") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("run:\n\tname: x\n", "found character that cannot start any token (line 2, column 1)"),
+        ("run:\n  name: a\n  name: b\n", "found duplicate key name (line 3, column 3)"),
+        ("- run\n- actors\n", "the top level must be a mapping of sections"),
+        (b"\xff\xfe\x00bad", "not a valid YAML file: 'utf-8' codec can't decode"),
+    ],
+)
+def test_malformed_yaml_is_a_config_error_naming_the_file_and_line(tmp_path, text, needle):
+    """Before: a PyYAML ScannerError / ConstructorError, a TypeError or a UnicodeDecodeError traceback."""
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(path) in str(e.value) and needle in str(e.value), str(e.value)
 
 
 def test_missing_config_file_names_the_path(tmp_path):
