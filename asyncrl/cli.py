@@ -21,11 +21,12 @@ from asyncrl.config import (
     run_dir,
     to_yaml,
 )
+from asyncrl.export import ExportError  # stdlib imports only at the top of asyncrl.export
 from asyncrl.tasks.base import TaskDataError  # asyncrl.tasks imports neither torch, vllm nor ray
 from asyncrl.tasks.registry import TaskNotFound
 
 #: What a user's mistake raises: printed as one `asyncrl: error:` line with exit status 2, no traceback.
-USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, TaskDataError, TaskNotFound)
+USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, TaskDataError, TaskNotFound, ExportError)
 
 
 def _add_config_args(
@@ -64,7 +65,17 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="a run's policy version as a Hugging Face model directory")
     p.add_argument("run_dir")
     p.add_argument("out_dir")
-    p.add_argument("--version", type=int, default=None, help="policy version (default: newest on disk)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--version", type=int, default=None,
+        help="policy version (default: the newest weights on disk, a checkpoint past the newest version included)",
+    )  # fmt: skip
+    which.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="the learner checkpoint of this step (e.g. one labelled vN+k steps)",
+    )
     p = sub.add_parser("eval", help="score a model dir or a run's version on the task's eval split (vLLM)")
     p.add_argument("target", help="model dir (e.g. from asyncrl export) or run dir")
     p.add_argument("--version", type=int, default=None, help="run dir: policy version (default: newest)")
@@ -151,9 +162,10 @@ def _export_or_eval(args) -> int:
     from asyncrl.export import EXPORT_CONFIG, EXPORT_INFO, export_version, load_run_config
 
     if args.cmd == "export":
-        out = export_version(Path(args.run_dir), Path(args.out_dir), args.version)
+        out = export_version(Path(args.run_dir), Path(args.out_dir), args.version, args.step)
         info = json.loads((out / EXPORT_INFO).read_text())
-        print(f"{out}  (run {info['run']}, version {info['version']})")
+        step = f", learner step {info['step']}" if info["step"] >= 0 else ""
+        print(f"{out}  (run {info['run']}, {info['label']}{step}, from the {info['source']} weights)")
         return 0
     from asyncrl.evaluate import eval_model_dir
 
@@ -183,7 +195,9 @@ def _export_or_eval(args) -> int:
                 f"{target}: neither a run dir (config.yaml) nor a model dir (config.json)"
             )
         info_file = model_dir / EXPORT_INFO
-        version = json.loads(info_file.read_text())["version"] if info_file.exists() else -1
+        info = json.loads(info_file.read_text()) if info_file.exists() else {}
+        # weights steps past a version (asyncrl_export.json "vN+k steps") are not version N: unknown (-1)
+        version = -1 if info.get("steps_past_version") else info.get("version", -1)
         result = eval_model_dir(cfg, str(model_dir), version).to_dict()
     line = json.dumps(result)
     print(line)

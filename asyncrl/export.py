@@ -1,32 +1,49 @@
-"""`asyncrl export RUN_DIR [--version N] OUT_DIR`: a trained policy version as a Hugging Face model dir.
+"""`asyncrl export RUN_DIR [--version N | --step S] OUT_DIR`: trained weights as a Hugging Face model dir.
 
 The output is what ``transformers.AutoModelForCausalLM.from_pretrained`` and ``vllm.LLM`` load:
 
 * ``config.json``, the tokenizer files and everything else of the run's base model directory
   (``model.path``, or the built tiny model in ``RUN_DIR/model``), except its weight files;
-* ``model.safetensors``: the weights of version N: the published file (``RUN_DIR/weights/vN``, checked
-  against its manifest first) when it is still on disk, else the learner checkpoint taken at version N
-  (see :func:`weight_sources`); saved with the ``format: pt`` metadata transformers wants; a tied
-  ``lm_head.weight`` is left out (the model ties it to the embeddings on load);
-* ``generation_config.json``: the base model's, or one made from the run's sampling settings;
-* ``asyncrl_export.json`` (run, version, source digest) and ``asyncrl_config.yaml`` (the run's config,
-  so ``asyncrl eval OUT_DIR`` scores the same task and eval split as the run).
+* ``model.safetensors``: the weights asked for (see :func:`weight_sources`), saved with the
+  ``format: pt`` metadata transformers wants, one name per tied parameter (:func:`_untied`):
 
-Written into a temporary sibling directory and renamed, so OUT_DIR is complete or absent.
+  - by default the newest weights on disk: published ``vN`` or a learner checkpoint, whichever holds
+    the later learner step. A checkpoint taken ``k`` steps after the last publication
+    (``learner.publish_every`` > 1, ``publish_policy=taken``, the final save on stop) holds weights
+    that are no version; they are the newest when N is the newest version, and are exported as
+    ``vN+k steps`` (so a run's last steps are never lost to the export);
+  - ``--version N``: exactly version N: the published file (checked against its manifest) when it is
+    still on disk, else a checkpoint taken right at N's publication (never one steps past it);
+  - ``--step S``: the checkpoint of learner step S.
+
+  Of several copies of the same weights the published file comes first; a damaged copy (sha256,
+  truncation, unreadable DeepSpeed states) is passed over for the next with a warning, and when none is
+  intact the export fails with one line naming each file (:class:`ExportError`);
+* ``generation_config.json``: the base model's, or one made from the run's sampling settings;
+* ``asyncrl_export.json`` (run, version, ``steps_past_version``, ``label``, learner ``step`` (-1 for a
+  published file), source and its digest, damaged copies passed over) and ``asyncrl_config.yaml`` (the
+  run's config, so ``asyncrl eval OUT_DIR`` scores the same task and eval split as the run).
+
+Written into a temporary sibling directory and renamed, so OUT_DIR is complete or absent; an OUT_DIR
+that is a file or a non-empty directory is refused before anything is read.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "export_version",
+    "ExportError",
+    "Source",
     "available_versions",
     "weight_sources",
     "load_run_config",
@@ -34,11 +51,17 @@ __all__ = [
     "EXPORT_INFO",
 ]
 
+log = logging.getLogger(__name__)
+
 EXPORT_CONFIG = "asyncrl_config.yaml"
 EXPORT_INFO = "asyncrl_export.json"
 _WEIGHT_FILES = re.compile(
     r".*\.(safetensors|bin|pt|pth)$|.*\.safetensors\.index\.json$|.*\.bin\.index\.json$"
 )
+
+
+class ExportError(ValueError):
+    """A request export cannot serve (damaged weights with no intact copy): a one-line user error."""
 
 
 def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Any:
@@ -50,39 +73,70 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Any:
     return load_config(path, overrides)
 
 
-def weight_sources(run_dir: Path) -> dict[int, tuple[str, Path]]:
-    """version -> ("published", weights file) or ("checkpoint", tag dir), for every version still on disk.
+@dataclass(frozen=True)
+class Source:
+    """Weights on disk: a published file (``kind="published"``) or a learner checkpoint's tag dir.
+
+    A checkpoint taken ``since_publish`` > 0 steps after the last publication (``learner.publish_every``
+    > 1, ``publish_policy=taken``, the final save on stop) holds weights that are no version: they are
+    ``version`` plus that many steps, labelled ``vN+k steps``.
+    """
+
+    kind: str
+    path: Path
+    version: int
+    since_publish: int = 0
+    step: int = -1  # the learner step of a checkpoint (-1: a published file)
+
+    @property
+    def label(self) -> str:
+        return f"v{self.version}+{self.since_publish} steps" if self.since_publish else f"v{self.version}"
+
+    @property
+    def order(self) -> tuple[int, int, int, int]:
+        """Newest weights last; of equal weights the published file (what the actors served) first."""
+        return (self.version, self.since_publish, self.kind == "published", self.step)
+
+
+def weight_sources(run_dir: Path) -> list[Source]:
+    """Every set of weights still on disk, oldest first (see :attr:`Source.order`).
 
     Published weights (``weights/vN``, or the shared-memory transport's directory while a local run is
-    live) are exactly what the actors served and are preferred; a learner checkpoint holds the weights of
-    the version it was taken at (the final one always is: the learner checkpoints at its last step).
+    live) are exactly what the actors served; a learner checkpoint holds version N's weights only when it
+    was taken right at a publication (``since_publish`` 0), else N plus ``since_publish`` steps.
     """
     from asyncrl.learner.checkpoint import CHECKPOINT_DIR, STATE_FILE
     from asyncrl.learner.publisher import shm_root
 
     run_dir = Path(run_dir)
-    found: dict[int, tuple[str, Path]] = {}
+    try:
+        cfg = load_run_config(run_dir)
+    except Exception:  # no readable run config: published files and recorded since_publish only
+        cfg = None
+    found: list[Source] = []
     for tag in sorted((run_dir / CHECKPOINT_DIR).glob("step*")):
         try:
-            version = int(json.loads((tag / STATE_FILE).read_text())["version"])
-        except (OSError, ValueError, KeyError):
+            state = json.loads((tag / STATE_FILE).read_text())
+            step, version = int(state.get("step", -1)), int(state["version"])
+            since = int(state.get("since_publish", -1))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # an uncommitted or damaged tag
-        found[version] = ("checkpoint", tag)
+        if since < 0:  # a checkpoint of an older asyncrl: what its learner assumed (asyncrl.learner.loop)
+            since = step % cfg.learner.publish_every if cfg is not None and step >= 0 else 0
+        found.append(Source("checkpoint", tag, version, since, step))
     roots = [run_dir / "weights"]
-    try:
-        roots.append(shm_root(run_dir, load_run_config(run_dir).run.name))
-    except Exception:  # no readable run config: published files only
-        pass
+    if cfg is not None:
+        roots.append(shm_root(run_dir, cfg.run.name))
     for root in roots:
         for d in root.glob("v*"):
             if d.name[1:].isdigit() and (d / "model.safetensors").exists():
-                found[int(d.name[1:])] = ("published", d / "model.safetensors")
-    return dict(sorted(found.items()))
+                found.append(Source("published", d / "model.safetensors", int(d.name[1:])))
+    return sorted(found, key=lambda s: s.order)
 
 
 def available_versions(run_dir: Path) -> list[int]:
-    """Versions :func:`export_version` can write, ascending."""
-    return list(weight_sources(run_dir))
+    """Versions :func:`export_version` can write with ``version=N``, ascending."""
+    return sorted({s.version for s in weight_sources(run_dir) if not s.since_publish})
 
 
 def _published_tensors(weights: Path) -> tuple[dict, str]:
@@ -129,32 +183,127 @@ def _generation_config(cfg: Any, model_config: dict) -> dict:
     return gen
 
 
+def _untied(tensors: dict, tied: bool) -> dict:
+    """The tensors safetensors can store: one name per tied parameter.
+
+    A torch checkpoint of a model with tied parameters holds one tensor under every name (GPT-2:
+    ``transformer.wte.weight`` and ``lm_head.weight``), which safetensors refuses. The first name in
+    module order is kept: that is the input embedding (HF models register the base model before the
+    head), which the model ties the head to on load. A published file holds separate copies; with
+    ``tie_word_embeddings`` its ``lm_head.weight`` is dropped when it equals another tensor, as before.
+    """
+    out: dict = {}
+    seen: dict[tuple, str] = {}
+    for name, t in tensors.items():
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        if view in seen:
+            continue  # the same tensor as seen[view]
+        seen[view] = name
+        out[name] = t
+    ptrs = [v[0] for v in seen]
+    if len(set(ptrs)) < len(ptrs):  # other overlapping views of one storage: separate copies
+        out = {k: v.clone() for k, v in out.items()}
+    head = out.get("lm_head.weight")
+    if (
+        tied
+        and head is not None
+        and any(k != "lm_head.weight" and v.shape == head.shape and _equal(v, head) for k, v in out.items())
+    ):
+        del out["lm_head.weight"]
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _pick(sources: list[Source], version: int | None, step: int | None, run_dir: Path) -> list[Source]:
+    """The sources holding the requested weights, preferred first (all hold the same weights)."""
+    newest_first = sorted(sources, key=lambda s: s.order, reverse=True)
+    if step is not None:
+        picked = [s for s in newest_first if s.kind == "checkpoint" and s.step == step]
+        if not picked:
+            steps = [str(s.step) for s in newest_first if s.kind == "checkpoint"]
+            raise FileNotFoundError(
+                f"{run_dir}: no checkpoint of step {step} on disk; checkpoints: {', '.join(steps) or 'none'}"
+            )
+        return picked[:1]
+    if version is None:  # the newest trained weights, a version or not
+        newest = newest_first[0]
+        return [s for s in newest_first if s.order[:2] == newest.order[:2]]
+    picked = [s for s in newest_first if s.version == version and not s.since_publish]
+    if not picked:
+        past = [f"--step {s.step} ({s.label})" for s in newest_first if s.since_publish]
+        raise FileNotFoundError(
+            f"{run_dir}: version {version} is not on disk (kept: the newest learner.keep_versions published "
+            "versions with learner.weight_transport=file, and the last checkpoints); available: "
+            + ", ".join(map(str, available_versions(run_dir)))
+            + (f"; checkpoints past a version: {', '.join(past)}" if past else "")
+        )
+    return picked
+
+
+def _load(picked: list[Source]) -> tuple[Source, dict, str, list[str]]:
+    """The tensors of the first intact source of ``picked``; the others' failures as warnings."""
+    failures: list[str] = []
+    for src in picked:
+        states = src.path / "mp_rank_00_model_states.pt"
+        where = states if src.kind == "checkpoint" and states.exists() else src.path
+        try:
+            read = _published_tensors if src.kind == "published" else _checkpoint_tensors
+            tensors, digest = read(src.path)
+        except Exception as e:  # any damage (digest, truncation, unpickling): try the next copy
+            why = (str(e).strip().splitlines() or [""])[0]
+            failures.append(f"{src.kind} {src.label} at {where}: {type(e).__name__}: {why}")
+            continue
+        for f in failures:
+            log.warning("export: %s; exported %s from %s instead", f, src.label, where)
+        return src, tensors, digest, failures
+    raise ExportError(
+        f"no intact copy of {picked[0].label} on disk: "
+        + "; ".join(failures)
+        + " (other weights still on disk: --version N or --step S)"
+    )
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an out dir that is a file, lies under one, or is a non-empty directory, before any work."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise FileExistsError(f"{out}: {parent} is a file, not a directory")
+            break
+
+
 def export_version(
-    run_dir: str | os.PathLike, out_dir: str | os.PathLike, version: int | None = None
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    version: int | None = None,
+    step: int | None = None,
 ) -> Path:
-    """Write version ``version`` (default: the newest on disk) of ``run_dir`` to ``out_dir``."""
+    """Write ``run_dir``'s weights to ``out_dir``: version ``version``, the checkpoint of learner step
+    ``step``, or by default the newest weights on disk (a checkpoint past the newest version included)."""
     from safetensors.torch import save_file
 
     from asyncrl.config import to_yaml
     from asyncrl.tinymodel import resolve_model_path
 
+    if version is not None and step is not None:
+        raise ExportError("give a version or a step, not both")
     run_dir, out = Path(run_dir), Path(out_dir)
     cfg = load_run_config(run_dir)
     sources = weight_sources(run_dir)
     if not sources:
         raise FileNotFoundError(f"{run_dir}: no published weights and no checkpoint on disk")
-    if version is None:
-        version = max(sources)
-    if version not in sources:
-        raise FileNotFoundError(
-            f"{run_dir}: version {version} is not on disk (kept: the newest learner.keep_versions published "
-            "versions with learner.weight_transport=file, and the last checkpoints); available: "
-            + ", ".join(map(str, sources))
-        )
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty")
-    kind, where = sources[version]
-    tensors, digest = _published_tensors(where) if kind == "published" else _checkpoint_tensors(where)
+    picked = _pick(sources, version, step, run_dir)
+    _check_out(out)
+    src, tensors, digest, failures = _load(picked)
     base = resolve_model_path(cfg, run_dir)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -164,16 +313,17 @@ def export_version(
             if f.is_file() and not _WEIGHT_FILES.match(f.name):
                 shutil.copy2(f, tmp / f.name)
         model_config = json.loads((base / "config.json").read_text())
-        if model_config.get("tie_word_embeddings") and "embed_tokens" in "".join(tensors):
-            tensors.pop("lm_head.weight", None)
+        tensors = _untied(tensors, bool(model_config.get("tie_word_embeddings")))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if not (tmp / "generation_config.json").exists():
             (tmp / "generation_config.json").write_text(
                 json.dumps(_generation_config(cfg, model_config), indent=2)
             )
         (tmp / EXPORT_CONFIG).write_text(to_yaml(cfg))
-        info = {"run": cfg.run.name, "run_dir": str(run_dir.resolve()), "version": version, "source": kind,
-                "source_digest": digest, "exported_at": time.time()}  # fmt: skip
+        info = {"run": cfg.run.name, "run_dir": str(run_dir.resolve()), "version": src.version,
+                "steps_past_version": src.since_publish, "label": src.label, "step": src.step,
+                "source": src.kind, "source_digest": digest, "skipped_damaged": failures,
+                "exported_at": time.time()}  # fmt: skip
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2))
         if out.exists():
             out.rmdir()

@@ -101,3 +101,107 @@ def test_eval_of_a_missing_version_fails_before_starting_an_engine(run_dir, caps
     assert "version 9 is not on disk" in capsys.readouterr().err
     assert main(["eval", str(rdir / "nothing-here")]) == 2
     assert "neither a run dir" in capsys.readouterr().err
+
+
+def _checkpoint(rdir, step: int, version: int, since_publish: int, module: dict) -> None:
+    tag = rdir / "checkpoints" / f"step{step:08d}"
+    tag.mkdir(parents=True)
+    torch.save({"module": module}, tag / "mp_rank_00_model_states.pt")
+    state = {"step": step, "version": version, "since_publish": since_publish}
+    (tag / "learner_state.json").write_text(json.dumps(state))
+
+
+def _exported(out) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model.safetensors")), json.loads((out / "asyncrl_export.json").read_text())
+
+
+def _same(got: dict, want: dict) -> bool:
+    return set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_checkpoint_steps_past_its_version_is_exported_as_such(run_dir, tmp_path, capsys):
+    """publish_every=3: the final checkpoint (step 4) holds v3 + 1 step; published v3 is step 3's weights."""
+    import shutil
+
+    rdir, sd = run_dir
+    shutil.rmtree(rdir / "checkpoints" / "step00000005")
+    _checkpoint(rdir, 4, 3, 1, _perturbed(sd, 4))
+    assert available_versions(rdir) == [3]  # the step-4 weights are no version
+    got, info = _exported(export_version(rdir, tmp_path / "newest"))  # default: the newest trained weights
+    assert _same(got, _perturbed(sd, 4))
+    assert (info["version"], info["steps_past_version"], info["step"]) == (3, 1, 4)
+    assert info["label"] == "v3+1 steps" and info["source"] == "checkpoint"
+    got, info = _exported(export_version(rdir, tmp_path / "v3", 3))
+    assert _same(got, _perturbed(sd, 3)) and info["steps_past_version"] == 0 and info["source"] == "published"
+    # v3's file rotated away: the step-4 checkpoint must not pass for v3; --step names it
+    shutil.rmtree(rdir / "weights" / "v3")
+    assert main(["export", str(rdir), str(tmp_path / "o"), "--version", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "version 3 is not on disk" in err and "--step 4" in err and not (tmp_path / "o").exists()
+    assert main(["export", str(rdir), str(tmp_path / "o"), "--step", "4"]) == 0
+    assert "v3+1 steps" in capsys.readouterr().out
+    assert _same(_exported(tmp_path / "o")[0], _perturbed(sd, 4))
+    assert main(["export", str(rdir), str(tmp_path / "o2"), "--step", "9"]) == 2
+    assert "no checkpoint of step 9" in capsys.readouterr().err
+
+
+def test_a_damaged_source_falls_back_to_an_intact_one_of_the_same_weights(run_dir, tmp_path, capsys, caplog):
+    rdir, sd = run_dir
+    v5 = rdir / "weights" / "v5"  # published v5 and the step-5 checkpoint (v5 exactly) hold the same weights
+    v5.mkdir()
+    from safetensors.torch import save_file
+
+    save_file(_perturbed(sd, 5), str(v5 / "model.safetensors"), metadata={"format": "pt"})
+    (v5 / MANIFEST_FILENAME).write_bytes(build_manifest(5, v5 / "model.safetensors", "float32").to_bytes())
+    data = bytearray((v5 / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (v5 / "model.safetensors").write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="asyncrl.export"):
+        got, info = _exported(export_version(rdir, tmp_path / "o"))
+    assert _same(got, _perturbed(sd, 5)) and info["version"] == 5 and info["source"] == "checkpoint"
+    assert any("weights/v5" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
+    # the checkpoint damaged too: one line naming both files, no traceback, nothing written
+    states = rdir / "checkpoints" / "step00000005" / "mp_rank_00_model_states.pt"
+    states.write_bytes(states.read_bytes()[:100])
+    assert main(["export", str(rdir), str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert "mp_rank_00_model_states.pt" in err and "v5" in err and "Traceback" not in err
+    assert not (tmp_path / "o2").exists() and not list(tmp_path.glob(".o2.tmp-*"))
+    assert main(["export", str(rdir), str(tmp_path / "o2"), "--version", "3"]) == 0  # v3 is intact
+
+
+def test_tied_embeddings_under_any_name_export_from_a_checkpoint(tmp_path):
+    """GPT-2 ties lm_head.weight to transformer.wte.weight: the checkpoint holds one tensor under both names."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    cfg = Config()
+    rdir = tmp_path / "run"
+    tiny = build_tiny_model(tmp_path / "tiny", cfg.model.tiny, cfg.run.seed)
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=99, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                      tie_word_embeddings=True)).eval()  # fmt: skip
+    gpt2.save_pretrained(tmp_path / "base")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "base" / f).write_bytes((tiny / f).read_bytes())
+    cfg.model.path = str(tmp_path / "base")
+    rdir.mkdir()
+    (rdir / "config.yaml").write_text(to_yaml(cfg))
+    _checkpoint(rdir, 2, 2, 0, gpt2.state_dict())
+    got, _ = _exported(export_version(rdir, tmp_path / "o"))
+    assert "lm_head.weight" not in got and "transformer.wte.weight" in got
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "o").eval()
+    x = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, gpt2(x).logits)
+
+
+def test_export_onto_a_file_is_refused_and_the_file_kept(run_dir, tmp_path, capsys):
+    rdir, _ = run_dir
+    f = tmp_path / "afile"
+    f.write_text("keep me")
+    for out in (f, f / "sub"):
+        assert main(["export", str(rdir), str(out)]) == 2
+        assert "not a directory" in capsys.readouterr().err
+    assert f.read_text() == "keep me" and not list(tmp_path.glob(".afile.tmp-*"))
