@@ -23,7 +23,7 @@ from asyncrl.config import (
 )
 from asyncrl.export import ExportError  # stdlib imports only at the top of asyncrl.export
 from asyncrl.tasks.base import TaskDataError  # asyncrl.tasks imports neither torch, vllm nor ray
-from asyncrl.tasks.registry import TaskNotFound
+from asyncrl.tasks.registry import TaskNotFound, check_task
 
 #: What a user's mistake raises: printed as one `asyncrl: error:` line with exit status 2, no traceback.
 USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, TaskDataError, TaskNotFound, ExportError)
@@ -119,10 +119,12 @@ def _redis_url(cfg, rdir: Path) -> str:
 
 def _check_model_path(cfg, data: bool = True) -> None:
     """Fail before any role starts (and before minutes of engine start-up) when the model or, with
-    ``data`` (roles that build the task), the task's data files are missing or do not fit the config."""
+    ``data`` (roles that build the task), the task's data files are missing or do not fit the config:
+    the task is built here, its data read and checked, as each actor will build it."""
     check_model_dir(cfg)
     if data:
         check_data_paths(cfg)
+        check_task(cfg)
 
 
 def _learner_metrics(cfg):

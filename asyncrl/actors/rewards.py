@@ -10,7 +10,8 @@ that may cost more than the group being scored (issue 12, "Failed tasks"):
   core, and the G of them sat between a synchronous step's last token and its buffer write. A call
   that takes longer than ``SERIAL_MAX_S`` (a sandbox, a remote verifier) sends the rest of the group
   to one thread each, so a slow synchronous reward costs about two calls' latency, not G;
-* the whole group gets ``task.reward_timeout_s``; past it, or on any exception or non-finite value,
+* the whole group gets ``task.reward_timeout_s``; past it, or on any exception (a ``sys.exit`` in the
+  reward included: :class:`asyncrl.tasks.base.RewardExit`) or a value that is not a finite number,
   :meth:`RewardRunner.score` raises :class:`RewardFailure` with a reason and the actor drops the group
   (dead letter, admission credit returned, counter, log line) and goes on.
 
@@ -26,11 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from asyncrl.tasks.base import RewardExit, check_reward
 
 __all__ = ["RewardFailure", "RewardRunner", "InjectedRewardFault"]
 
@@ -46,10 +48,13 @@ class InjectedRewardFault(RuntimeError):
     """Raised by the ``task.reward_fault=raise`` injection."""
 
 
-def _finite(value: Any, task: str, prompt_id: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"task {task!r}: reward for {prompt_id} is {value!r}, not a finite number")
-    return float(value)
+async def _no_exit(awaitable: Any) -> Any:
+    """``await awaitable`` with a SystemExit (an async reward's ``sys.exit``) as :class:`RewardExit`: the
+    task asyncio.gather wraps it in re-raises SystemExit out of the event loop, ending the actor."""
+    try:
+        return await awaitable
+    except SystemExit as e:
+        raise RewardExit(e) from None
 
 
 class RewardRunner:
@@ -121,11 +126,11 @@ class RewardRunner:
 
         values = await self._in_thread(run_all)
         # Awaitables (async rewards) run concurrently on the loop.
-        pending = [v for v in values if inspect.isawaitable(v)]
+        pending = [_no_exit(v) for v in values if inspect.isawaitable(v)]
         done = iter(await asyncio.gather(*pending)) if pending else iter(())
         values = [next(done) if inspect.isawaitable(v) else v for v in values]
         task, pid = getattr(self.task, "name", "task"), getattr(prompt, "prompt_id", "?")
-        return [_finite(v, task, pid) for v in values]
+        return [check_reward(v, task, pid) for v in values]
 
     def _concurrently(
         self, fns: Sequence[Callable[..., Any]], prompt: Any, texts: Sequence[str]
@@ -176,6 +181,10 @@ class RewardRunner:
                 self.running += 1
             try:
                 result: tuple[bool, Any] = (True, fn(*args))
+            except SystemExit as e:
+                # A SystemExit set on the future would be re-raised out of the event loop (asyncio
+                # propagates it), stopping the actor: it fails this group like any exception instead.
+                result = (False, RewardExit(e))
             except BaseException as e:  # handed to the awaiting coroutine
                 result = (False, e)
             finally:

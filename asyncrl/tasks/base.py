@@ -16,12 +16,25 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import random
+import reprlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
-__all__ = ["Prompt", "Task", "FunctionTask", "PromptSource", "RewardFn", "TaskDataError", "holdout_split"]
+__all__ = [
+    "Prompt",
+    "Task",
+    "FunctionTask",
+    "PromptSource",
+    "RewardFn",
+    "RewardExit",
+    "TaskDataError",
+    "check_reward",
+    "holdout_split",
+]
 
 #: A user reward: ``(prompt text, completion text, metadata) -> float``, sync or ``async def``.
 RewardFn = Callable[[str, str, Mapping[str, Any]], "float | Awaitable[float]"]
@@ -29,6 +42,18 @@ RewardFn = Callable[[str, str, Mapping[str, Any]], "float | Awaitable[float]"]
 
 class TaskDataError(ValueError):
     """A task's data file is unusable; the message names the file and the line."""
+
+
+class RewardExit(RuntimeError):
+    """A reward function called ``sys.exit`` (or raised SystemExit).
+
+    User reward code is scored inside the actor and ``asyncrl eval``: a stray ``sys.exit`` (a script
+    turned into a reward, a verifier's CLI entry point) must cost the group being scored, like any
+    other exception, not stop the process. KeyboardInterrupt is left alone: it is the operator's.
+    """
+
+    def __init__(self, exc: SystemExit) -> None:
+        super().__init__(f"the reward function called sys.exit({exc.code!r})")
 
 
 @dataclass(frozen=True)
@@ -73,10 +98,14 @@ class Task:
         raise NotImplementedError
 
     async def score(self, prompt: Prompt, completion_text: str) -> float:
-        """:meth:`reward`, awaited when it is async, checked to be a finite number."""
-        value = self.reward(prompt, completion_text)
-        if inspect.isawaitable(value):
-            value = await value
+        """:meth:`reward`, awaited when it is async, checked to be a finite number. A ``sys.exit`` in the
+        reward is a :class:`RewardExit` (an ordinary exception), not the end of the scoring process."""
+        try:
+            value = self.reward(prompt, completion_text)
+            if inspect.isawaitable(value):
+                value = await value
+        except SystemExit as e:
+            raise RewardExit(e) from None
         return check_reward(value, self.name, prompt.prompt_id)
 
     def source(self, seed: int, shard: int = 0, num_shards: int = 1, cursor=(0, 0)) -> PromptSource:
@@ -85,10 +114,25 @@ class Task:
 
 
 def check_reward(value: Any, task: str, prompt_id: str) -> float:
-    """``value`` as a float; ValueError when it is not a finite number (bool is refused too)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"task {task!r}: reward for {prompt_id} is {value!r}, not a finite number")
-    return float(value)
+    """``value`` as a float; ValueError when it is not a finite number.
+
+    Any :class:`numbers.Real` (``int``, ``float``, ``Fraction``, numpy's ``float32`` / ``int64``: what a
+    reward computed with numpy returns) or :class:`~decimal.Decimal` counts. A bool (Python's or numpy's)
+    does not: a reward returning ``answer == target`` is refused so the user writes the number they mean.
+    """
+    number = isinstance(value, numbers.Real | Decimal) and not isinstance(value, bool)
+    try:
+        # float() of an int past 1e308 raises OverflowError, of a signalling Decimal NaN ValueError.
+        as_float = float(value) if number else math.nan
+    except (OverflowError, ValueError):
+        as_float = math.nan
+    if not math.isfinite(as_float):
+        hint = " (a bool is refused: return float(...))" if "bool" in type(value).__name__ else ""
+        # reprlib: a 400-digit int or a long string would otherwise fill the dead-letter log line.
+        raise ValueError(
+            f"task {task!r}: reward for {prompt_id} is {reprlib.repr(value)}, not a finite number{hint}"
+        )
+    return as_float
 
 
 class FunctionTask(Task):

@@ -10,6 +10,15 @@
 The eval split is, in order of preference: ``task.eval_data_path`` (same formats), the saved
 DatasetDict's ``task.eval_split``, or a seed-determined ``task.eval_fraction`` of the training rows.
 
+Only a saved DatasetDict has splits. A file (or a saved single Dataset) is read whole, as the
+``train`` split: ``task.split`` other than ``train``, or ``task.eval_split`` naming a split of a file,
+is a :class:`TaskDataError` naming the key (:func:`check_splits`), not silently ignored (which trained
+on the whole file, or evaluated on the training prompts). An eval set of its own is a file of its own:
+``task.eval_data_path``.
+
+A file that cannot be read is a :class:`TaskDataError` naming it; for JSON Lines also the first bad
+line (not UTF-8, not JSON, not an object) or that the file is empty.
+
 Each row becomes a :class:`Prompt`: ``text`` = the ``task.prompt_column`` value, ``target`` = the
 ``task.target_column`` value as a string (empty when that option is empty), ``meta`` = every other
 column (the reward function's ``metadata``). ``datasets`` is imported only when a file is read.
@@ -17,13 +26,15 @@ column (the reward function's ``metadata``). ``datasets`` is imported only when 
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .base import FunctionTask, Prompt, RewardFn, Task, TaskDataError, holdout_split
 
-__all__ = ["load_rows", "rows_to_prompts", "load_prompt_splits", "dataset_task"]
+__all__ = ["load_rows", "rows_to_prompts", "check_splits", "load_prompt_splits", "dataset_task"]
 
 
 def load_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
@@ -43,23 +54,76 @@ def load_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
             if split not in ds:
                 raise TaskDataError(f"{p}: no split {split!r}; splits: {', '.join(ds)}")
             ds = ds[split]
-    elif p.suffix in (".jsonl", ".json"):
-        ds = _read(datasets.Dataset.from_json, p)
+        elif split != "train":
+            raise TaskDataError(f"{p}: a saved Dataset has no splits (only a saved DatasetDict does); "
+                                f"split {split!r} cannot be read from it")  # fmt: skip
+        return ds.to_list()
+    if p.suffix in (".jsonl", ".json"):
+        reader = datasets.Dataset.from_json
     elif p.suffix == ".parquet":
-        ds = _read(datasets.Dataset.from_parquet, p)
+        reader = datasets.Dataset.from_parquet
     else:
         raise TaskDataError(
             f"{p}: unknown data format; use .jsonl, .json, .parquet or a save_to_disk directory"
         )
-    return ds.to_list()
+    if split != "train":
+        raise TaskDataError(f"{p}: a file has no splits (it is read whole); split {split!r} cannot be read")
+    return _read(reader, p)
 
 
-def _read(reader: Any, p: Path) -> Any:
+def _read(reader: Any, p: Path) -> list[dict[str, Any]]:
+    """The rows of file ``p``; any failure, to_list() included, a TaskDataError naming the file."""
+    log = logging.getLogger("datasets")
+    level = log.level
+    # The json builder logs its own "Failed to load JSON" line before raising: the TaskDataError below
+    # says it once, naming the line.
+    log.setLevel(logging.CRITICAL)
     try:
         # keep_in_memory: no Arrow cache files next to the user's data or in ~/.cache for a small set.
-        return reader(str(p), keep_in_memory=True)
+        # to_list() inside the try: pyarrow decodes strings only there, so non-UTF-8 text fails there.
+        return reader(str(p), keep_in_memory=True).to_list()
     except Exception as e:  # the datasets library raises many types for malformed files
-        raise TaskDataError(f"{p}: cannot read ({type(e).__name__}: {e})") from None
+        why = _json_problem(p) if p.suffix in (".jsonl", ".json") else None
+        if why is None:
+            cause = e.__cause__ or e.__context__  # DatasetGenerationError hides pyarrow's reason there
+            detail = f"{type(e).__name__}: {e}" + (f"; {type(cause).__name__}: {cause}" if cause else "")
+            why = f"{p}: cannot read ({detail})"
+        raise TaskDataError(why) from None
+    finally:
+        log.setLevel(level)
+
+
+def _json_problem(p: Path) -> str | None:
+    """What is wrong with JSON / JSON Lines file ``p``, naming the 1-based line; None when nothing is found.
+
+    Called only after ``datasets`` failed (its errors name no line, or nothing at all: an empty file is a
+    StopIteration), so a successful read never pays for this second pass."""
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")  # a BOM is fine: datasets reads it
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return f"{p}:{line}: not UTF-8 text (byte {data[e.start]:#04x}); save the file as UTF-8"
+    if not text.strip():
+        return f"{p}: the file is empty (no rows)"
+    try:
+        json.loads(text)
+        return None  # one valid JSON document (an array of rows): the problem is not its syntax
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith("["):  # one document, not one object per line: its own position
+            return f"{p}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return (
+                f"{p}:{lineno}: not valid JSON ({e.msg}, column {e.colno}); JSON Lines is one object per line"
+            )
+        if not isinstance(row, dict):
+            return f"{p}:{lineno}: expected a JSON object, got {type(row).__name__}"
+    return None
 
 
 def rows_to_prompts(rows: Sequence[dict[str, Any]], *, name: str, where: str, prompt_column: str,
@@ -70,7 +134,10 @@ def rows_to_prompts(rows: Sequence[dict[str, Any]], *, name: str, where: str, pr
     for i, row in enumerate(rows):
         for col in (prompt_column, target_column):
             if col and col not in row:
-                raise TaskDataError(f"{where}: row {i} has no column {col!r}; columns: {', '.join(row)}")
+                key = "task.prompt_column" if col == prompt_column else "task.target_column"
+                raise TaskDataError(
+                    f"{where}: row {i} has no column {col!r}; columns: {', '.join(row)}; set {key} to one of them"
+                )
         text = row[prompt_column]
         if not isinstance(text, str) or not text.strip():
             raise TaskDataError(f"{where}: row {i}: column {prompt_column!r} must be a non-empty string")
@@ -82,10 +149,48 @@ def rows_to_prompts(rows: Sequence[dict[str, Any]], *, name: str, where: str, pr
     return out
 
 
+def check_splits(data_path: str, split: str, eval_data_path: str, eval_split: str) -> None:
+    """``task.split`` / ``task.eval_split`` name splits of a saved DatasetDict directory: a TaskDataError
+    naming the key when they are set for data that has none (a file, or ``data_path`` empty: a task's
+    built-in examples), or when ``eval_split`` is ``split`` (the eval prompts would be the training ones).
+
+    Before this, a file ignored them: ``task.split=validation`` trained on the whole file and
+    ``task.eval_split=test`` evaluated on the training prompts. A path that does not exist is left to
+    the reader's "not found"."""
+
+    def no_splits(path: str) -> bool:
+        return not path or (Path(path).expanduser().exists() and not Path(path).expanduser().is_dir())
+
+    def where(key: str, path: str) -> str:
+        return f"task.{key}={path!r} is a file" if path else f"task.{key} is empty (the task's own examples)"
+
+    if split != "train" and no_splits(data_path):
+        raise TaskDataError(
+            f"task.split={split!r} picks a split of a save_to_disk directory, but {where('data_path', data_path)}, "
+            "read whole; remove task.split, or point task.data_path at that split's own file"
+        )
+    if not eval_split:
+        return
+    key, path = ("eval_data_path", eval_data_path) if eval_data_path else ("data_path", data_path)
+    if no_splits(path):
+        fix = ("remove task.eval_split (the whole eval file is the eval set)" if eval_data_path else
+               "put the eval prompts in a file of their own, task.eval_data_path, or hold out task.eval_fraction")  # fmt: skip
+        raise TaskDataError(
+            f"task.eval_split={eval_split!r} picks a split of a save_to_disk directory, but "
+            f"{where(key, path)}, which has no splits; {fix}"
+        )
+    if not eval_data_path and eval_split == split:
+        raise TaskDataError(
+            f"task.eval_split={eval_split!r} is also task.split: the eval prompts would be the training "
+            "prompts; name another split, or set task.eval_data_path or task.eval_fraction"
+        )
+
+
 def load_prompt_splits(cfg: Any, seed: int, name: str) -> tuple[list[Prompt], list[Prompt]]:
     """(train, eval) prompts for a :class:`asyncrl.config.TaskConfig` that points at data."""
     if not cfg.data_path:
         raise TaskDataError(f"task {name!r} reads its prompts from task.data_path, which is empty")
+    check_splits(cfg.data_path, cfg.split, cfg.eval_data_path, cfg.eval_split)
     kw = {"name": name, "prompt_column": cfg.prompt_column, "target_column": cfg.target_column}
     train = rows_to_prompts(load_rows(cfg.data_path, cfg.split), where=cfg.data_path, **kw)
     if cfg.eval_data_path:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import Prompt, Task, TaskDataError, holdout_split
+from .data import check_splits
 
 __all__ = ["extract_answer", "parse_number", "load_gsm8k", "Gsm8kTask", "EXAMPLES_FILE", "PROMPT_TEMPLATE"]
 
@@ -78,8 +79,10 @@ def load_gsm8k(path: str | Path | None = None, split: str = "train") -> list[Pro
 
         rows = load_rows(p, split)
         return _problems(((f"{p}: row {i}", row) for i, row in enumerate(rows)), str(p))
+    if split != "train":  # a JSONL file has no splits: reading it whole for "test" hid a mistake
+        raise TaskDataError(f"{p}: a file has no splits (it is read whole); split {split!r} cannot be read")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is fine, as for plug-in data
     except UnicodeDecodeError:
         raise TaskDataError(
             f"{p}: not a UTF-8 text file; gsm8k reads JSONL (one object per line), .parquet or a "
@@ -140,15 +143,11 @@ class Gsm8kTask(Task):
         """Train on ``path`` (its ``split`` when it is a saved DatasetDict); evaluate on ``eval_path``, else on
         the saved DatasetDict's ``eval_split``, else on a held-out ``eval_fraction`` of the training data (the
         order asyncrl.tasks.data.load_prompt_splits uses)."""
+        check_splits(str(path or ""), split, str(eval_path or ""), eval_split)
         prompts = load_gsm8k(path, split)
         if eval_path:
             evals = load_gsm8k(eval_path, eval_split or "train")
         elif eval_split:
-            if not path or not Path(path).expanduser().is_dir():
-                raise TaskDataError(
-                    f"task.eval_split={eval_split!r} picks a split of a save_to_disk directory, but "
-                    f"task.data_path={str(path or '')!r} is not one; set task.eval_data_path or task.eval_fraction"
-                )
             evals = load_gsm8k(path, eval_split)
         else:
             prompts, evals = holdout_split(prompts, eval_fraction, seed)

@@ -23,12 +23,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from .base import Task
+from .base import Task, TaskDataError
 from .math import Gsm8kTask
 from .tiny import AdditionTask, CopyTask, CountTask, EchoTask, ReverseTask, TinyTask
 
@@ -43,6 +44,7 @@ __all__ = [
     "registered_names",
     "resolve_factory",
     "make_task",
+    "check_task",
 ]
 
 ENTRY_POINT_GROUP = "asyncrl.tasks"
@@ -219,3 +221,43 @@ def make_task(task_cfg: Any, seed: int) -> Task:
             f"task.name={task_cfg.name!r}: the factory returned {type(task).__name__}, not a Task"
         )
     return task
+
+
+def check_task(cfg: Any) -> Task:
+    """The run's task, built as each actor builds it (``make_task(cfg.task, cfg.run.seed)``: the data read,
+    its columns and rows checked) and sharded over ``actors.num_actors``; called by the CLI before any role
+    starts. Without it a bad data file or a plug-in bug surfaced inside the actors only after Redis, Ray and
+    the learner had started (Ray retrying and printing each traceback), and left a run dir that the next
+    run resumed from.
+
+    Raises what :func:`make_task` raises for a bad config or data (ConfigError, TaskNotFound,
+    TaskDataError: each names its key or file); any other exception from the user's factory or prompt
+    source becomes a one-line TaskDataError naming ``task.name`` and where it was raised.
+    """
+    from asyncrl.config import ConfigError  # here, not at the top: asyncrl.config imports this module
+
+    key = f"task.name={cfg.task.name!r}"
+    try:
+        task = make_task(cfg.task, cfg.run.seed)
+    except (ConfigError, TaskNotFound, TaskDataError):
+        raise
+    except Exception as e:
+        raise TaskDataError(f"{key}: building the task failed: {_described(e)}") from e
+    n = cfg.actors.num_actors
+    try:
+        task.source(
+            cfg.run.seed, 0, n
+        )  # what actor 0 does first: PromptSource refuses fewer prompts than shards
+    except Exception as e:
+        raise TaskDataError(
+            f"{key}: its prompt source for actors.num_actors={n} failed: {_described(e)}"
+        ) from e
+    return task
+
+
+def _described(e: BaseException) -> str:
+    """``Type: message (at file:line)``, the line being where ``e`` was raised (in the user's plug-in, mostly):
+    the CLI prints one line, not the traceback."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(e).__name__}: {e}{where}"

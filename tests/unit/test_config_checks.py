@@ -8,6 +8,7 @@ import pytest
 
 from asyncrl import cli
 from asyncrl.config import ConfigError, from_yaml, load_config, to_yaml
+from asyncrl.tasks import TaskDataError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -250,3 +251,45 @@ def test_every_package_data_pattern_matches_a_file():
     for pkg, patterns in data.items():
         for pattern in patterns:
             assert list((REPO / pkg).glob(pattern)), f"package-data {pkg}: {pattern} matches nothing"
+
+
+# ------------------------------------------------------------------ the task is built before a role starts
+
+ECHO_TASK = "task.name=tests.e2e.custom_task.echo_task:make_task"
+
+
+def test_bad_task_data_fails_before_any_role_starts(tmp_path, capsys):
+    """Data with no `prompt` column passed check_data_paths (the file exists) and failed only in the actors,
+    after Redis, Ray and the learner had started: 4 Ray tracebacks and a run dir the next run resumed."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "say cat", "word": "cat"}\n')
+    overrides = [ECHO_TASK, f"task.data_path={data}", f"run.dir={tmp_path / 'run'}"]
+    with pytest.raises(
+        TaskDataError, match="row 0 has no column 'prompt'; columns: question, word; set task.prompt_column"
+    ):
+        cli._check_model_path(load_config(overrides=overrides))
+    cli._check_model_path(
+        load_config(overrides=overrides), data=False
+    )  # the learner never reads the task's data
+    assert cli.main(["serve-actors", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncrl: error: ") and "no column 'prompt'" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+    # Prompts for fewer actors than configured: what actor 0's PromptSource refused, after start-up.
+    data.write_text('{"prompt": "say cat", "word": "cat"}\n')
+    with pytest.raises(
+        TaskDataError, match=r"actors\.num_actors=2 failed: ValueError: 1 prompts cannot be sharded"
+    ):
+        cli._check_model_path(load_config(overrides=[*overrides, "actors.num_actors=2"]))
+    cli._check_model_path(load_config(overrides=overrides))
+
+
+def test_a_plugin_factory_bug_is_one_line_naming_the_task_and_the_line(tmp_path):
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text("def make_task(task_cfg, seed):\n    return task_cfg.params['rows']\n")
+    cfg = load_config(overrides=[f"task.name={plugin}:make_task"])
+    with pytest.raises(TaskDataError) as e:
+        cli._check_model_path(cfg)
+    assert str(e.value) == (
+        f"task.name='{plugin}:make_task': building the task failed: KeyError: 'rows' (at {plugin}:2)"
+    )

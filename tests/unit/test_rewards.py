@@ -8,7 +8,10 @@ import subprocess
 import sys
 import textwrap
 import time
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from asyncrl.actors.rewards import InjectedRewardFault, RewardFailure, RewardRunner
@@ -195,3 +198,81 @@ def test_a_slow_synchronous_reward_runs_the_rest_of_its_group_in_parallel() -> N
     assert len(seen) == 6  # the group's thread and one per remaining call
     with pytest.raises(RewardFailure, match="RuntimeError: sandbox died"):
         score(RewardRunner(Slow(), 5.0), ["a", "boom", "ccc"])
+
+
+class NumberTask(Task):
+    """Returns the value the completion names: what rewards computed with numpy or decimal return."""
+
+    name = "numbers"
+    VALUES = {
+        "f32": np.float32(0.5),
+        "i64": np.int64(2),
+        "dec": Decimal("0.25"),
+        "frac": Fraction(3, 4),
+        "int": 3,
+        "np_bool": np.bool_(True),
+        "bool": True,
+        "dec_nan": Decimal("NaN"),
+        "dec_snan": Decimal("sNaN"),
+        "f32_inf": np.float32("inf"),
+        "huge": 10**400,
+        "str": "1.0",
+    }
+
+    def __init__(self) -> None:
+        super().__init__([PROMPT])
+
+    def reward(self, prompt: Prompt, text: str):
+        return self.VALUES[text]
+
+
+def test_any_finite_real_number_is_a_reward_as_a_float() -> None:
+    """numpy scalars (np.float32, np.int64) and Decimal were refused: every group of a numpy reward was
+    dead-lettered."""
+    out = score(RewardRunner(NumberTask(), 5.0), ["f32", "i64", "dec", "frac", "int"])
+    assert out == [0.5, 2.0, 0.25, 0.75, 3.0] and all(type(v) is float for v in out)
+
+
+@pytest.mark.parametrize("text", ["np_bool", "bool", "dec_nan", "dec_snan", "f32_inf", "huge", "str"])
+def test_bools_and_non_finite_numbers_are_refused(text: str) -> None:
+    with pytest.raises(
+        RewardFailure, match=r"reward: ValueError: task 'numbers': reward for p0 is .*not a finite"
+    ):
+        score(RewardRunner(NumberTask(), 5.0), ["int", text])
+
+
+class ExitingTask(LengthTask):
+    """'exit' calls sys.exit in the group's thread, 'slow' makes the rest of the group run one thread each,
+    'aexit' is an async reward that calls sys.exit on the event loop."""
+
+    def reward(self, prompt: Prompt, text: str):
+        if text == "exit":
+            sys.exit(3)
+        if text == "slow":
+            time.sleep(0.02)
+        if text == "aexit":
+            return self._exit()
+        return super().reward(prompt, text)
+
+    async def _exit(self) -> float:
+        await asyncio.sleep(0)
+        sys.exit("verifier done")
+
+
+@pytest.mark.parametrize(
+    ("texts", "code"),
+    [(["a", "exit"], "3"), (["slow", "b", "exit"], "3"), (["a", "aexit"], "'verifier done'")],
+    ids=["group-thread", "parallel-thread", "async"],
+)
+def test_a_reward_calling_sys_exit_fails_its_group_not_the_actor(texts: list[str], code: str) -> None:
+    """SystemExit escaped RewardRunner.score (it caught Exception only) and stopped the actor's loop."""
+    runner = RewardRunner(ExitingTask(), 5.0)
+
+    async def main() -> list[float]:
+        with pytest.raises(
+            RewardFailure, match=rf"^reward: RewardExit: the reward function called sys.exit\({code}\)"
+        ):
+            await runner.score(PROMPT, texts)
+        return await runner.score(PROMPT, ["next", "group"])  # the same loop and runner go on
+
+    assert asyncio.run(main()) == [4.0, 5.0]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import subprocess
 import sys
 import textwrap
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from asyncrl.config import ConfigError, TaskConfig, load_config
 from asyncrl.tasks import (
     FunctionTask,
     Prompt,
+    RewardExit,
     TaskDataError,
     TaskNotFound,
     check_task_config,
@@ -318,3 +321,98 @@ def test_tasks_and_config_stay_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout  # fmt: skip
     assert out.strip() == "[]"
+
+
+def test_task_score_takes_any_real_number_and_a_sys_exit_is_an_error():
+    """Task.score (asyncrl eval's path) refused np.float32 / np.int64 / Decimal, and a reward's sys.exit
+    ended the scoring process."""
+    import numpy as np
+
+    p = Prompt("a", "x")
+    for value, want in ((np.float32(0.5), 0.5), (np.int64(2), 2.0), (Decimal("0.25"), 0.25)):
+        got = _score(FunctionTask("t", [p], lambda *_, v=value: v), p, "y")
+        assert got == want and type(got) is float
+    for bad in (np.bool_(True), Decimal("NaN"), 10**400):
+        with pytest.raises(ValueError, match="not a finite number"):
+            _score(FunctionTask("t", [p], lambda *_, v=bad: v), p, "y")
+
+    def exits(*_):
+        sys.exit(2)
+
+    with pytest.raises(RewardExit, match=r"the reward function called sys.exit\(2\)"):
+        _score(FunctionTask("t", [p], exits), p, "y")
+
+
+def _jsonl(path: Path, rows=ROWS) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_splits_of_data_without_splits_are_refused_naming_the_key(tmp_path):
+    """task.eval_split on a file made the eval set the training set, and task.split on a file was ignored
+    (gsm8k refused the first; neither refused the second)."""
+    import datasets
+
+    jsonl = _jsonl(tmp_path / "d.jsonl")
+    parquet = tmp_path / "d.parquet"
+    datasets.Dataset.from_list(ROWS).to_parquet(str(parquet))
+    for data in (jsonl, parquet):
+        with pytest.raises(TaskDataError, match=rf"^task\.eval_split='test' picks a split .* task\.data_path='{data}' is a file.*task\.eval_data_path"):  # fmt: skip
+            load_prompt_splits(TaskConfig(data_path=str(data), eval_split="test"), 0, "t")
+        with pytest.raises(TaskDataError, match=r"^task\.split='validation' picks a split .* is a file"):
+            load_prompt_splits(TaskConfig(data_path=str(data), split="validation"), 0, "t")
+    with pytest.raises(
+        TaskDataError, match=r"^task\.eval_split='test' .* task\.eval_data_path='.*' is a file.*remove"
+    ):
+        load_prompt_splits(
+            TaskConfig(data_path=str(jsonl), eval_data_path=str(parquet), eval_split="test"), 0, "t"
+        )
+    gsm8k = _jsonl(tmp_path / "g.jsonl", [{"question": "1 + 1?", "answer": "#### 2"}] * 2)
+    with pytest.raises(TaskDataError, match=r"^task\.split='test' picks a split"):
+        make_task(TaskConfig(name="gsm8k", data_path=str(gsm8k), split="test"), 0)
+    with pytest.raises(
+        TaskDataError, match=r"^task\.split='test' .* task\.data_path is empty \(the task's own examples\)"
+    ):
+        make_task(TaskConfig(name="gsm8k", split="test"), 0)
+    # A saved single Dataset has no splits either; a DatasetDict's eval split must not be its training split.
+    single = tmp_path / "single"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(single))
+    with pytest.raises(TaskDataError, match="a saved Dataset has no splits.*'validation'"):
+        load_prompt_splits(TaskConfig(data_path=str(single), split="validation"), 0, "t")
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(saved))
+    with pytest.raises(TaskDataError, match=r"^task\.eval_split='train' is also task\.split"):
+        load_prompt_splits(TaskConfig(data_path=str(saved), eval_split="train"), 0, "t")
+    # What stays allowed: a file as the default 'train' split, with its own eval file or a held-out share.
+    train, evals = load_prompt_splits(TaskConfig(data_path=str(jsonl), eval_data_path=str(parquet)), 0, "t")
+    assert len(train) == len(evals) == 20
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        (
+            "latin1.jsonl",
+            '{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"),
+            r":2: not UTF-8 text \(byte 0xe9\)",
+        ),
+        ("empty.jsonl", b"", ": the file is empty"),
+        ("blank.jsonl", b"\n  \n", ": the file is empty"),
+        (
+            "bad_line.jsonl",
+            b'{"prompt": "a"}\n\n{"prompt": "b",\n',
+            r":3: not valid JSON \(Expecting property name",
+        ),
+        ("list_line.jsonl", b'{"prompt": "a"}\n[1, 2]\n', ":2: expected a JSON object, got list"),
+        ("array.json", b'[{"prompt": "a"},\n {"prompt": }]', r":2: not valid JSON \(Expecting value"),
+    ],
+)
+def test_unreadable_json_data_names_the_file_and_line(tmp_path, capfd, name, content, message):
+    """Non-UTF-8 data was a raw UnicodeDecodeError naming no file; an empty file 'cannot read (StopIteration: )';
+    a bad line a DatasetGenerationError with no line number (and datasets' own log line before it)."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    capfd.readouterr()
+    with pytest.raises(TaskDataError, match=f"^{re.escape(str(path))}{message}"):
+        load_prompt_splits(TaskConfig(data_path=str(path)), 0, "t")
+    assert "Failed to load JSON" not in capfd.readouterr().err
