@@ -148,9 +148,17 @@ class TaskConfig:
         "of these, split / eval_split honoured; empty = the shipped examples). Built-in tiny tasks read no "
         "data and refuse it.",
     )
-    split: str = F("train", "Split of a saved DatasetDict used for training.")
+    split: str = F(
+        "train",
+        "Split of a saved DatasetDict used for training. A JSONL/Parquet/CSV file has no splits: only "
+        "'train' is accepted there.",
+    )
     eval_data_path: str = F("", "Eval data (same formats as data_path). Empty = eval_split or eval_fraction.")
-    eval_split: str = F("", "Split of the saved DatasetDict (data_path) used for eval, e.g. test.")
+    eval_split: str = F(
+        "",
+        "Split of the saved DatasetDict (data_path) used for eval, e.g. test; must differ from task.split. "
+        "A file has no splits: use eval_data_path or eval_fraction there.",
+    )
     eval_fraction: float = F(
         0.0,
         "Seed-determined share of the training rows held out for eval when no eval data is given.",
