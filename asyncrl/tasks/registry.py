@@ -245,9 +245,8 @@ def check_task(cfg: Any) -> Task:
         raise TaskDataError(f"{key}: building the task failed: {_described(e)}") from e
     n = cfg.actors.num_actors
     try:
-        task.source(
-            cfg.run.seed, 0, n
-        )  # what actor 0 does first: PromptSource refuses fewer prompts than shards
+        # What actor 0 does first: PromptSource refuses fewer prompts than shards.
+        task.source(cfg.run.seed, 0, n)
     except Exception as e:
         raise TaskDataError(
             f"{key}: its prompt source for actors.num_actors={n} failed: {_described(e)}"
