@@ -117,14 +117,14 @@ def _redis_url(cfg, rdir: Path) -> str:
     )
 
 
-def _check_model_path(cfg, data: bool = True) -> None:
+def _check_model_path(cfg, data: bool = True, shard: bool = True) -> None:
     """Fail before any role starts (and before minutes of engine start-up) when the model or, with
     ``data`` (roles that build the task), the task's data files are missing or do not fit the config:
     the task is built here, its data read and checked, as each actor will build it."""
     check_model_dir(cfg)
     if data:
         check_data_paths(cfg)
-        check_task(cfg)
+        check_task(cfg, shard=shard)
 
 
 def _learner_metrics(cfg):
@@ -190,7 +190,7 @@ def _export_or_eval(args) -> int:
             # look at it rather than at the tiny model or the base model the config was written for.
             overrides = [f"model.path={target}", *args.overrides]
             cfg = load_config(args.config or (run_cfg if run_cfg.exists() else None), overrides)
-            _check_model_path(cfg)
+            _check_model_path(cfg, shard=False)  # no actors: the prompts are not split over them
             model_dir = target
         else:
             raise FileNotFoundError(

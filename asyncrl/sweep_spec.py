@@ -20,6 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 from asyncrl.config import ConfigError, load_config
 from asyncrl.sweep_report import CellSpec, SeedRun
 from asyncrl.sweep_runs import Marks
+from asyncrl.tasks.base import TaskDataError
+from asyncrl.tasks.registry import TaskNotFound
 
 SWEEP_KEYS = ("name", "dir", "base_config", "grid", "objectives", "overrides", "seeds", "baseline", "marks_s",
               "step_marks", "cell_timeout_s", "report_dir", "extra_cells")  # fmt: skip
@@ -269,6 +271,6 @@ def load_spec(path: str | Path | None, overrides: list[str] | None = None) -> Sw
     for cell in spec.cells():  # the seed changes nothing a config check looks at: one run per cell
         try:
             _check_model_path(load_config(spec.base_config, spec.run_overrides(SeedRun(cell, spec.seeds[0]))))
-        except ConfigError as e:
+        except (ConfigError, TaskDataError, TaskNotFound) as e:  # every user error names its cell
             raise ConfigError(f"sweep cell {cell.name}: {e}") from None
     return spec

@@ -223,12 +223,12 @@ def make_task(task_cfg: Any, seed: int) -> Task:
     return task
 
 
-def check_task(cfg: Any) -> Task:
+def check_task(cfg: Any, shard: bool = True) -> Task:
     """The run's task, built as each actor builds it (``make_task(cfg.task, cfg.run.seed)``: the data read,
-    its columns and rows checked) and sharded over ``actors.num_actors``; called by the CLI before any role
-    starts. Without it a bad data file or a plug-in bug surfaced inside the actors only after Redis, Ray and
-    the learner had started (Ray retrying and printing each traceback), and left a run dir that the next
-    run resumed from.
+    its columns and rows checked) and sharded over ``actors.num_actors`` (``shard=False``: one source, for
+    a command without actors); called by the CLI before any role starts. Without it a bad data file or a
+    plug-in bug surfaced inside the actors only after Redis, Ray and the learner had started (Ray
+    retrying and printing each traceback), and left a run dir that the next run resumed from.
 
     Raises what :func:`make_task` raises for a bad config or data (ConfigError, TaskNotFound,
     TaskDataError: each names its key or file); any other exception from the user's factory or prompt
@@ -243,7 +243,7 @@ def check_task(cfg: Any) -> Task:
         raise
     except Exception as e:
         raise TaskDataError(f"{key}: building the task failed: {_described(e)}") from e
-    n = cfg.actors.num_actors
+    n = cfg.actors.num_actors if shard else 1  # `asyncrl eval` reads every eval prompt in one engine
     try:
         # What actor 0 does first: PromptSource refuses fewer prompts than shards.
         task.source(cfg.run.seed, 0, n)

@@ -282,6 +282,8 @@ def test_bad_task_data_fails_before_any_role_starts(tmp_path, capsys):
     ):
         cli._check_model_path(load_config(overrides=[*overrides, "actors.num_actors=2"]))
     cli._check_model_path(load_config(overrides=overrides))
+    # `asyncrl eval` of a model dir has no actors: its prompts are not sharded, whatever num_actors says.
+    cli._check_model_path(load_config(overrides=[*overrides, "actors.num_actors=2"]), shard=False)
 
 
 def test_a_plugin_factory_bug_is_one_line_naming_the_task_and_the_line(tmp_path):

@@ -339,6 +339,12 @@ def test_load_spec_checks_cell_configs(tmp_path: Path):
         ConfigError, match=r"sweep cell s0-lazy: actors.swap_min_lag=4 must be <= max\(1, buffer"
     ):
         load_spec(p)
+    # A task data error (a TaskDataError, not a ConfigError) names its cell too.
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    p.write_text(yaml.safe_dump(_raw(overrides=["task.name=gsm8k", f"task.data_path={empty}"])))
+    with pytest.raises(ConfigError, match=r"^sweep cell s\d+-\w+: .*empty\.jsonl: no problems in the data"):
+        load_spec(p)
 
 
 SHIPPED = [
