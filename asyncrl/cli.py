@@ -78,7 +78,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser("eval", help="score a model dir or a run's version on the task's eval split (vLLM)")
     p.add_argument("target", help="model dir (e.g. from asyncrl export) or run dir")
-    p.add_argument("--version", type=int, default=None, help="run dir: policy version (default: newest)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, default=None, help="run dir: policy version (default: newest)")
+    which.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="run dir: the learner checkpoint of this step (e.g. vN+k steps)",
+    )
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
     _add_config_args(
         p,
@@ -181,10 +188,10 @@ def _export_or_eval(args) -> int:
                 )
             cfg = load_run_config(target, args.overrides)
             check_data_paths(cfg)
-            model_dir = export_version(target, Path(tmp) / "model", args.version)
+            model_dir = export_version(target, Path(tmp) / "model", args.version, args.step)
         elif (target / "config.json").exists():  # a model dir: the run's config when it is an export
-            if args.version is not None:
-                raise ConfigError("--version applies to a run dir, not to a model dir")
+            if args.version is not None or args.step is not None:
+                raise ConfigError("--version and --step apply to a run dir, not to a model dir")
             run_cfg = target / EXPORT_CONFIG
             # model.path = the dir under evaluation, so the model checks (chat template, max_model_len)
             # look at it rather than at the tiny model or the base model the config was written for.

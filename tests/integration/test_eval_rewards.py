@@ -74,4 +74,4 @@ def test_eval_rewards_run_off_the_loop_with_the_timeout_and_failures_cost_their_
     assert res.reward_mean == 1.0 and res.pass_at_k == 1.0  # over the 4 prompts that scored
     assert math.isfinite(res.length_mean) and res.length_mean > 0
     assert wall < 2.9, wall  # the hung reward was cut at 1 s, not waited for (3 s)
-    assert stall < 0.25, stall  # the loop kept turning (before: >= 3 s at the hung reward)
+    assert stall < 1.0, stall  # the loop kept turning (before: >= 3 s at the hung reward)

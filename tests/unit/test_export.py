@@ -101,6 +101,9 @@ def test_eval_of_a_missing_version_fails_before_starting_an_engine(run_dir, caps
     assert "version 9 is not on disk" in capsys.readouterr().err
     assert main(["eval", str(rdir / "nothing-here")]) == 2
     assert "neither a run dir" in capsys.readouterr().err
+    # --step (a checkpoint, e.g. one past its version) reaches the export's own check, before an engine.
+    assert main(["eval", str(rdir), "--step", "77"]) == 2
+    assert "no checkpoint of step 77 on disk" in capsys.readouterr().err
 
 
 def _checkpoint(rdir, step: int, version: int, since_publish: int, module: dict) -> None:
