@@ -64,13 +64,16 @@ class ExportError(ValueError):
     """A request export cannot serve (damaged weights with no intact copy): a one-line user error."""
 
 
-def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Any:
+def load_run_config(run_dir: Path, overrides: list[str] | None = None, validate: bool = True) -> Any:
+    """The run's saved config.yaml (+ overrides). ``validate=False`` (export): read as saved, without the
+    value checks, which were passed when the run started; a later, stricter check must not make a
+    finished run's weights unexportable."""
     from asyncrl.config import ConfigError, load_config
 
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         raise ConfigError(f"{run_dir}: not a run directory (config.yaml missing)")
-    return load_config(path, overrides)
+    return load_config(path, overrides, validate=validate)
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ def weight_sources(run_dir: Path) -> list[Source]:
 
     run_dir = Path(run_dir)
     try:
-        cfg = load_run_config(run_dir)
+        cfg = load_run_config(run_dir, validate=False)
     except Exception:  # no readable run config: published files and recorded since_publish only
         cfg = None
     found: list[Source] = []
@@ -297,7 +300,7 @@ def export_version(
     if version is not None and step is not None:
         raise ExportError("give a version or a step, not both")
     run_dir, out = Path(run_dir), Path(out_dir)
-    cfg = load_run_config(run_dir)
+    cfg = load_run_config(run_dir, validate=False)
     sources = weight_sources(run_dir)
     if not sources:
         raise FileNotFoundError(f"{run_dir}: no published weights and no checkpoint on disk")

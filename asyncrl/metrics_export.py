@@ -200,6 +200,8 @@ class LearnerExporter:
         d = record.to_dict() if hasattr(record, "to_dict") else dict(record)
         with self.stats.lock:
             for k, v in d.items():
+                if v in ("nan", "inf", "-inf"):  # to_dict's JSON-safe non-finite floats: NaN = not measured
+                    v = float(v)
                 if k not in ("step_s", "publish_s", "staleness_hist") and isinstance(v, int | float):
                     self.stats[k] = v
             self.stats["step_s"].observe(float(d.get("step_s", 0.0)))

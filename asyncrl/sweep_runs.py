@@ -199,6 +199,7 @@ def run_metrics(run_dir: Path, marks: Marks) -> dict[str, Any]:
         row["staleness_max"] = max(r["staleness_max"] for r in recs)
     row["mismatch_kl_mean"] = _mean([r["mismatch_kl"] for r in recs])
     row["rollout_kl_mean"] = _mean([r["rollout_kl"] for r in recs])
-    row["ess_mean"] = _mean([r["ess"] for r in recs if "ess" in r and math.isfinite(r["ess"])])
+    # metrics.jsonl writes a non-finite float as a string ("nan": a step that measured no ESS).
+    row["ess_mean"] = _mean([float(r["ess"]) for r in recs if "ess" in r and math.isfinite(float(r["ess"]))])
     row["dropped_groups"] = sum(r["dropped_stale"] for r in recs)
     return row

@@ -17,8 +17,6 @@ import time
 import uuid
 from typing import Any
 
-from vllm.exceptions import VLLMClientError
-
 from asyncrl.tasks import Prompt, prompt_token_ids
 
 from .groups import build_group, swaps_seen, version_span
@@ -201,6 +199,9 @@ class GroupProduction:
         return ids
 
     async def _group_worker(self) -> None:
+        # Here, not at the top: importing the actor modules must not load vLLM (asyncrl.actors.engine).
+        from vllm.exceptions import VLLMClientError
+
         a = self.cfg.actors
         assert self.engine is not None
         assert self.source is not None

@@ -146,8 +146,13 @@ def _validate(obj: Any, prefix: str) -> None:
 _validate_task_name = validate_task_name  # its old name, re-exported by asyncrl.config
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, validate: bool = True
+) -> Config:
     """Load ``path`` (default ``configs/default.yaml``) merged with dotlist overrides.
+
+    ``validate=False`` skips the value and cross-field checks (types and unknown keys still fail): for
+    reading a finished run's saved config (asyncrl.export), which passed the checks of its day.
 
     Raises ``ConfigError`` naming the full key path for unknown keys, wrong types and out-of-range values.
     """
@@ -184,7 +189,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         _apply_override(merged, item)
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    _validate(cfg, "")
+    if validate:
+        _validate(cfg, "")
     return cfg
 
 

@@ -127,3 +127,19 @@ def test_the_learners_waiting_since_gauge_is_live() -> None:
     assert since(exporter) == 1234.5
     exporter.waiting(0.0)
     assert since(exporter) == 0.0
+
+
+def test_a_step_record_s_non_finite_values_reach_the_gauges_as_nan() -> None:
+    """StepRecord.to_dict writes NaN as "nan" (JSON has none); the exporter used to skip the string, so
+    the ESS gauge kept the previous step's value on a step that measured none."""
+    import math
+
+    from asyncrl.learner.records import StepRecord
+    from asyncrl.metrics_export import LearnerExporter, learner_collectors
+
+    exporter = LearnerExporter()
+    exporter(StepRecord(step=1, ess=0.8))
+    exporter(StepRecord(step=2, ess=math.nan))
+    (col, _buf) = learner_collectors(exporter, dict)
+    fam = next(f for f in col.collect() if f.name == "asyncrl_learner_is_ess_ratio")
+    assert math.isnan(fam.samples[0].value)

@@ -14,7 +14,7 @@ import torch
 from asyncrl.buffer.weights import MANIFEST_FILENAME, build_manifest
 from asyncrl.cli import main
 from asyncrl.config import Config, to_yaml
-from asyncrl.export import available_versions, export_version
+from asyncrl.export import EXPORT_INFO, available_versions, export_version
 from asyncrl.tinymodel import build_tiny_model
 
 
@@ -208,3 +208,14 @@ def test_export_onto_a_file_is_refused_and_the_file_kept(run_dir, tmp_path, caps
         assert main(["export", str(rdir), str(out)]) == 2
         assert "not a directory" in capsys.readouterr().err
     assert f.read_text() == "keep me" and not list(tmp_path.glob(".afile.tmp-*"))
+
+
+def test_a_run_whose_saved_config_fails_todays_checks_still_exports(run_dir, tmp_path):
+    """A finished run's config passed the checks of its day; a later, stricter check (here group_size >= 2,
+    added after runs with 1 existed) must not make its weights unexportable."""
+    rdir, _ = run_dir
+    text = (rdir / "config.yaml").read_text()
+    assert "group_size: 8" in text
+    (rdir / "config.yaml").write_text(text.replace("group_size: 8", "group_size: 1"))
+    out = export_version(rdir, tmp_path / "out", 3)
+    assert json.loads((out / EXPORT_INFO).read_text())["version"] == 3

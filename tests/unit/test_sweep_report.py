@@ -584,3 +584,18 @@ def test_adaptive_cell_is_compared_with_its_ceiling_and_the_best_fixed_bound(tmp
     assert got[(4, "full at best fixed bound 2")]["diff"] == pytest.approx(0.15)
     assert got[(2, "full at best fixed bound 2")]["diff"] == pytest.approx(0.1)
     assert all(r["excludes_zero"] for r in rows)  # the same shift on every seed
+
+
+def test_run_metrics_leave_out_steps_that_measured_no_ess(tmp_path: Path):
+    """A step without loss tokens records ESS NaN, which metrics.jsonl holds as the string "nan"; the
+    sweep's ess_mean is over the measured steps (a TypeError before; 0.0 had been averaged in earlier)."""
+    import json
+    import math
+
+    from asyncrl.learner.records import StepRecord
+    from asyncrl.sweep_runs import Marks, run_metrics
+
+    recs = [StepRecord(step=i, time=float(i), ess=math.nan if i == 1 else 0.9) for i in range(3)]
+    assert recs[1].to_dict()["ess"] == "nan"
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in recs))
+    assert run_metrics(tmp_path, Marks())["ess_mean"] == pytest.approx(0.9)
