@@ -131,15 +131,16 @@ class GroupProduction:
         if self.engine.version is not None and self.engine.version >= version:
             self.counters["preadmissions"] += 1
             return True
-        await self._write(self.buffer.credit, 1, self.actor_id)
-        self.counters["preadmissions_returned"] += 1
+        await self._write(self.buffer.credit, 1, self.actor_id, count="preadmissions_returned")
         return False
 
-    def _start_write(self, fn: Any, *args: Any, written: bool = False) -> asyncio.Future:
+    def _start_write(self, fn: Any, *args: Any, count: str | None = None) -> asyncio.Future:
         """Start a buffer write (a blocking call, run in a thread, or the put batcher's coroutine, run
-        as a task) that nothing cancels: it runs to its end (retries included), is counted when it
-        succeeds (``written``: a put), and is awaited by :meth:`_writes_done` before a reclaim or
-        shutdown."""
+        as a task) that nothing cancels: it runs to its end (retries included), and is awaited by
+        :meth:`_writes_done` before a reclaim or shutdown. ``count`` names the counter the write
+        increments when it succeeds: counted here, on the write's own completion, not after the
+        caller's await, because a stop (abort) cancels that await while the shielded write still lands
+        (a dead letter without its count: the counters must keep matching the buffer's streams)."""
         # A coroutine function (the put batcher) runs as a task; a plain one (a Redis call) in a thread.
         coro = fn(*args) if asyncio.iscoroutinefunction(fn) else asyncio.to_thread(fn, *args)
         fut = asyncio.ensure_future(coro)
@@ -147,15 +148,15 @@ class GroupProduction:
 
         def done(f: asyncio.Future) -> None:
             self._writes.discard(f)
-            if written and not f.cancelled() and f.exception() is None:
-                self.counters["groups_written"] += 1
+            if count is not None and not f.cancelled() and f.exception() is None:
+                self.counters[count] += 1
 
         fut.add_done_callback(done)
         return fut
 
-    async def _write(self, fn: Any, *args: Any, written: bool = False) -> Any:
+    async def _write(self, fn: Any, *args: Any, count: str | None = None) -> Any:
         """:meth:`_start_write`, awaited; shielded from the worker's cancellation."""
-        return await asyncio.shield(self._start_write(fn, *args, written=written))
+        return await asyncio.shield(self._start_write(fn, *args, count=count))
 
     def _give_back(self, group_id: str | None = None) -> None:
         """Credit an admission slot from a cancellation or failure path without blocking the event loop:
@@ -230,8 +231,9 @@ class GroupProduction:
                 # would end the actor after actors.loop_restarts (a task with a few long prompts).
                 reason = f"prompt {prompt.prompt_id!r} ({len(prompt_ids)} tokens) refused by the engine: {e}"
                 log.warning("%s: group %s dropped: %s", self.actor_id, group_id, reason)
-                await self._write(self.buffer.abandon, group_id, self.actor_id, reason)
-                self.counters["groups_rejected"] += 1  # after its dead letter, as groups_reward_failed
+                await self._write(
+                    self.buffer.abandon, group_id, self.actor_id, reason, count="groups_rejected"
+                )
                 continue
             except BaseException:
                 # Cancelled (stop with abort) or failed: nothing is written, the slot goes back.
@@ -274,15 +276,16 @@ class GroupProduction:
             except RewardFailure as e:
                 puts.unexpect()
                 log.warning("%s: group %s dropped: %s", self.actor_id, group_id, e)
-                await self._write(self.buffer.abandon, group_id, self.actor_id, str(e))
-                # Counted once its dead letter is written: a write that fails past the Redis retry
-                # budget fails the loop (the restart reclaims the group's credit), and the counter
-                # must keep matching the dead-letter stream.
-                self.counters["groups_reward_failed"] += 1
+                # Counted once its dead letter is written (count=): a write that fails past the Redis
+                # retry budget fails the loop (the restart reclaims the group's credit), and the
+                # counter must keep matching the dead-letter stream.
+                await self._write(
+                    self.buffer.abandon, group_id, self.actor_id, str(e), count="groups_reward_failed"
+                )
                 continue
             except BaseException:
                 puts.unexpect()
                 raise
-            await self._write(puts.put, group, True, written=True)
+            await self._write(puts.put, group, True, count="groups_written")
             self.timeline.record("group", **rec, t_written=time.time(), tokens=sum(len(s.token_ids) for s in seqs),
                                  v_start=first, v_end=last)  # fmt: skip

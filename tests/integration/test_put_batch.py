@@ -223,3 +223,44 @@ def test_an_actor_gets_a_new_batcher_for_a_new_buffer_client_or_event_loop(buffe
 
     before, after = asyncio.run(new_client())
     assert after is not before and after.buffer is w.buffer and after.loop is before.loop
+
+
+def test_a_dead_letter_written_after_its_worker_was_cancelled_is_still_counted(buffer: ReplayBuffer) -> None:
+    """A stop (abort) cancels a group worker while it awaits its (shielded) dead-letter write: the write
+    still lands, and its counter must count it (the counters are checked against the dead-letter
+    stream). Counted after the caller's await, it was lost: 12 dead letters against 11 counted, a CI
+    failure of test_prompts_the_engine_refuses_are_dead_lettered_without_failing_the_loop."""
+    import threading
+
+    from asyncrl.actors.group_worker import GroupProduction
+    from asyncrl.config import Config
+
+    class Worker(GroupProduction):
+        actor_id = "actor-0"
+        cfg = Config()
+
+    w = Worker()
+    w.buffer = buffer
+    w.counters = {"groups_rejected": 0}
+    w._writes = set()
+    release = threading.Event()
+
+    def slow_abandon(group_id: str, owner: str, reason: str) -> bool:
+        assert release.wait(10.0)
+        return buffer.abandon(group_id, owner, reason)
+
+    async def main() -> None:
+        task = asyncio.create_task(
+            w._write(slow_abandon, "g-1", "actor-0", "refused", count="groups_rejected")
+        )
+        await asyncio.sleep(0.05)  # the write runs in its thread, blocked
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert w.counters["groups_rejected"] == 0  # not landed yet
+        release.set()
+        await w._writes_done()  # what the actor's stop awaits
+
+    asyncio.run(main())
+    reasons = [d["reason"] for d in buffer.dead_letters(count=10)]
+    assert reasons == ["refused"] and w.counters["groups_rejected"] == 1
