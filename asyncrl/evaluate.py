@@ -53,6 +53,10 @@ class EvalResult:
     # Prompts whose reward failed (raised, non-finite, past task.reward_timeout_s): left out of
     # reward_mean and pass_at_k (NaN when none scored), logged; the eval itself goes on.
     reward_failures: int = 0
+    # Prompts the engine refused (vLLM's client errors: a prompt longer than model.max_model_len, ...):
+    # left out of every mean (length_mean included, NaN when nothing was generated), logged with the
+    # engine's reason; the eval goes on, as training dead-letters such a prompt's group.
+    prompts_refused: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,6 +67,7 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
     """Score ``task.eval_prompts`` with the vLLM ``AsyncLLM`` ``llm`` (see the module doc)."""
     prompts = require_eval_prompts(task)
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
     from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
@@ -77,15 +82,22 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
 
     runner = RewardRunner(task, cfg.task.reward_timeout_s)
 
-    async def one(i: int, p: Prompt) -> tuple[list[float] | None, list[int]]:
+    async def one(i: int, p: Prompt) -> tuple[list[float] | None, list[int]] | None:
+        """The prompt's rewards (None: its reward failed) and completion lengths; None if refused."""
         ids = prompt_token_ids(tokenizer, p.text, cfg.model.chat_template, cfg.task.system_prompt)
         params = SamplingParams(n=k, temperature=e.temperature, top_p=1.0, seed=e.seed + i * k,
                                 max_tokens=e.max_tokens or cfg.actors.max_tokens,
                                 output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
         final = None
         # A rendered prompt: built and sent on this thread (asyncrl.actors.engine.generate_group).
-        async for out in llm.generate(tokens_input(ids), params, f"{request_prefix}-{version}-{i}"):
-            final = out
+        try:
+            async for out in llm.generate(tokens_input(ids), params, f"{request_prefix}-{version}-{i}"):
+                final = out
+        except VLLMClientError as exc:
+            # Before: raised out of the gather, failing the whole eval, and on actor 0 its loop.
+            log.warning("eval of v%d: prompt %s (%d tokens) refused by the engine: %s",
+                        version, p.prompt_id, len(ids), exc)  # fmt: skip
+            return None
         assert final is not None
         outs = sorted(final.outputs, key=lambda c: c.index)
         lengths = [len(c.token_ids) for c in outs]
@@ -95,7 +107,8 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
             log.warning("eval of v%d: prompt %s not scored: %s", version, p.prompt_id, exc)
             return None, lengths
 
-    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    answered = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    results = [r for r in answered if r is not None]
     scored = [rs for rs, _ in results if rs is not None]
     rewards = [r for rs in scored for r in rs]
     lengths = [n for _, ns in results for n in ns]
@@ -104,8 +117,9 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
     return EvalResult(version=version, prompts=len(prompts), samples=k,
                       reward_mean=sum(rewards) / len(rewards) if rewards else nan,
                       pass_at_k=passed / len(scored) if scored else nan,
-                      length_mean=sum(lengths) / len(lengths), seconds=time.perf_counter() - t0,
-                      reward_failures=len(results) - len(scored))  # fmt: skip
+                      length_mean=sum(lengths) / len(lengths) if lengths else nan,
+                      seconds=time.perf_counter() - t0, reward_failures=len(results) - len(scored),
+                      prompts_refused=len(answered) - len(results))  # fmt: skip
 
 
 def require_eval_prompts(task: Task) -> list[Prompt]:

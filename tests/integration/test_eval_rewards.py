@@ -3,6 +3,7 @@ on actor 0 the eval shares the event loop that drives training generation, swaps
 user's reward must run off it, within task.reward_timeout_s, and a failing one must cost only its
 prompt's score. Before: ``task.score`` ran on the loop (a 3 s reward stalled it 3 s per call, the
 timeout ignored) and one raising reward aborted the whole eval (and actor 0's loop with it).
+A prompt the engine refuses (longer than model.max_model_len) likewise costs only its own score.
 A real vLLM engine (tiny model, CPU); the rewards are the test's own functions."""
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ def test_eval_rewards_run_off_the_loop_with_the_timeout_and_failures_cost_their_
         "task.reward_timeout_s=1",
     ])  # fmt: skip
     model_dir = resolve_model_path(cfg, tmp_path / "run")
-    kinds = ["ok", "raise", "ok", "hang", "ok", "ok"]
-    prompts = [Prompt(f"p-{i}", f"copy: ab{i}", "ab", {"kind": k}) for i, k in enumerate(kinds)]
+    kinds = ["ok", "raise", "ok", "hang", "ok", "ok", "long"]
+    # "long": a prompt longer than model.max_model_len, which vLLM refuses (VLLMValidationError).
+    text = {"long": "copy: " + "ab" * cfg.model.max_model_len}
+    prompts = [Prompt(f"p-{i}", text.get(k, f"copy: ab{i}"), "ab", {"kind": k}) for i, k in enumerate(kinds)]
     task = FunctionTask("eval-rewards", prompts, _reward, prompts)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    assert len(tokenizer(text["long"])["input_ids"]) > cfg.model.max_model_len
 
     async def main():
         engine = await asyncio.to_thread(Engine.from_config, cfg, str(model_dir))
@@ -70,7 +74,8 @@ def test_eval_rewards_run_off_the_loop_with_the_timeout_and_failures_cost_their_
             engine.shutdown()
 
     res, wall, stall = asyncio.run(main())
-    assert res.reward_failures == 2 and res.prompts == 6 and res.samples == 2
+    # The refused prompt costs its own score only (before: it failed the whole eval, and actor 0's loop).
+    assert res.prompts_refused == 1 and res.reward_failures == 2 and res.prompts == 7 and res.samples == 2
     assert res.reward_mean == 1.0 and res.pass_at_k == 1.0  # over the 4 prompts that scored
     assert math.isfinite(res.length_mean) and res.length_mean > 0
     assert wall < 2.9, wall  # the hung reward was cut at 1 s, not waited for (3 s)
