@@ -198,6 +198,11 @@ def _untied(tensors: dict, tied: bool) -> dict:
     out: dict = {}
     seen: dict[tuple, str] = {}
     for name, t in tensors.items():
+        if t.numel() == 0:
+            # Every empty tensor has data_ptr 0: two of one shape are not a tie (safetensors, too,
+            # ignores empty storages when it looks for shared ones).
+            out[name] = t
+            continue
         view = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
         if view in seen:
             continue  # the same tensor as seen[view]

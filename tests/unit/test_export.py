@@ -219,3 +219,16 @@ def test_a_run_whose_saved_config_fails_todays_checks_still_exports(run_dir, tmp
     (rdir / "config.yaml").write_text(text.replace("group_size: 8", "group_size: 1"))
     out = export_version(rdir, tmp_path / "out", 3)
     assert json.loads((out / EXPORT_INFO).read_text())["version"] == 3
+
+
+def test_empty_tensors_of_one_shape_are_not_taken_for_tied_ones() -> None:
+    """Every empty tensor's storage has data_ptr 0: two of one shape looked like one tensor under two
+    names, and the second was dropped from the export."""
+    from safetensors.torch import save
+
+    from asyncrl.export import _untied
+
+    w = torch.ones(2, 3)
+    got = _untied({"a.bias": torch.zeros(0), "b.bias": torch.zeros(0), "w": w, "tied": w}, False)
+    assert sorted(got) == ["a.bias", "b.bias", "w"]
+    save(got)  # safetensors accepts the result
