@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.learner.engine import LearnerEngine
+from asyncrl.learner.records import CHECKPOINT_DIR, POINTER
 
 __all__ = [
     "LearnerState",
@@ -57,8 +58,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-POINTER = "latest.json"
 STATE_FILE = "learner_state.json"
 _TAG = re.compile(r"^step(\d{8,})$")
 

@@ -29,6 +29,7 @@ from typing import Any
 
 __all__ = [
     "StepRecord", "MetricsWriter", "LEDGER_FILE", "DISCARDED_FILE", "METRICS_FILE", "read_jsonl", "JsonlTail",
+    "CHECKPOINT_DIR", "POINTER", "committed_step",
 ]  # fmt: skip
 
 #: StepRecord fields copied as is from the trainer's step metrics (asyncrl.learner.step).
@@ -37,6 +38,10 @@ OBJECTIVE_FIELDS = ("staleness_kl", "log_ppl_gap", "kl_mu_pi_k1", "kl_mu_pi_k2",
                     "clip_frac_low", "clip_frac_high", "dual_clip_frac", "is_trunc_frac", "is_masked_frac",
                     "is_chi2", "is_chi2_seq")  # fmt: skip
 METRICS_FILE = "metrics.jsonl"
+#: The learner's checkpoints (asyncrl.learner.checkpoint) and the pointer to the committed one; here so
+#: that torch-free readers (the run supervisor) find them.
+CHECKPOINT_DIR = "checkpoints"
+POINTER = "latest.json"
 LEDGER_FILE = "trained.jsonl"
 DISCARDED_FILE = "trained.discarded.jsonl"
 
@@ -259,3 +264,14 @@ class JsonlTail:
             while len(self.recent) > 1 and self.recent[0].get("time", end) < end - self.window_s:
                 self.recent.popleft()
         return new
+
+
+def committed_step(run_dir: str | os.PathLike[str]) -> int:
+    """The step of ``run_dir``'s committed checkpoint (its pointer), 0 if none or unreadable.
+
+    The learner commits a step's checkpoint before it appends the step's record, so a kill between
+    the two leaves metrics.jsonl a step behind what a restart resumes from (and will not redo)."""
+    try:
+        return int(json.loads((Path(run_dir) / CHECKPOINT_DIR / POINTER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0

@@ -63,6 +63,24 @@ def test_learner_at_its_step_target_ends_the_run(tmp_path) -> None:
     assert sup.check() is True and sup.restarts["learner"] == 0 and not notes
 
 
+def test_learner_killed_between_its_final_checkpoint_and_record_still_ends_the_run(tmp_path) -> None:
+    """The learner commits step 3's checkpoint, then appends step 3's record: killed in between, its
+    restart resumes at step 3 = max_steps and exits 0 at once. Judged by metrics.jsonl (step 2) alone it
+    was restarted until run.max_restarts failed the run, and every re-run of the command did the same."""
+    from asyncrl.learner.records import CHECKPOINT_DIR, POINTER, committed_step
+
+    sup, notes = _sup(tmp_path, max_restarts=0, max_steps=3)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    (tmp_path / CHECKPOINT_DIR).mkdir()
+    (tmp_path / CHECKPOINT_DIR / POINTER).write_text(
+        json.dumps({"tag": "step00000003", "step": 3, "version": 3})
+    )
+    assert committed_step(tmp_path) == 3
+    sup.learner = _child("pass")
+    sup.learner.wait(30)
+    assert sup.check() is True and sup.restarts["learner"] == 0 and not notes
+
+
 def test_learner_failing_past_its_restarts_stops_the_run_with_the_reason(tmp_path) -> None:
     sup, notes = _sup(tmp_path, max_restarts=0, max_steps=3)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
