@@ -6,7 +6,16 @@
 * ``train/<field>`` for every numeric field (reward_mean, loss, staleness_mean, ...; the cumulative
   ``*_total`` counters under ``totals/``);
 * ``eval/reward_mean``, ``eval/pass_at_k``, ``eval/length_mean`` once per new periodic eval, at the step
-  it arrived (and ``eval/by_version/*`` with the evaluated version as the x axis).
+  it arrived (and ``eval/by_version/*`` with the evaluated version as the x axis, in the run
+  ``<run_dir>/tensorboard/by_version``: see below).
+
+A resumed learner redoes the steps after its checkpoint, and metrics.jsonl drops their old records
+(``MetricsWriter.truncate_after``); TensorBoard reads every event file of the directory, so the old
+lineage's events stayed and the step axis went back (…, 8, 9, 6, 7, …). Each learner process
+therefore starts with a purge marker at its first step (what ``SummaryWriter(purge_step=...)``
+writes: a ``SessionLog.START``), at which TensorBoard drops every earlier-written event of that step or
+later. The by-version evals live in their own run, which no purge touches: versions only go up, so
+that axis never goes back, and a purge at a step would drop valid evals of higher-numbered versions.
 
 TensorBoard event files go to ``<run_dir>/tensorboard`` (``tensorboard --logdir runs/``), one event
 per step holding all of its scalars (what TensorFlow's merged summaries write; TensorBoard shows each
@@ -31,10 +40,11 @@ from typing import Any
 
 from asyncrl.learner.records import StepRecord
 
-__all__ = ["Tracker", "attach_eval", "EVAL_FIELDS", "TENSORBOARD_DIR"]
+__all__ = ["Tracker", "attach_eval", "EVAL_FIELDS", "TENSORBOARD_DIR", "BY_VERSION_DIR"]
 
 log = logging.getLogger(__name__)
 TENSORBOARD_DIR = "tensorboard"
+BY_VERSION_DIR = "by_version"  # under TENSORBOARD_DIR: the eval/by_version/* run
 #: StepRecord field -> key of the eval result (asyncrl.evaluate.EvalResult).
 EVAL_FIELDS = {"eval_version": "version", "eval_reward_mean": "reward_mean", "eval_pass_at_k": "pass_at_k",
                "eval_length_mean": "length_mean"}  # fmt: skip
@@ -78,12 +88,22 @@ def _summary(scalars: dict[str, float]) -> Any:
     return Summary(value=[Summary.Value(tag=tag, simple_value=v) for tag, v in scalars.items()])
 
 
+def _purge_marker(step: int) -> Any:
+    """The event at which TensorBoard drops every earlier-written event of ``step`` or later (all tags
+    of the run): a ``SessionLog.START``, as ``SummaryWriter(purge_step=step)`` writes it."""
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+    return Event(step=step, session_log=SessionLog(status=SessionLog.START))
+
+
 class Tracker:
     """TensorBoard and/or W&B logging of step records (see the module doc)."""
 
     def __init__(self, cfg: Any, run_dir: str | os.PathLike) -> None:
         self.run_dir = Path(run_dir)
         self.tb: Any = None
+        self.tb_by_version: Any = None
+        self._purged = False  # the purge marker is written before this process's first step
         self.wandb: Any = None
         self._eval_version = -1
         self.errors = 0  # writes that failed (logged; tracking never stops training)
@@ -92,6 +112,9 @@ class Tracker:
             from torch.utils.tensorboard.writer import FileWriter
 
             self.tb = FileWriter(str(self.run_dir / TENSORBOARD_DIR), flush_secs=5)
+            self.tb_by_version = FileWriter(
+                str(self.run_dir / TENSORBOARD_DIR / BY_VERSION_DIR), flush_secs=5
+            )
         if t.wandb:
             self.wandb = self._init_wandb(cfg)
 
@@ -121,11 +144,16 @@ class Tracker:
                     scalars[f"eval/{key}"] = float(getattr(rec, field))
         if self.tb is not None:
             try:
+                if not self._purged:
+                    self.tb.add_event(_purge_marker(rec.step), walltime=rec.step_time or None)
+                    self._purged = True
                 self.tb.add_summary(_summary(scalars), rec.step, rec.step_time or None)
                 if new_eval:  # x axis: the evaluated version
                     by_version = {f"eval/by_version/{key}": float(getattr(rec, field))
                                   for field, key in EVAL_FIELDS.items() if field != "eval_version"}  # fmt: skip
-                    self.tb.add_summary(_summary(by_version), rec.eval_version, rec.step_time or None)
+                    self.tb_by_version.add_summary(
+                        _summary(by_version), rec.eval_version, rec.step_time or None
+                    )
             except Exception as e:
                 self._failed("TensorBoard", rec.step, e)
         if self.wandb is not None:
@@ -148,7 +176,8 @@ class Tracker:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
-            self.tb = None
+            self.tb_by_version.close()
+            self.tb = self.tb_by_version = None
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None

@@ -87,7 +87,8 @@ def test_tensorboard_holds_the_reward_curve(run):
     got = s["train/reward_mean"]
     assert [st for st, _ in got] == [st for st, _ in want]
     assert all(abs(a - b) < 1e-6 for (_, a), (_, b) in zip(got, want, strict=True))
-    assert s["eval/by_version/reward_mean"][0][0] == 0
+    by_version = read_scalars(run["dir"] / "tensorboard" / "by_version")
+    assert by_version["eval/by_version/reward_mean"][0][0] == 0
 
 
 def _logprobs_hf(model, seqs):

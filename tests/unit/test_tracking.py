@@ -52,7 +52,8 @@ def test_tensorboard_and_wandb_offline_get_every_record(tmp_path, monkeypatch):
     assert [(st, round(v, 6)) for st, v in s["train/reward_mean"]] == list(enumerate(rewards, 1))
     assert [x[0] for x in s["totals/tokens_total"]] == [1, 2, 3, 4]
     assert [(st, round(v, 6)) for st, v in s["eval/reward_mean"]] == [(3, 0.4)]  # logged once, when new
-    assert [(st, round(v, 6)) for st, v in s["eval/by_version/pass_at_k"]] == [(2, 0.25)]
+    by_version = read_scalars(tmp_path / tracking.TENSORBOARD_DIR / tracking.BY_VERSION_DIR)
+    assert [(st, round(v, 6)) for st, v in by_version["eval/by_version/pass_at_k"]] == [(2, 0.25)]
     assert "train/eval_version" not in s and "train/step" not in s
     offline = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
@@ -71,6 +72,7 @@ def test_tensorboard_writes_one_event_per_step_with_every_scalar(tmp_path):
     t.close()
     (path,) = (tmp_path / tracking.TENSORBOARD_DIR).glob("events.out.tfevents.*")
     events = [Event.FromString(b) for b in RawEventFileLoader(str(path)).Load()]
+    assert [e.step for e in events if e.HasField("session_log")] == [1]  # the purge marker (see below)
     events = [e for e in events if e.HasField("summary")]  # (the first one holds the file version)
     assert [e.step for e in events] == [1, 2, 3]
     assert [e.wall_time for e in events] == [1001.0, 1002.0, 1003.0]
@@ -112,3 +114,34 @@ def test_a_failing_tensorboard_write_is_logged_and_counted_and_training_goes_on(
         t.close()
     except OSError:
         pass  # closing a writer whose disk is full may report it once more; the learner is done by then
+
+
+def test_a_resumed_learners_steps_replace_the_discarded_ones_in_tensorboard(tmp_path):
+    """Killed at step 9 with its checkpoint at step 5, the learner redoes steps 6-9. metrics.jsonl
+    drops the old records; TensorBoard read both processes' event files, so steps 6-9 appeared twice
+    and the x axis went 9 -> 6. Each process now starts with a purge marker at its first step. The
+    by-version evals (their own run, never purged: versions only go up) keep the first process's."""
+    import time
+
+    def write(steps, reward, eval_at=None):
+        tracking._last_eval.clear()
+        t = tracking.Tracker(Config(), tmp_path)
+        for step in steps:
+            rec = StepRecord(step=step, version=step, reward_mean=reward, step_time=time.time())
+            if step == eval_at:
+                rec.eval_version, rec.eval_reward_mean = step, reward
+            t(rec)
+        t.close()
+        time.sleep(1.1)  # event file names carry the second: the second process's file sorts after
+
+    write(range(1, 10), 0.25, eval_at=8)
+    write(range(6, 13), 0.75, eval_at=10)
+    s = read_scalars(tmp_path / tracking.TENSORBOARD_DIR)
+    got = [(st, round(v, 6)) for st, v in s["train/reward_mean"]]
+    assert got == [(st, 0.25) for st in range(1, 6)] + [(st, 0.75) for st in range(6, 13)]
+    assert [st for st, _ in s["eval/reward_mean"]] == [10]  # step 8's eval was of discarded work
+    by_version = read_scalars(tmp_path / tracking.TENSORBOARD_DIR / tracking.BY_VERSION_DIR)
+    assert [(st, round(v, 6)) for st, v in by_version["eval/by_version/reward_mean"]] == [
+        (8, 0.25),
+        (10, 0.75),
+    ]
