@@ -17,6 +17,7 @@ ERROR, CRITICAL or a Traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -100,6 +101,18 @@ def _window(records: list[dict], seconds: float = 30.0) -> list[dict]:
     return [r for r in records if r["time"] >= t_end - seconds]
 
 
+def _num(x: Any, spec: str) -> str:
+    """``x`` formatted with ``spec``; "-" when missing or not finite. metrics.jsonl writes a non-finite
+    float as the string "nan"/"inf" (StepRecord.to_dict): an eval that scored no prompt has a NaN
+    reward_mean by design, and formatting that string with :.3f raised inside the run's display
+    (which failed the run)."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return "-"
+    return format(v, spec) if math.isfinite(v) else "-"
+
+
 def status_fields(records: list[dict], elapsed: float, max_steps: int, gen_tok_s: float | None,
                   dead: int | None) -> dict[str, str]:  # fmt: skip
     """The displayed numbers as label -> text (shared by the live panel and the plain line)."""
@@ -115,13 +128,14 @@ def status_fields(records: list[dict], elapsed: float, max_steps: int, gen_tok_s
     out = {
         "step": f"{r['step']}/{max_steps or '-'}",
         "steps/s": f"{steps_s:.2f}",
-        "reward": f"{r['reward_mean']:.3f}",
+        "reward": _num(r["reward_mean"], ".3f"),
         "eval": (
-            f"{r['eval_reward_mean']:.3f} (pass@k {r.get('eval_pass_at_k', 0):.2f}, v{r['eval_version']})"
+            f"{_num(r['eval_reward_mean'], '.3f')} (pass@k {_num(r.get('eval_pass_at_k', 0), '.2f')}, "
+            f"v{r['eval_version']})"
             if r.get("eval_version", -1) >= 0
             else "-"
         ),  # fmt: skip
-        "staleness": f"{r['staleness_mean']:.2f} (max {r['staleness_max']:g})",
+        "staleness": f"{_num(r['staleness_mean'], '.2f')} (max {r['staleness_max']:g})",
         "version": f"v{r['version']}",
         "gen tok/s": "-" if gen_tok_s is None else f"{gen_tok_s:.0f}",
         "trained tok/s": f"{trained:.0f}",

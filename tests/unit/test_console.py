@@ -42,6 +42,23 @@ def test_status_fields_from_records():
     assert status_fields([], 3.0, 0, None, None)["state"].startswith("waiting for the first step")
 
 
+def test_status_fields_show_a_dash_for_nan_values_read_back_from_metrics_jsonl():
+    """An eval that scored no prompt has reward_mean / pass_at_k NaN (asyncrl.evaluate); metrics.jsonl
+    writes them as the string "nan", and formatting that with :.3f raised inside the run's display,
+    which failed the whole `asyncrl run`."""
+    import json
+    import math
+
+    from asyncrl.learner.records import StepRecord
+
+    rec = StepRecord(step=5, version=5, time=12.0, reward_mean=0.4, eval_version=4, eval_reward_mean=math.nan,
+                     eval_pass_at_k=math.nan, staleness_mean=math.inf)  # fmt: skip
+    r = json.loads(json.dumps(rec.to_dict()))  # as MetricsWriter writes it and JsonlTail reads it
+    assert r["eval_reward_mean"] == "nan"
+    f = status_fields([r], 12.0, 10, None, 0)
+    assert f["eval"] == "- (pass@k -, v4)" and f["reward"] == "0.400" and f["staleness"].startswith("- ")
+
+
 def test_plain_console_prints_numbers_and_alerts(tmp_path, capsys):
     cfg = Config()
     cfg.console.mode, cfg.console.plain_every_s = "plain", 0.01
