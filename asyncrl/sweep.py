@@ -167,10 +167,10 @@ def _status_line(run: SeedRun, status: str, code: int | None, elapsed: float | N
         why = "timed out" if read_marker(run).get("timed_out") else f"exit {code}"
         return f"FAILED ({why})  log: {run.dir / 'run.log'}"
     summary = json.loads((run.dir / "summary.json").read_text())
-    from asyncrl.sweep_runs import load_metrics
+    from asyncrl.sweep_runs import finite_mean, load_metrics
 
     recs = load_metrics(run.dir / "metrics.jsonl")
-    smean = sum(r["staleness_mean"] for r in recs) / len(recs) if recs else 0.0
+    smean = finite_mean(r["staleness_mean"] for r in recs) or 0.0
     smax = max((r["staleness_max"] for r in recs), default=0)
     dropped = sum(r["dropped_stale"] for r in recs)
     r0, r1 = summary.get("start_reward"), summary.get("end_reward")

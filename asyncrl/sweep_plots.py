@@ -12,6 +12,7 @@ staleness_dist.png      fraction of trained tokens at each staleness, per cell
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,13 +42,15 @@ def _curves(cells, seeds, statuses, clock: str) -> dict[str, list[tuple[np.ndarr
             if statuses.get(run.name, ("missing",))[0] != "ok":
                 continue
             recs = load_metrics(run.dir / "metrics.jsonl")
+            t0 = startup_s(recs)  # of the run, before any step is left out below
+            # A "nan" reward (written as a string) would poison the moving average from there on.
+            recs = [r for r in recs if math.isfinite(float(r["reward_mean"]))]
             if not recs:
                 continue
             if clock == "step":
                 recs = sorted(recs, key=lambda r: r["step"])
                 x = np.array([r["step"] for r in recs], dtype=float)
             else:
-                t0 = startup_s(recs)
                 x = np.array([r["time"] - t0 for r in recs], dtype=float)
             y = moving_average([r["reward_mean"] for r in recs], SMOOTH)
             out.setdefault(c.name, []).append((x, y))

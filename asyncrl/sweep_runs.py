@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,9 +89,35 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def finite_mean(xs: Iterable[Any]) -> float | None:
+    """Mean of the finite values of ``xs`` (None if there are none).
+
+    metrics.jsonl writes a non-finite float as a string ("nan", "inf": StepRecord.to_dict), e.g. the KL of
+    a step the learner skipped as non-finite; ``float`` reads those back, and they are left out rather
+    than poisoning (or, as strings, crashing) the mean of the run.
+    """
+    return _mean([v for v in (float(x) for x in xs) if math.isfinite(v)])
+
+
+def token_weighted_kl(records: Sequence[dict]) -> float | None:
+    """The run's engine-vs-learner mismatch KL: sum(mismatch_kl * mismatch_tokens) / sum(mismatch_tokens).
+
+    A step with no staleness-0 token under the loss (or one published since its batch was sampled)
+    measured nothing and writes mismatch_kl=0.0, mismatch_tokens=0 (learner/step.py _drift_split);
+    a plain mean over steps would count those zeros, and more of them at higher staleness, which
+    confounds the staleness axis. Non-finite values are left out too. None when no step measured it.
+    """
+    num = den = 0.0
+    for r in records:
+        n, kl = float(r.get("mismatch_tokens", 0) or 0), float(r.get("mismatch_kl", "nan"))
+        if n > 0 and math.isfinite(kl):
+            num, den = num + kl * n, den + n
+    return num / den if den > 0 else None
+
+
 def final_reward(records: Sequence[dict]) -> float | None:
-    """Mean reward of the last LAST_K steps (None without steps)."""
-    return _mean([r["reward_mean"] for r in records[-LAST_K:]])
+    """Mean finite reward of the last LAST_K steps (None without one)."""
+    return finite_mean(r["reward_mean"] for r in records[-LAST_K:])
 
 
 def startup_s(records: Sequence[dict]) -> float | None:
@@ -119,12 +145,14 @@ def reward_at_step(records: Sequence[dict], step: int) -> float | None:
 def reward_auc(records: Sequence[dict]) -> float | None:
     """Trapezoid area under reward(time) divided by its duration: the time-averaged reward.
 
-    Over [first step, last step]; a single step has no duration, its reward is the average.
+    Over [first step, last step]; a single step has no duration, its reward is the average. A step
+    with a non-finite reward is left out (the trapezoid bridges it) rather than making the area NaN.
     """
-    if not records:
+    pts = [(r["time"], float(r["reward_mean"])) for r in records]
+    pts = [(t, y) for t, y in pts if math.isfinite(y)]
+    if not pts:
         return None
-    t = [r["time"] for r in records]
-    y = [r["reward_mean"] for r in records]
+    t, y = [p[0] for p in pts], [p[1] for p in pts]
     duration = t[-1] - t[0]
     if duration <= 0:
         return _mean(y)
@@ -171,7 +199,7 @@ def run_metrics(run_dir: Path, marks: Marks) -> dict[str, Any]:
     if not recs:
         return row
     row["final_reward"] = final_reward(recs)
-    row["reward_mean_steps"] = _mean([r["reward_mean"] for r in recs])
+    row["reward_mean_steps"] = finite_mean(r["reward_mean"] for r in recs)
     for n in marks.steps:
         row[step_column(n)] = reward_at_step(recs, n)
     for m in marks.seconds:
@@ -195,11 +223,11 @@ def run_metrics(run_dir: Path, marks: Marks) -> dict[str, Any]:
         row["staleness_mean"] = sum(k * v for k, v in hist.items()) / n_tok
         row["staleness_max"] = max(hist)
     else:
-        row["staleness_mean"] = _mean([r["staleness_mean"] for r in recs])
+        row["staleness_mean"] = finite_mean(r["staleness_mean"] for r in recs)
         row["staleness_max"] = max(r["staleness_max"] for r in recs)
-    row["mismatch_kl_mean"] = _mean([r["mismatch_kl"] for r in recs])
-    row["rollout_kl_mean"] = _mean([r["rollout_kl"] for r in recs])
-    # metrics.jsonl writes a non-finite float as a string ("nan": a step that measured no ESS).
-    row["ess_mean"] = _mean([float(r["ess"]) for r in recs if "ess" in r and math.isfinite(float(r["ess"]))])
+    row["mismatch_kl_mean"] = token_weighted_kl(recs)
+    row["rollout_kl_mean"] = finite_mean(r["rollout_kl"] for r in recs)
+    # "nan" ess: a step that measured no ESS.
+    row["ess_mean"] = finite_mean(r["ess"] for r in recs if "ess" in r)
     row["dropped_groups"] = sum(r["dropped_stale"] for r in recs)
     return row

@@ -599,3 +599,79 @@ def test_run_metrics_leave_out_steps_that_measured_no_ess(tmp_path: Path):
     assert recs[1].to_dict()["ess"] == "nan"
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in recs))
     assert run_metrics(tmp_path, Marks())["ess_mean"] == pytest.approx(0.9)
+
+
+def test_non_finite_step_values_are_left_out_of_every_mean_and_the_report_is_written(tmp_path: Path):
+    """A step the learner skipped as non-finite writes its KL (and maybe reward) as "nan"/"inf" strings
+    (StepRecord.to_dict); every per-step mean is over the finite values, and write_report completes
+    (a TypeError in mismatch_kl_mean/rollout_kl_mean aborted it, on every re-run too)."""
+    import math
+
+    from asyncrl.learner.records import StepRecord
+    from asyncrl.sweep_runs import run_metrics
+
+    rows = [  # (reward, rollout_kl, mismatch_kl, staleness_mean)
+        (0.1, 0.02, 0.01, 0.5),
+        (0.2, math.nan, math.inf, math.nan),
+        (math.nan, 0.04, 0.03, 1.5),
+        (0.4, 0.06, 0.05, 2.5),
+    ]
+    recs = [
+        StepRecord(
+            step=i + 1,
+            version=i + 1,
+            time=10.0 + i,
+            reward_mean=rw,
+            rollout_kl=rk,
+            mismatch_kl=mk,
+            mismatch_tokens=10,
+            staleness_mean=sm,
+            staleness_max=3,
+        )  # fmt: skip
+        for i, (rw, rk, mk, sm) in enumerate(rows)
+    ]
+    assert recs[1].to_dict()["mismatch_kl"] == "inf" and recs[2].to_dict()["reward_mean"] == "nan"
+    cell = CellSpec("s0-naive", 0, "naive", tmp_path / "s0-naive")
+    run = _make_run(tmp_path, cell, 0, [r.to_dict() for r in recs], {"finished": True, "wall_s": 20.0})
+    m = run_metrics(run.dir, Marks())
+
+    def ref(col: int) -> float:  # obvious reference: the mean of the finite floats of one column
+        vals = [r[col] for r in rows if math.isfinite(r[col])]
+        return sum(vals) / len(vals)
+
+    assert m["rollout_kl_mean"] == pytest.approx(ref(1)) == pytest.approx(0.04)
+    assert m["mismatch_kl_mean"] == pytest.approx(ref(2)) == pytest.approx(0.03)
+    assert m["reward_mean_steps"] == pytest.approx(ref(0)) == pytest.approx(0.7 / 3)
+    assert m["staleness_mean"] == pytest.approx(ref(3)) == pytest.approx(1.5)
+    assert m["final_reward"] == pytest.approx((0.2 + 0.4) / 2)  # last 3 steps, the NaN one left out
+    # Time-averaged reward: the trapezoid bridges the NaN step (t=12) from t=11 to t=13.
+    assert m["reward_auc_time"] == pytest.approx(((0.1 + 0.2) / 2 + 2 * (0.2 + 0.4) / 2) / 3)
+    write_report([cell], [0], {"s0-naive/seed0": ("ok", 0)}, Marks(), tmp_path, "naive")
+    with (tmp_path / "runs.csv").open() as f:
+        (row,) = csv.DictReader(f)
+    assert float(row["rollout_kl_mean"]) == pytest.approx(0.04)
+
+
+def test_mismatch_kl_is_token_weighted_over_the_steps_that_measured_it(tmp_path: Path):
+    """A step with no staleness-0 token writes mismatch_kl=0.0, mismatch_tokens=0 (learner/step.py
+    _drift_split): it measured nothing and must not pull the run's mismatch KL towards 0 (more such
+    steps at a higher max_staleness would read as "less mismatch")."""
+    from asyncrl.sweep_runs import run_metrics, token_weighted_kl
+
+    steps = [(1e-3, 500), (0.0, 0), (4e-3, 100), (0.0, 0)]  # (mismatch_kl, mismatch_tokens)
+    recs = [_record(i + 1, 10.0 + i, 0.1, mismatch_kl=k, mismatch_tokens=n) for i, (k, n) in enumerate(steps)]
+    run = _make_run(tmp_path, CellSpec("s4-naive", 4, "naive", tmp_path / "c"), 0, recs, {"finished": True})
+    want = (1e-3 * 500 + 4e-3 * 100) / 600
+    assert run_metrics(run.dir, Marks())["mismatch_kl_mean"] == pytest.approx(want) == pytest.approx(1.5e-3)
+    # No step measured it: no value (the report shows "-"), not 0.0.
+    assert token_weighted_kl([_record(1, 1.0, 0.1, mismatch_kl=0.0, mismatch_tokens=0)]) is None
+    assert token_weighted_kl([_record(1, 1.0, 0.1, mismatch_kl="nan", mismatch_tokens=7)]) is None
+
+
+def test_status_line_staleness_mean_skips_non_finite_steps(tmp_path: Path):
+    from asyncrl.sweep import _status_line
+
+    recs = [_record(1, 1.0, 0.1, staleness_mean=1.0), _record(2, 2.0, 0.1, staleness_mean="nan"),
+            _record(3, 3.0, 0.1, staleness_mean=2.0, staleness_max=3)]  # fmt: skip
+    run = _make_run(tmp_path, CellSpec("s4-naive", 4, "naive", tmp_path / "c"), 0, recs, {"finished": True})
+    assert "staleness 1.50/3 (bound 4)" in _status_line(run, "ok", 0, 5.0)
