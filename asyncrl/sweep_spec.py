@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -163,10 +164,14 @@ def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepS
     if extra := sorted(set(raw) - {"sweep"}):
         raise _fail(extra[0], "unknown top-level key; the only one allowed is 'sweep'")
     if cli_sweep_overrides:
-        try:
-            merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(cli_sweep_overrides))
-        except OmegaConfBaseException as e:
-            raise _fail("overrides", str(e)) from None
+        merged = OmegaConf.create(raw)
+        for ov in cli_sweep_overrides:  # one at a time, so that the error names the bad one
+            try:
+                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([ov]))
+            except (OmegaConfBaseException, yaml.YAMLError) as e:
+                # from_dotlist parses the value as YAML: a malformed one ('sweep.seeds=[0,,1]') raises
+                # yaml's own error (a traceback before), which names neither the override nor the key.
+                raise _fail("overrides", f"{ov!r}: {' '.join(str(e).split())}") from None
         raw = OmegaConf.to_container(merged, resolve=True)
     s = raw["sweep"]
     if not isinstance(s, dict):
@@ -219,6 +224,8 @@ def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepS
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise _fail("sweep.step_marks", f"{m!r} is not a learner step (integer >= 1)")
     baseline = s.get("baseline", "naive" if "naive" in objectives else None)
+    if baseline is not None and not isinstance(baseline, str):  # a list/dict is unhashable below
+        raise _fail("sweep.baseline", f"{baseline!r} is not an objective name ({', '.join(objectives)})")
     if baseline is not None and baseline not in objectives:
         raise _fail(
             "sweep.baseline", f"{baseline!r} is not an objective of the grid ({', '.join(objectives)})"

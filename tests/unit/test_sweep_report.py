@@ -675,3 +675,20 @@ def test_status_line_staleness_mean_skips_non_finite_steps(tmp_path: Path):
             _record(3, 3.0, 0.1, staleness_mean=2.0, staleness_max=3)]  # fmt: skip
     run = _make_run(tmp_path, CellSpec("s4-naive", 4, "naive", tmp_path / "c"), 0, recs, {"finished": True})
     assert "staleness 1.50/3 (bound 4)" in _status_line(run, "ok", 0, 5.0)
+
+
+@pytest.mark.parametrize(
+    "raw, overrides, needles",
+    [
+        (_raw(baseline=["naive"]), [], ("sweep.baseline", "['naive']", "naive, corrected")),
+        (_raw(baseline={"a": 1}), [], ("sweep.baseline", "naive, corrected")),
+        (_raw(), ["sweep.baseline=[naive]"], ("sweep.baseline", "naive, corrected")),
+        # A value that is not YAML: yaml's ParserError escaped as a traceback.
+        (_raw(), ["sweep.name=t", "sweep.seeds=[0,,1]"], ("sweep config: overrides: 'sweep.seeds=[0,,1]'",)),
+    ],
+)
+def test_parse_spec_refuses_unhashable_baseline_and_malformed_overrides(raw, overrides, needles):
+    with pytest.raises(ConfigError) as e:
+        parse_spec(raw, overrides)
+    assert all(n in str(e.value) for n in needles), str(e.value)
+    assert "\n" not in str(e.value)  # one line after "asyncrl: error:"
