@@ -21,6 +21,7 @@ from asyncrl.config import (
     run_dir,
     to_yaml,
 )
+from asyncrl.config.resume import check_resume
 from asyncrl.export import ExportError  # stdlib imports only at the top of asyncrl.export
 from asyncrl.tasks.base import TaskDataError  # asyncrl.tasks imports neither torch, vllm nor ray
 from asyncrl.tasks.registry import TaskNotFound, check_task
@@ -38,16 +39,29 @@ def _add_config_args(
     )
 
 
+def _add_allow_change(p: argparse.ArgumentParser) -> None:
+    """--allow-config-change: resume a run dir although a key that defines the run changed (on purpose)."""
+    p.add_argument(
+        "--allow-config-change", dest="allow_changes", action="append", default=[], metavar="KEY",
+        help="resume although KEY (or a section, e.g. learner.loss) changed from the run dir's config.yaml; "
+        "the keys that define a run are refused otherwise (asyncrl.config.resume; model.*, run.seed/name, "
+        "learner.zero_stage/consumer never)",
+    )  # fmt: skip
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="all-in-one: embedded Redis, local Ray, actor pool and learner")
     p.add_argument("-v", "--verbose", action="store_true", help="show vLLM/Ray output on the console too")
+    _add_allow_change(p)
     _add_config_args(p)
     p = sub.add_parser("serve-actors", help="run the vLLM actor pool (needs redis.url)")
+    _add_allow_change(p)
     _add_config_args(p)
     p = sub.add_parser("learn", help="run the DeepSpeed learner (needs redis.url)")
     p.add_argument("--resume", action="store_true", help="restore the latest checkpoint of the run dir")
+    _add_allow_change(p)
     _add_config_args(p)
     p = sub.add_parser("status", help="one-screen summary of a run's buffer, actors and learner")
     _add_config_args(p)
@@ -255,11 +269,15 @@ def main(argv: list[str] | None = None) -> int:
                 cfg.console.verbose = True
             else:  # no tqdm bars (model shards, weights) from any process of the run on the console
                 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-            return run_all(cfg, config_path=args.config)
+            return run_all(cfg, config_path=args.config, allow_changes=tuple(args.allow_changes))
         if args.cmd == "status":
             from asyncrl.status import print_status
 
             return print_status(cfg, _redis_url(cfg, rdir))
+        # Both build model/ in the run dir (resolve_model_path): a resume under a changed config is refused
+        # first, before redis.url is filled in (the saved config holds the one it was started with).
+        for line in check_resume(cfg, rdir, args.allow_changes):
+            print(f"asyncrl {args.cmd}: {line}", file=sys.stderr, flush=True)
         cfg.redis.url = _redis_url(cfg, rdir)
         if args.cmd == "serve-actors":
             from asyncrl.actors.pool import serve_actors

@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config, ConfigError, run_dir, to_yaml
+from asyncrl.config.resume import check_resume
+from asyncrl.config.resume import has_run_state as has_prior_run  # its name here before it moved
 from asyncrl.console import make_console
 from asyncrl.cpu_binding import resolve_plan
 from asyncrl.launch import (
@@ -109,11 +111,6 @@ def read_summary(rdir: Path) -> dict:
         return json.loads((rdir / "summary.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def has_prior_run(rdir: Path) -> bool:
-    """The run dir holds state of an earlier start of this run: checkpoints, weights or a buffer."""
-    return any((rdir / d).is_dir() and any((rdir / d).iterdir()) for d in ("checkpoints", "weights", "redis"))
 
 
 class Supervisor:
@@ -200,7 +197,8 @@ class Supervisor:
         return False
 
 
-def run_all(cfg: Config, config_path: str | None = None) -> int:
+def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[str, ...] = ()) -> int:
+    """`asyncrl run` (see the module docstring); ``allow_changes``: the keys of --allow-config-change."""
     from asyncrl.buffer import ReplayBuffer
     from asyncrl.tinymodel import resolve_model_path
 
@@ -212,6 +210,9 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
             "(an unfinished run is resumed from its last checkpoint instead)"
         )
     resolve_plan(cfg)  # a run.learner_cpus this machine cannot honour fails here, before anything starts
+    # A resume under a changed config: refused (keys that define the run) before config.yaml is rewritten
+    # and model/ resolved, or accepted and logged below (asyncrl.config.resume).
+    changes = check_resume(cfg, rdir, allow_changes)
     resume = has_prior_run(rdir)
     rdir.mkdir(parents=True, exist_ok=True)
     cfg_path = rdir / "config.yaml"
@@ -227,6 +228,8 @@ def run_all(cfg: Config, config_path: str | None = None) -> int:
     status, error = "interrupted", ""
     if resume:
         _say(progress, f"resuming run {cfg.run.name!r} in {rdir} from its last checkpoint")
+    for line in changes:  # also in supervision.log: the run dir keeps when its config changed
+        _note(progress, rdir, line)
     try:
         # Before Ray: its processes (and the agents its raylet starts) must carry the reaper's token, so a
         # kill -9 of this command takes them down too (asyncrl.lifetime).
