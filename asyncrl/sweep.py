@@ -8,7 +8,9 @@ initial weights, prompt order and sampling seeds, which is what makes the paired
 objectives at one staleness level meaningful. Seeds are the outer loop, so an interrupted sweep has
 complete grids for its first seeds. The sweep is resumable: a finished run (its ``summary.json`` says
 ``"finished": true``, i.e. it reached ``run.max_steps``, and the sweep recorded no failure) is not
-re-run; a failed, interrupted or incomplete one (stopped early, e.g. by ``run.max_wall_s``: ``asyncrl
+re-run (if the sweep now gives it other overrides than its marker recorded, e.g. after an edit of the
+sweep file, the sweep refuses to start rather than report it under settings it did not run with); a
+failed, interrupted or incomplete one (stopped early, e.g. by ``run.max_wall_s``: ``asyncrl
 run`` exits 0 then) is re-run from scratch. Only finished runs enter the report's statistics. The
 sweep file format is documented in ``configs/sweep_staleness.yaml`` and validated by
 :mod:`asyncrl.sweep_spec`; the report (statistics, csv, markdown, plots) is :mod:`asyncrl.sweep_report`.
@@ -69,6 +71,60 @@ def is_finished(run: SeedRun) -> bool:
     return _reached_max_steps(read_summary(run.dir)) and read_marker(run).get("status", "ok") == "ok"
 
 
+#: Overrides left out when a finished run's recorded overrides are compared with the current ones: where
+#: the run dir is (a sweep dir moved or reached by another path) and the progress display change no result.
+_LOCATION_KEYS = ("run.dir=", "run.progress=")
+
+
+def _compared(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith(_LOCATION_KEYS)]
+
+
+def changed_overrides(recorded: list[str], current: list[str]) -> str | None:
+    """How a finished run's recorded overrides differ from what the sweep would run now (None: same).
+
+    Compared as lists, location keys aside: a reordering can change the config too (the last one wins).
+    """
+    old, new = _compared(recorded), _compared(current)
+    if old == new:
+        return None
+    gone, added = [o for o in old if o not in new], [o for o in new if o not in old]
+    if not gone and not added:
+        return f"the same overrides in another order (was: {' '.join(old)})"
+    parts = [f"ran with {' '.join(gone)}"] if gone else []
+    parts += [f"now {' '.join(added)}"] if added else []
+    return "; ".join(parts)
+
+
+def check_finished_runs(spec: SweepSpec, runs: list[SeedRun]) -> None:
+    """Refuse to resume onto finished runs made with other overrides than the sweep gives them now.
+
+    A finished run is skipped, and reported as a run of the current sweep file; after an edit of, e.g.,
+    a common ``learner.lr`` it was silently reported under settings it never ran with. A run dir may be
+    shared by a second sweep file (configs/sweep_staleness_ladder.yaml): that is fine as long as the
+    overrides match. Markers from before the overrides were recorded cannot be checked: accepted as
+    before, with one warning.
+    """
+    unchecked = 0
+    for run in runs:
+        if not is_finished(run):
+            continue
+        recorded = read_marker(run).get("overrides")
+        if recorded is None:
+            unchecked += 1
+            continue
+        if diff := changed_overrides(recorded, spec.run_overrides(run)):
+            raise ConfigError(
+                f"sweep run {run.dir} finished with other overrides than this sweep gives it now ({diff}); "
+                f"it would be skipped and reported under the new settings. Run the changed sweep in a new dir "
+                f"(e.g. sweep.dir={spec.dir}-v2, or a new sweep.name where the file sets no sweep.dir), or put "
+                "the overrides back as they were"
+            )
+    if unchecked:
+        log.warning("sweep %s: %d finished runs have no recorded overrides (made by an older asyncrl); "
+                    "reused without checking them against the sweep file", spec.name, unchecked)  # fmt: skip
+
+
 def disk_status(run: SeedRun) -> str:
     """The status of a run the sweep did not run this time, from its dir: ok, incomplete (exited 0 but
     stopped before run.max_steps; a marker written before "incomplete" existed says ok), failed,
@@ -118,9 +174,10 @@ def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
         run.dir.rename(aside)
     run.dir.mkdir(parents=True)
     cmd = spec.command(run)
+    overrides = spec.run_overrides(run)  # what a resume checks this run against (check_finished_runs)
     grace_s = stop_grace_s(spec, run)
     started = time.time()
-    _write_marker(run, status="running", started=started, cmd=cmd)
+    _write_marker(run, status="running", started=started, cmd=cmd, overrides=overrides)
     proc: subprocess.Popen | None = None
     timed_out = False
     try:
@@ -139,7 +196,8 @@ def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
         if proc is not None:
             _stop(proc, grace_s)
             code = proc.returncode
-        _write_marker(run, status="interrupted", started=started, ended=time.time(), exit_code=code, cmd=cmd)
+        _write_marker(run, status="interrupted", started=started, ended=time.time(), exit_code=code, cmd=cmd,
+                      overrides=overrides)  # fmt: skip
         raise
     summary = read_summary(run.dir)
     if proc.returncode != 0 or timed_out:
@@ -150,7 +208,7 @@ def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
         status = "ok" if _reached_max_steps(summary) else "incomplete"
     _write_marker(run, status=status, started=started, ended=time.time(), exit_code=proc.returncode,
                   timed_out=timed_out, run_status=summary.get("status"), steps=summary.get("steps"),
-                  cmd=cmd)  # fmt: skip
+                  cmd=cmd, overrides=overrides)  # fmt: skip
     return status, proc.returncode
 
 
@@ -191,6 +249,7 @@ def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None
     spec.dir.mkdir(parents=True, exist_ok=True)
     spec.out_dir.mkdir(parents=True, exist_ok=True)
     runs = spec.runs()
+    check_finished_runs(spec, runs)  # before any run: an edited sweep must not mix old and new settings
     print(f"sweep {spec.name}: {len(spec.cells())} cells x {len(spec.seeds)} seeds in {spec.dir}", flush=True)
     statuses: dict[str, tuple[str, int | None]] = {}
     prev = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
