@@ -266,7 +266,10 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
                 status = "wall_budget"
                 break
             metrics.poll()
-            progress.update(list(metrics.recent), time.time() - start)
+            try:
+                progress.update(list(metrics.recent), time.time() - start)
+            except Exception as e:  # supervision boundary: a display bug must not fail the run
+                _display_failed(sup, e)
             try:
                 write_targets(rdir, cfg.run.name, buf.learner_status(), buf.actors())
             except Exception as e:  # Redis away (being restarted): the next pass catches up
@@ -309,6 +312,21 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
     if not finished:
         print(f"the run is not finished ({status}): run the same command again to resume it", flush=True)
     return 0
+
+
+def _display_failed(sup: Supervisor, e: Exception) -> None:
+    """The live display raised (a record it cannot format, a terminal gone): the run goes on without
+    that refresh; logged to supervision.log and the console once per kind, counted in the events."""
+    import traceback
+
+    what = f"display update failed: {type(e).__name__}: {e}"
+    if what not in sup.events:
+        sup.events.append(what)
+        detail = what + "\n" + "".join(traceback.format_exception(e)).rstrip()
+        try:
+            sup.note(detail)
+        except Exception:  # the console itself is what fails: supervision.log has it, stderr too
+            print(f"asyncrl run: {detail}", file=sys.stderr)
 
 
 def _note(progress: Any, rdir: Path, msg: str) -> None:

@@ -250,6 +250,8 @@ def _apply_override(merged: DictConfig, item: str) -> None:
             merged.merge_with_dotlist([item])
     except (ConfigKeyError, ConfigAttributeError) as e:
         raise _unknown_key(e) from None
+    except yaml.YAMLError as e:  # a value that is not YAML ('[0,,1]'): OmegaConf lets the parser's error out
+        raise ConfigError(f"{key}={raw!r}: not a YAML value: {_first_line(e)}") from None
     except OmegaConfBaseException as e:
         if dataclasses.is_dataclass(tp):
             raise ConfigError(

@@ -94,3 +94,24 @@ def test_learner_failing_past_its_restarts_stops_the_run_with_the_reason(tmp_pat
     sup.learner.wait(30)
     with pytest.raises(RunFailed, match="exited with code 0 at step 1"):
         sup.check()
+
+
+def test_a_failing_display_update_is_logged_once_and_never_raises(tmp_path, capsys) -> None:
+    """The run's live display is outside the run's work: a record it cannot format (before the console
+    fix, a "nan" eval from metrics.jsonl) must not fail the whole `asyncrl run`."""
+    from asyncrl.orchestrator import _display_failed
+
+    sup, notes = _sup(tmp_path)
+    for _ in range(3):
+        try:
+            f"{'nan':.3f}"
+        except ValueError as e:
+            _display_failed(sup, e)
+    assert len(notes) == 1 and "display update failed: ValueError" in notes[0] and "Traceback" in notes[0]
+
+    def broken(msg: str) -> None:
+        raise OSError("console gone")
+
+    sup.note = broken
+    _display_failed(sup, KeyError("eval_version"))  # the console itself fails: stderr, no raise
+    assert "display update failed: KeyError" in capsys.readouterr().err

@@ -43,6 +43,8 @@ def test_default_yaml_loads_and_overrides_apply():
         ("run.name=a b", "run.name='a b'"),
         ("actors.max_tokens=256", "actors.max_tokens=256 must be < model.max_model_len=256"),
         ("eval.max_tokens=1000", "eval.max_tokens=1000 must be < model.max_model_len=256"),
+        # A value that is not YAML: a yaml.ParserError traceback before.
+        ("learner.lr=[0,,1]", "learner.lr='[0,,1]': not a YAML value"),
     ],
 )
 def test_bad_values_fail_with_key_path(override, needle):
