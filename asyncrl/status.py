@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import time
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
+
+#: A status is a glance: a run whose Redis is gone (crashed, stopped) must say so in seconds, not after
+#: the roles' patient defaults (a learner rides out a Redis restart for redis.retry_budget_s).
+STATUS_SOCKET_TIMEOUT_S = 5.0
+STATUS_RETRY_BUDGET_S = 2.0
 
 
 def groups_per_version(cfg: Config) -> int:
@@ -15,17 +20,30 @@ def groups_per_version(cfg: Config) -> int:
 
 
 def collect_status(cfg: Config, url: str) -> dict:
+    """The run's buffer, actors and learner from its Redis; ConfigError if that Redis does not answer."""
+    import redis
+
     from asyncrl.buffer import ReplayBuffer
 
-    buf = ReplayBuffer.from_config(cfg, url)
     try:
-        stats = buf.stats()
-        # The bound of the buffer built from the config, i.e. the one admission enforces (per-version group
-        # count and adaptive staleness bound included), not one recomputed here from groups_per_step alone.
-        stats["bound"] = buf.admission_bound()
-        return {"buffer": stats, "actors": buf.actors(), "learner": buf.learner_status()}
-    finally:
-        buf.close()
+        buf = ReplayBuffer.from_config(
+            cfg, url, socket_timeout=STATUS_SOCKET_TIMEOUT_S, retry_budget_s=STATUS_RETRY_BUDGET_S
+        )
+        try:
+            stats = buf.stats()
+            # The bound of the buffer built from the config, i.e. the one admission enforces (per-version
+            # group count and adaptive staleness bound included), not one recomputed from groups_per_step.
+            stats["bound"] = buf.admission_bound()
+            return {"buffer": stats, "actors": buf.actors(), "learner": buf.learner_status()}
+        finally:
+            buf.close()
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        from asyncrl.launch import redact_url  # the URL may carry the Redis password
+
+        raise ConfigError(
+            f"no Redis answers at {redact_url(url)} ({e}): run {cfg.run.name} is not up. A run that crashed "
+            f"or was killed leaves its <run dir>/redis.url behind; start it again (asyncrl run) to see its status"
+        ) from None
 
 
 def format_status(cfg: Config, st: dict, now: float | None = None) -> str:

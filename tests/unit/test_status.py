@@ -110,3 +110,24 @@ def test_status_of_a_config_without_publish_every(run_name: str, redis_url: str)
             buf.delete_run()
     g, s = cfg.buffer.groups_per_step, cfg.buffer.max_staleness
     assert f"bound {(s + 1) * g}" in text and f"{g} groups per version" in text
+
+
+def test_status_of_a_run_whose_redis_is_gone_fails_fast_naming_it(cfg: Config):
+    """A crashed run leaves <run dir>/redis.url behind; `asyncrl status` waited ~120 s (the roles' retry
+    budget) on the closed port and then printed a traceback."""
+    import socket
+
+    from asyncrl.config import ConfigError
+
+    with socket.socket() as s:  # a port nothing listens on: bound, then released, never listened on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        print_status(cfg, url)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10.0, elapsed
+    msg = str(e.value)
+    assert msg.startswith(f"no Redis answers at redis://127.0.0.1:{port}/0 (") and "hunter2" not in msg
+    assert f"run {cfg.run.name} is not up" in msg and "redis.url" in msg
