@@ -35,6 +35,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from asyncrl.config import ConfigError
 from asyncrl.learner.records import METRICS_FILE, read_jsonl
 
 from .engine_fit import (
@@ -110,7 +111,9 @@ def measure(run_dir: str | Path, warmup: int | None = None) -> Measured:
     rdir = Path(run_dir)
     recs = read_jsonl(rdir / METRICS_FILE)
     if len(recs) < 3:
-        raise ValueError(f"{rdir / METRICS_FILE}: {len(recs)} learner steps; need at least 3 to measure")
+        # A user's input (an empty or just-started run dir), not a bug: ConfigError is reported without
+        # a traceback by the CLI.
+        raise ConfigError(f"{rdir / METRICS_FILE}: {len(recs)} learner steps; need at least 3 to measure")
     cfg = OmegaConf.load(rdir / "config.yaml")
     k = default_warmup(len(recs)) if warmup is None else warmup
     t0 = recs[k - 1]["time"] if k > 0 else recs[0]["time"] - recs[0]["step_s"]

@@ -23,16 +23,41 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from asyncrl.config import ConfigError
+
 from .calibrate import Measured, calibrate, calibrate_run, measure
 from .inputs import PlanInputs, load_plan_inputs
 from .simulate import PlanResult, simulate
 
-__all__ = ["plan_table", "run_plan"]
+__all__ = ["parse_staleness", "plan_table", "run_plan"]
 
 
 def plan_table(p: PlanInputs, etas: list[int]) -> list[tuple[int, PlanResult]]:
     """The simulator's steady state for each staleness bound (everything else as in ``p``)."""
     return [(eta, simulate(replace(p, max_staleness=eta))) for eta in etas]
+
+
+def parse_staleness(text: str) -> list[int]:
+    """``--staleness 0,1,4`` -> [0, 1, 4] (sorted, unique); ConfigError unless every value is an integer >= 0.
+
+    Checked here, not by PlanInputs (whose max_staleness >= 0 check these values bypass): a negative
+    bound would have the simulator admit nothing, forever.
+    """
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    if not vals:
+        raise ConfigError(
+            f"--staleness: {text!r} has no value; give comma-separated integers >= 0, e.g. 0,1,4"
+        )
+    out = set()
+    for v in vals:
+        try:
+            eta = int(v)
+        except ValueError:
+            eta = -1
+        if eta < 0:
+            raise ConfigError(f"--staleness: {v!r} is not an integer >= 0 (comma-separated, e.g. 0,1,4)")
+        out.add(eta)
+    return sorted(out)
 
 
 def _flat(p: Any, prefix: str = "") -> dict[str, Any]:
@@ -51,6 +76,7 @@ def run_plan(plan_file: str | None, run_dirs: list[str], staleness: str, overrid
     from rich.console import Console
     from rich.table import Table
 
+    etas_given = parse_staleness(staleness) if staleness else None  # before any run dir is read
     p = load_plan_inputs(plan_file)
     sources: dict[str, str] = {k: "plan file" if plan_file else "default" for k in _flat(p)}
     measured: dict[int, Measured] = {}
@@ -73,7 +99,7 @@ def run_plan(plan_file: str | None, run_dirs: list[str], staleness: str, overrid
         own = {eta: load_plan_inputs(None, overrides, base=q) for eta, q in own.items()}
         for item in overrides:
             sources[item.split("=", 1)[0]] = "command line"
-    etas = sorted({int(x) for x in staleness.split(",") if x.strip()}) if staleness else [p.max_staleness]
+    etas = etas_given or [p.max_staleness]
     rows = [(eta, simulate(replace(own.get(eta, p), max_staleness=eta))) for eta in etas]
     for eta in etas:
         origin.setdefault(eta, "fitted to all runs" if run_dirs else "the inputs above")

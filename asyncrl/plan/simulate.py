@@ -363,6 +363,8 @@ class _Sim(LearnerEvents):
 def simulate(p: PlanInputs) -> PlanResult:
     """Run the pipeline model for ``p.steps`` learner steps; steady-state numbers (see summarize),
     averaged over ``p.seeds`` simulations (seeds ``p.seed`` on)."""
+    if p.max_staleness < 0:  # no group could ever be admitted: the event loop would never reach p.steps
+        raise ValueError(f"max_staleness={p.max_staleness} must be >= 0")
     if p.seeds == 1:
         return summarize(p, _Sim(p).run())
     runs = [replace(p, seed=p.seed + i, seeds=1) for i in range(p.seeds)]

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -375,3 +376,40 @@ def test_learner_work_factors_are_each_steps_busy_time_over_its_expected_cost() 
     assert learner_work(steps, p) == pytest.approx([1.0, 1.0, 3.75, 0.3 / 0.18, 0.0], rel=1e-9)
     with pytest.raises(ConfigError, match="learner_work"):
         load_plan_inputs(overrides=["learner_work=[1.0,-1.0]"])
+
+
+@pytest.mark.parametrize(
+    "text, bad",
+    [("0,-1", "'-1'"), ("0,a", "'a'"), ("1.5", "'1.5'"), (",", "','"), ("0, ,x", "'x'")],
+)
+def test_staleness_list_refuses_anything_but_integers_ge_0(text: str, bad: str) -> None:
+    from asyncrl.plan.report import parse_staleness, run_plan
+
+    with pytest.raises(ConfigError, match=r"^--staleness: " + re.escape(bad)):
+        parse_staleness(text)
+    # What `asyncrl plan --staleness` calls: refused before any simulation (-1 never returned before).
+    with pytest.raises(ConfigError, match="--staleness"):
+        run_plan(None, [], text, ["steps=20", "warmup_steps=5"])
+
+
+def test_staleness_list_parses_sorted_unique() -> None:
+    from asyncrl.plan.report import parse_staleness
+
+    assert parse_staleness(" 4,0, 1,4 ,") == [0, 1, 4]
+
+
+def test_simulate_refuses_a_negative_bound_instead_of_spinning() -> None:
+    p = load_plan_inputs(None, ["steps=20", "warmup_steps=5"])
+    with pytest.raises(ValueError, match="max_staleness=-1"):
+        simulate(replace(p, max_staleness=-1))
+
+
+def test_plan_from_a_run_dir_without_steps_is_a_user_error(tmp_path: Path) -> None:
+    """`asyncrl plan --from EMPTY_DIR`: one `asyncrl: error:` line and exit 2, not a traceback and 1."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(ConfigError, match="1 learner steps; need at least 3 to measure"):
+        measure(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plan", "--from", str(tmp_path / "none")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().endswith("metrics.jsonl: 0 learner steps; need at least 3 to measure")
