@@ -276,8 +276,17 @@ def main(argv: list[str] | None = None) -> int:
             return print_status(cfg, _redis_url(cfg, rdir))
         # Both build model/ in the run dir (resolve_model_path): a resume under a changed config is refused
         # first, before redis.url is filled in (the saved config holds the one it was started with).
-        for line in check_resume(cfg, rdir, args.allow_changes):
+        changes = check_resume(cfg, rdir, args.allow_changes)
+        for line in changes:
             print(f"asyncrl {args.cmd}: {line}", file=sys.stderr, flush=True)
+        if args.cmd == "learn" and (changes or not (rdir / "config.yaml").exists()):
+            # The run's config, as `asyncrl run` saves it: a learner started on its own (split roles)
+            # left none, and export, eval, plan --from and the next resume's check all read it. Before
+            # redis.url is filled in, so the saved config matches what `asyncrl run` writes; redacted.
+            from asyncrl.launch import redacted
+
+            rdir.mkdir(parents=True, exist_ok=True)
+            (rdir / "config.yaml").write_text(to_yaml(redacted(cfg)))
         cfg.redis.url = _redis_url(cfg, rdir)
         if args.cmd == "serve-actors":
             from asyncrl.actors.pool import serve_actors

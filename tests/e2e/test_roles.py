@@ -77,5 +77,13 @@ def test_serve_actors_and_learn_as_two_processes_on_policy(tmp_path):
         assert r["dropped_stale"] == 0
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-4), "on-policy, fp32: ratio 1 at every step"
     assert all(info["version"] >= STEPS - 1 for info in heartbeats.values()), heartbeats
+    # The learner started on its own saved the run's config (redacted), as `asyncrl run` does: export,
+    # eval, plan --from and a resume's config check read it (before: "not a run directory").
+    from asyncrl.cli import main
+
+    saved = (rdir / "config.yaml").read_text()
+    assert f"name: {name}" in saved and "max_staleness: 0" in saved
+    assert main(["export", str(rdir), str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "model.safetensors").exists()
     left = wait_no_orphans(marker)
     assert not left, "processes left behind:\n" + "\n".join(left)
