@@ -20,7 +20,17 @@ hard bound). Every decision is logged, appended to ``<run_dir>/staleness_bound.j
 as the ``asyncrl_buffer_staleness_bound_steps`` gauge (buffer stats).
 
 :class:`StalenessController` is the pure decision logic (unit-tested); :func:`install` wires it to
-the buffer and the run dir. A resumed learner restarts the controller from its start bound.
+the buffer and the run dir.
+
+Resume: the controller's state (:meth:`StalenessController.state`: the bound, the records of the
+window so far, the fresh-bucket KL, the last step it saw) travels in the learner's checkpoint
+(``LearnerState.adaptive``). A resumed learner restores it and writes the *restored* bound to Redis,
+not the start bound, so a bound lowered for a bad ESS stays lowered across a crash. The checkpoint of
+step ``s`` is taken before step ``s``'s record reaches the callbacks, so :func:`install` feeds the
+controller the records of the steps after its last one up to ``s`` again from ``metrics.jsonl``
+(which keeps steps <= ``s``); ``staleness_bound.jsonl`` loses the decisions of the steps the resume
+discarded. The resumed controller then decides exactly as an uninterrupted one would. A checkpoint
+without the state (adaptive off, or an older asyncrl) restarts the controller from its start bound.
 """
 
 from __future__ import annotations
@@ -28,12 +38,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Decision", "StalenessController", "install", "staleness_drift", "BOUND_LOG"]
+from asyncrl.learner.records import METRICS_FILE, read_jsonl
+
+__all__ = ["AdaptiveBound", "Decision", "StalenessController", "install", "staleness_drift", "truncate_log",
+           "BOUND_LOG"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 BOUND_LOG = "staleness_bound.jsonl"
@@ -63,12 +77,14 @@ class StalenessController:
         self.bound = max_staleness if start < 0 else min(max(start, min_bound), max_staleness)
         self.every_steps, self.target_idle = every_steps, target_idle
         self.min_ess, self.max_drift_kl = min_ess, max_drift_kl
-        self._window: list[Mapping[str, Any]] = []
+        self._window: list[dict[str, Any]] = []  # the window so far, as _compact records
         self._fresh_kl: float | None = None  # the s = 0 bucket's mean of the last window that had one
+        self.last_step = 0  # the step of the last record observed (0: none)
 
     def observe(self, rec: Mapping[str, Any]) -> Decision | None:
         """Take one step record; every ``every_steps`` records, decide and return the decision."""
-        self._window.append(rec)
+        self._window.append(_compact(rec))
+        self.last_step = self._window[-1]["step"]
         if len(self._window) < self.every_steps:
             return None
         win, self._window = self._window, []
@@ -96,6 +112,34 @@ class StalenessController:
         if self.bound == prev and want != prev:
             reason = "at limit"
         return Decision(int(win[-1].get("step", 0)), self.bound, prev, reason, idle, ess, kl)
+
+    def state(self) -> dict[str, Any]:
+        """Everything its next decisions depend on besides the config, JSON-safe (a checkpoint's)."""
+        return {"bound": self.bound, "window": [dict(r, drift_kl=dict(r["drift_kl"])) for r in self._window],
+                "fresh_kl": self._fresh_kl, "step": self.last_step}  # fmt: skip
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state`'s output. A bound outside this config's ``[min_bound,
+        max_staleness]`` (the config changed across the resume) is clipped into it."""
+        bound = int(state["bound"])
+        self.bound = min(max(bound, self.min_bound), self.max_staleness)
+        if self.bound != bound:
+            log.warning("adaptive staleness: the restored bound %d is outside [%d, %d]: clipped to %d",
+                        bound, self.min_bound, self.max_staleness, self.bound)  # fmt: skip
+        self._window = [_compact(r) for r in state.get("window", [])]
+        fresh = state.get("fresh_kl")
+        self._fresh_kl = None if fresh is None else float(fresh)
+        self.last_step = int(state.get("step", 0))
+
+
+def _compact(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a step record a decision reads, JSON-safe; a value the decision skips (a non-finite
+    ESS or bucket KL: "nan" strings from metrics.jsonl too) is left out the same way (None / absent)."""
+    ess = rec.get("ess")
+    ess = float(ess) if ess is not None and math.isfinite(float(ess)) else None
+    kl = {str(int(k)): float(v) for k, v in (rec.get("drift_kl") or {}).items() if math.isfinite(float(v))}
+    return {"step": int(rec.get("step", 0)), "step_s": float(rec.get("step_s", 0.0)),
+            "wait_s": float(rec.get("wait_s", 0.0)), "ess": ess, "drift_kl": kl}  # fmt: skip
 
 
 def bucket_means(win: list[Mapping[str, Any]]) -> dict[int, float]:
@@ -130,8 +174,52 @@ def _drift(means: Mapping[int, float], fresh: float | None) -> float | None:
     return max(max(stale) - base, 0.0) if stale else None
 
 
-def install(cfg: Any, buffer: Any, run_dir: Path) -> Callable[[Any], None] | None:
+class AdaptiveBound:
+    """The learner's on-step callback (rank 0): feeds the controller each record, writes a moved bound
+    to Redis and every decision to ``staleness_bound.jsonl``; :meth:`state` goes into the checkpoint."""
+
+    def __init__(self, ctrl: StalenessController, buffer: Any, path: Path) -> None:
+        self.ctrl, self.buffer, self.path = ctrl, buffer, path
+
+    def __call__(self, rec: Any) -> None:
+        d = self.ctrl.observe(asdict(rec) if is_dataclass(rec) else rec)
+        if d is None:
+            return
+        if d.bound != d.previous:
+            self.buffer.set_staleness_bound(d.bound)
+            log.info("adaptive staleness: bound %d -> %d at step %d (%s: idle %.2f, ess %s, drift_kl %s)",
+                     d.previous, d.bound, d.step, d.reason, d.idle_frac, d.ess, d.drift_kl)  # fmt: skip
+        with self.path.open("a") as f:
+            f.write(json.dumps(asdict(d)) + "\n")
+
+    def state(self) -> dict[str, Any]:
+        return self.ctrl.state()
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop the decisions of steps > ``step`` from the decision log (steps a resume discarded; they are
+    decided again), rewriting it atomically; a torn last line from a kill goes too."""
+    if not path.exists():
+        return
+    rows = read_jsonl(path)
+    keep = [r for r in rows if int(r.get("step", 0)) <= step]
+    text = path.read_text()
+    if len(keep) == len(rows) and text.count("\n") == len(rows) and (not text or text.endswith("\n")):
+        return
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)
+
+
+def install(
+    cfg: Any, buffer: Any, run_dir: Path, saved: Mapping[str, Any] | None = None, step: int = 0
+) -> AdaptiveBound | None:
     """Set up the bound in Redis for this run and return the learner's on-step callback (None = off).
+
+    ``saved``, ``step``: the controller state of the checkpoint the learner restored
+    (``LearnerState.adaptive``) and its step (0 and None on a fresh start). Call it after the
+    checkpoint is loaded and ``metrics.jsonl`` truncated to ``step``: the bound written to Redis is the
+    restored one (the start bound without a state), and the decision log keeps no steps past ``step``.
 
     Off: any bound a previous run of this name left in Redis is removed, so admission uses
     ``max_staleness`` exactly as configured.
@@ -143,21 +231,28 @@ def install(cfg: Any, buffer: Any, run_dir: Path) -> Callable[[Any], None] | Non
     ctrl = StalenessController(cfg.buffer.max_staleness, min_bound=ac.min_bound, start=ac.start,
                                every_steps=ac.every_steps, target_idle=ac.target_idle, min_ess=ac.min_ess,
                                max_drift_kl=ac.max_drift_kl)  # fmt: skip
+    run_dir = Path(run_dir)
+    adapt = AdaptiveBound(ctrl, buffer, run_dir / BOUND_LOG)
+    replay: list[dict[str, Any]] = []
+    if saved is not None:
+        ctrl.restore(saved)
+        # Records the checkpoint was taken before (its own step's, normally): fed again below.
+        by_step = {int(r.get("step", 0)): r for r in read_jsonl(run_dir / METRICS_FILE)}
+        replay = [by_step[s] for s in range(ctrl.last_step + 1, step + 1) if s in by_step]
+        if len(replay) < step - ctrl.last_step:
+            log.warning("adaptive staleness: metrics.jsonl lacks records of steps %d-%d (killed between the "
+                        "checkpoint and its record): the controller goes on without them",
+                        ctrl.last_step + 1, step)  # fmt: skip
+        log.info("adaptive staleness: admission bound restored to %d from the checkpoint of step %d "
+                 "(max_staleness %d)", ctrl.bound, step, ctrl.max_staleness)  # fmt: skip
+    elif step > 0:
+        log.info("adaptive staleness: the checkpoint of step %d carries no controller state (adaptive was "
+                 "off, or an older asyncrl): the bound restarts at %d", step, ctrl.bound)  # fmt: skip
+    else:
+        log.info("adaptive staleness: admission bound starts at %d (max_staleness %d)",
+                 ctrl.bound, ctrl.max_staleness)  # fmt: skip
+    truncate_log(adapt.path, min(ctrl.last_step, step) if saved is not None else step)
     buffer.set_staleness_bound(ctrl.bound)
-    path = Path(run_dir) / BOUND_LOG
-    log.info(
-        "adaptive staleness: admission bound starts at %d (max_staleness %d)", ctrl.bound, ctrl.max_staleness
-    )
-
-    def on_step(rec: Any) -> None:
-        d = ctrl.observe(asdict(rec) if is_dataclass(rec) else rec)
-        if d is None:
-            return
-        if d.bound != d.previous:
-            buffer.set_staleness_bound(d.bound)
-            log.info("adaptive staleness: bound %d -> %d at step %d (%s: idle %.2f, ess %s, drift_kl %s)",
-                     d.previous, d.bound, d.step, d.reason, d.idle_frac, d.ess, d.drift_kl)  # fmt: skip
-        with path.open("a") as f:
-            f.write(json.dumps(asdict(d)) + "\n")
-
-    return on_step
+    for rec in replay:
+        adapt(rec)
+    return adapt

@@ -3,7 +3,8 @@
 Layout (``<run_dir>/checkpoints``)::
 
     step00000010/            DeepSpeed checkpoint (tag) of every rank: module, optimizer (ZeRO shards)
-    step00000010/learner_state.json   step, version, consumer, counters, ids of the groups it includes
+    step00000010/learner_state.json   step, version, consumer, counters, ids of the groups it includes,
+                                      the adaptive staleness controller's state
     step00000010/rng_rank{r}.json     torch / numpy / python RNG states of rank r
     latest.json              {"tag", "step", "version"}: written LAST (tmp + rename + fsync)
 
@@ -79,6 +80,11 @@ class LearnerState:
     # (publish_every > 1, publish_policy=taken, a final save on stop). -1 = not recorded (a checkpoint
     # of an older asyncrl): step % publish_every, as those assumed.
     since_publish: int = -1
+    # The adaptive staleness controller's state (asyncrl.learner.adaptive.StalenessController.state:
+    # its bound, the window so far, the fresh-bucket KL, its last step), restored on resume so the bound
+    # in Redis does not snap back to its start value. None = adaptive off, or a checkpoint of an older
+    # asyncrl: the controller restarts from buffer.adaptive.start.
+    adaptive: dict[str, Any] | None = None
     world_size: int = 1
     created: float = 0.0
 

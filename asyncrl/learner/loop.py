@@ -153,9 +153,7 @@ def learn(
         pad_id = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
         trainer = Trainer(cfg, le, ref, int(pad_id))
         r0 = Rank0(cfg, run_dir, model_path, le.dtype_name) if rank == 0 else None
-        if r0 is not None:  # the adaptive admission bound: set (or cleared) in Redis, moved after steps
-            adapt = adaptive.install(cfg, r0.buffer, run_dir)
-            callbacks += [adapt] if adapt is not None else []
+        adapt: adaptive.AdaptiveBound | None = None  # rank 0's adaptive admission bound (installed below)
 
         if not resume and rank == 0 and (r0.published_max() >= 0 or read_latest(run_dir) is not None):
             raise RuntimeError(
@@ -179,6 +177,10 @@ def learn(
             if skipped:
                 _credit_lost(r0, state.consumer, state.step, max(s.step for s in skipped))
             r0.writer.truncate_after(state.step)
+            # The adaptive admission bound: set (or cleared) in Redis, moved after steps. Restored from the
+            # checkpoint (after metrics.jsonl is truncated: it re-reads the checkpoint step's record).
+            adapt = adaptive.install(cfg, r0.buffer, run_dir, state.adaptive, state.step)
+            callbacks += [adapt] if adapt is not None else []
             pub = r0.published_max()
             if pub < state.version or (pub == state.version and not r0.publisher.usable(state.version)):
                 # The restored weights are V_c's only if no step followed its publication.
@@ -268,7 +270,7 @@ def learn(
             due = state.step % cfg.learner.checkpoint_every == 0 or (max_steps and state.step >= max_steps)
             if due:
                 state.since_publish = since_publish
-                _checkpoint(le, r0, run_dir, state, counters, pending_ids, pending_groups)
+                _checkpoint(le, r0, run_dir, state, counters, pending_ids, pending_groups, adapt)
             if r0 is not None:
                 rec = _record(cfg, state, res, groups, batch, counters, start_time, t_step, train_s,
                               publish_s, published, bool(due), trainer.lr_now())  # fmt: skip
@@ -294,7 +296,7 @@ def learn(
             need = bool(pending_ids)
         if need:
             state.since_publish = since_publish
-            _checkpoint(le, r0, run_dir, state, counters, pending_ids, pending_groups)
+            _checkpoint(le, r0, run_dir, state, counters, pending_ids, pending_groups, adapt)
         if r0 is not None:
             r0.buffer.set_learner_status({"step": state.step, "version": state.version,
                                           "time": time.time() - start_time, "state": "stopped"})  # fmt: skip
@@ -360,8 +362,10 @@ def _checkpoint(
     counters: dict[str, float],
     pending_ids: list[str],
     pending_groups: list[str],
+    adapt: adaptive.AdaptiveBound | None,
 ) -> None:
     """Commit a checkpoint (collective), then acknowledge what it includes (rank 0)."""
+    state.adaptive = adapt.state() if adapt is not None else None
     state.entry_ids = list(pending_ids)
     state.group_ids = list(pending_groups)
     state.trained_ids = r0.ledger.ids() if r0 is not None else []
