@@ -86,7 +86,18 @@ BUFFER_METRICS: tuple[Metric, ...] = (
         "pending",
     ),
     Metric(
-        "asyncrl_buffer_dead_letters_groups", "gauge", "Malformed records in the dead-letter stream.", "dead"
+        "asyncrl_buffer_dead_letters_groups",
+        "gauge",
+        "Records in the dead-letter stream (trimmed at about 10000 records, so it stops growing: "
+        "count dead letters with asyncrl_buffer_dead_letters_total).",
+        "dead",
+    ),
+    Metric(
+        "asyncrl_buffer_dead_letters_total",
+        "counter",
+        "Dead letters written since the run started (malformed, over-delivered or abandoned groups); "
+        "kept in Redis, so it does not reset when the learner restarts.",
+        "dead_total",
     ),
     Metric(
         "asyncrl_buffer_admitted_groups", "gauge", "Groups admitted so far (admission counter).", "admitted"

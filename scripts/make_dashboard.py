@@ -107,7 +107,11 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("credits", "asyncrl_buffer_credits_groups"),
             ("version skew (learner forks)", "asyncrl_buffer_version_skew_versions"),
         ]),
-        ("Dead letters", "short", [("dead letters", "asyncrl_buffer_dead_letters_groups")]),
+        ("Dead letters", "short", [
+            # the stream is trimmed at about 10000 records: its length stops growing, the counter does not
+            ("new in 10 min", "max by (run) (increase(asyncrl_buffer_dead_letters_total[10m]))"),
+            ("in the stream", "asyncrl_buffer_dead_letters_groups"),
+        ]),
     ]),
     ("Weight sync", [
         ("Policy version", "short", [

@@ -58,12 +58,14 @@ DEAD_MAXLEN = 10_000
 DEAD_DATA_LIMIT = 64 * 1024
 
 
-# KEYS: rollouts, credits, dead. ARGV: consumer group, time, dead maxlen, admission channel, then per
+# KEYS: rollouts, credits, dead, dead_total. ARGV: consumer group, time, dead maxlen, admission channel, then per
 # entry the four values id, reason ('' = no dead letter), data, size. Acknowledges and deletes every
-# entry; only the entries this call acknowledged (were pending) get a dead letter and a credit, so a
-# repeat of the same call changes nothing. Returns how many were acknowledged (= credited).
+# entry; only the entries this call acknowledged (were pending) get a dead letter (counted in dead_total:
+# the stream is trimmed, the count is not) and a credit, so a repeat of the same call changes nothing.
+# Returns how many were acknowledged (= credited).
 DROP_LUA = f"""
 local n = 0
+local dead = 0
 for i = 5, #ARGV, 4 do
   local id = ARGV[i]
   if redis.call('XACK', KEYS[1], ARGV[1], id) == 1 then
@@ -71,9 +73,13 @@ for i = 5, #ARGV, 4 do
     if ARGV[i + 1] ~= '' then
       redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'id', id, 'reason', ARGV[i + 1],
                  'data', ARGV[i + 2], 'size', ARGV[i + 3], 'time', ARGV[2])
+      dead = dead + 1
     end
   end
   redis.call('XDEL', KEYS[1], id)
+end
+if dead > 0 then
+  redis.call('INCRBY', KEYS[4], dead)
 end
 if n > 0 then
   redis.call('INCRBY', KEYS[2], n)
@@ -360,7 +366,7 @@ class StreamConsumer:
         args: list[Any] = [self.group_name, repr(time.time()), DEAD_MAXLEN, k.admission_channel]
         for entry_id, reason, data in rows:
             args += [entry_id, reason, data[:DEAD_DATA_LIMIT], len(data)]
-        return int(self._drop_script(keys=[k.rollouts, k.credits, k.dead], args=args))
+        return int(self._drop_script(keys=[k.rollouts, k.credits, k.dead, k.dead_total], args=args))
 
     def pending_of(self, consumer: str, entry_ids: Iterable[str]) -> set[str]:
         """The ``entry_ids`` still pending to ``consumer`` (delivered, never acknowledged): its next

@@ -10,6 +10,7 @@ key                                 type    contents
 ==================================  ======  ================================================
 ``asyncrl:{R}:rollouts``            stream  field ``g`` = msgpack :class:`Group` (records.py)
 ``asyncrl:{R}:dead``                stream  dead letters: ``id``, ``reason``, ``data``, ``time``
+``asyncrl:{R}:dead_total``          string  dead letters written since the run started (int; the stream is capped)
 ``asyncrl:{R}:version``             string  current learner policy version V (int, unset = 0)
 ``asyncrl:{R}:admitted``            string  groups admitted since the run started (int)
 ``asyncrl:{R}:credits``             string  groups the learner dropped, returned to admission
@@ -77,6 +78,11 @@ class Keys:
         return self._k("dead")
 
     @property
+    def dead_total(self) -> str:
+        """Dead letters ever written (incremented with each XADD to :attr:`dead`, which is capped)."""
+        return self._k("dead_total")
+
+    @property
     def version(self) -> str:
         return self._k("version")
 
@@ -142,6 +148,7 @@ class Keys:
         return [
             self.rollouts,
             self.dead,
+            self.dead_total,
             self.version,
             self.admitted,
             self.credits,

@@ -50,7 +50,7 @@ end
 return ids
 """
 
-# KEYS: credits, inflight, dedup, dead. ARGV: owner ('' = none), dedup ttl, group id, reason, time, dead maxlen,
+# KEYS: credits, inflight, dedup, dead, dead_total. ARGV: owner ('' = none), dedup ttl, group id, reason, time, dead maxlen,
 # admission channel.
 # An actor gives up a group it was admitted for (its reward failed): credit, in-flight tally, dead letter,
 # once per group id (shares the dedup key of ``credit(request_id=group_id)``). Returns 1, or 0 if repeated.
@@ -65,6 +65,7 @@ end
 redis.call('SET', KEYS[3], '1', 'EX', tonumber(ARGV[2]))
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'id', ARGV[3], 'reason', ARGV[4], 'data', '',
            'size', 0, 'time', ARGV[5])
+redis.call('INCR', KEYS[5])
 {wake_lua("ARGV[7]", "credit")}
 return 1
 """
@@ -159,7 +160,7 @@ class StreamProducer:
         try:
             return bool(
                 self._abandon_script(
-                    keys=[k.credits, k.inflight, dedup, k.dead],
+                    keys=[k.credits, k.inflight, dedup, k.dead, k.dead_total],
                     args=[
                         owner or "",
                         DEDUP_TTL_S,

@@ -225,18 +225,19 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
         self._release_pool(keys=[self.keys.pool_lease(n)], args=[token])
 
     def stats(self) -> dict[str, Any]:
-        """depth (stream length), pending, dead, admitted, credits, version, bound and staleness_bound
-        (the staleness admission applies: max_staleness or the adaptive bound; both None when the
-        buffer was opened without admission settings), version_skew (the learner's forks and
+        """depth (stream length), pending, dead (the dead-letter stream's length: trimmed at about
+        DEAD_MAXLEN), dead_total (dead letters ever written: never trimmed), admitted, credits, version,
+        bound and staleness_bound (the staleness admission applies: max_staleness or the adaptive bound;
+        both None when the buffer was opened without admission settings), version_skew (the learner's forks and
         unpublished steps, admission.py)."""
         k = self.keys
         pipe = self._client.pipeline(transaction=True)
         pipe.xlen(k.rollouts)
         pipe.xpending(k.rollouts, self.group_name)
         pipe.xlen(k.dead)
-        for key in (k.version, k.admitted, k.credits, k.staleness_bound, k.version_skew):
+        for key in (k.dead_total, k.version, k.admitted, k.credits, k.staleness_bound, k.version_skew):
             pipe.get(key)  # GETs, not MGET: a cluster pipeline refuses MGET (same slot and MULTI, so atomic)
-        depth, pending, dead, version, admitted, credits, adaptive, skew = pipe.execute()
+        depth, pending, dead, dead_total, version, admitted, credits, adaptive, skew = pipe.execute()
         version, admitted, credits = int(version or 0), int(admitted or 0), int(credits or 0)
         bound = eta = None
         if self._max_staleness is not None and self._groups_per_step is not None:
@@ -248,6 +249,7 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
             # (a cluster pipeline returns XPENDING's summary unparsed: [count, min, max, consumers])
             "pending": int(pending["pending"] if isinstance(pending, dict) else pending[0]),
             "dead": int(dead),
+            "dead_total": int(dead_total or 0),
             "admitted": admitted,
             "credits": credits,
             "version": version,

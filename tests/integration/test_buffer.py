@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 import redis
+from prometheus_client import CollectorRegistry, generate_latest
 
 from asyncrl.buffer import (
     EmbeddedRedis,
@@ -22,6 +23,8 @@ from asyncrl.buffer import (
 )
 from asyncrl.buffer.admission import admission_bound_formula, slot_version
 from asyncrl.buffer.connection import redis_options as _redis_options
+from asyncrl.buffer.consumer import DEAD_MAXLEN
+from asyncrl.metrics_export import LearnerExporter, learner_collectors
 from tests.conftest import small_group
 
 
@@ -582,3 +585,33 @@ def test_a_registry_entry_that_does_not_parse_is_refused_and_older_versions_stil
     (d / "model.safetensors").write_bytes(b"\3" * 100)
     buffer.publish_weights(build_manifest(3, d, "float32"))
     assert watcher._scan_manifests(0, {(3, UNREADABLE)})[0].version == 3
+
+
+def test_dead_letter_counter_counts_every_dead_letter_past_the_streams_cap(buffer, redis_client):
+    """The dead-letter stream is trimmed at about DEAD_MAXLEN, so its length stops growing (and drops at
+    each trim): stats()["dead_total"] (exported as asyncrl_buffer_dead_letters_total) counts every dead
+    letter ever written, by both writers (the consumer's and an actor's abandon), and a repeat of an
+    idempotent dead letter counts nothing."""
+    bad = DEAD_MAXLEN + 250
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(bad):  # a foreign producer writing garbage
+        pipe.xadd(buffer.keys.rollouts, {b"g": b"\x00not msgpack %d" % i})
+    pipe.execute()
+    while buffer.read("c", 1000, block_ms=0):
+        pass
+    for i in range(7):
+        assert buffer.abandon(f"g-{i}", "actor-0", "reward raised")
+    assert not buffer.abandon("g-0", "actor-0", "reward raised")  # a repeat: no second dead letter
+    first = redis_client.xrange(buffer.keys.dead, count=1)[0]
+    assert buffer.dead_letter([(first[1][b"id"].decode(), "again", b"")]) == 0  # already acknowledged
+
+    s = buffer.stats()
+    assert s["dead_total"] == bad + 7
+    assert s["dead"] < bad + 7  # the stream was trimmed: its length undercounts
+    assert s["depth"] == s["pending"] == 0
+
+    registry = CollectorRegistry(auto_describe=False)
+    for c in learner_collectors(LearnerExporter(max_staleness=1), buffer.stats):
+        registry.register(c)
+    body = generate_latest(registry).decode()
+    assert f"asyncrl_buffer_dead_letters_total {float(bad + 7)}" in body.splitlines()
