@@ -173,11 +173,30 @@ class ThreadSafeStats(dict):
                     for k, v in self.items()}  # fmt: skip
 
 
+#: The learner's counters (the snapshot keys of the ``counter`` entries of LEARNER_METRICS) -> the step
+#: record's per-step field that adds to them (None: one per record). A record's ``*_total`` fields and
+#: ``step`` are run-wide (restored from the checkpoint on resume); a Prometheus counter counts what its
+#: process did, from 0. Summing the per-step fields is exact: asyncrl.learner.loop adds exactly these
+#: fields to the run-wide totals, one record per step (a redone step after a resume counts again).
+PROCESS_COUNTERS: dict[str, str | None] = {
+    "step": None,
+    "tokens_total": "tokens",
+    "groups_total": "groups",
+    "wait_s_total": "wait_s",
+    "dropped_stale_total": "dropped_stale",
+    "skipped_nonfinite": "skipped",
+}
+
+
 class LearnerExporter:
     """Mirrors the learner's step records (an ``on_step`` callback) into a scrape snapshot.
 
     Per-step fields are exported as last values; step and publish times and per-token staleness are
-    accumulated into histograms here, because a record only describes one step.
+    accumulated into histograms here, because a record only describes one step. Counters count this
+    learner process's steps from 0 (:data:`PROCESS_COUNTERS`), not the run-wide totals of the records
+    (those stay in metrics.jsonl): a resumed learner exporting its restored totals made Prometheus
+    count the whole run again as new increase (rates doubled, AsyncrlNonfiniteSkips fired after every
+    resume of a run that ever skipped a step). A restart is a counter reset, which rate() handles.
     """
 
     def __init__(self, max_staleness: int = 0):
@@ -190,6 +209,7 @@ class LearnerExporter:
         # (time() - this > 600) fire during every learner start-up and restart (checkpoint load, DeepSpeed).
         self.stats["step_time"] = time.time()
         self.stats["waiting_since"] = 0.0
+        self.counts: dict[str, float] = dict.fromkeys(PROCESS_COUNTERS, 0)
 
     def waiting(self, since: float) -> None:
         """The learner loop's ``on_wait``: unix time it began waiting for a batch, 0.0 once it has one."""
@@ -209,10 +229,12 @@ class LearnerExporter:
                 self.stats["publish_s"].observe(float(d.get("publish_s", 0.0)))
             for value, n in (d.get("staleness_hist") or {}).items():
                 self.stats["staleness_hist"].observe(float(value), int(n))
+            for key, field in PROCESS_COUNTERS.items():
+                self.counts[key] += 1 if field is None else float(d.get(field, 0) or 0)
 
     def snapshot(self) -> dict:
         with self.stats.lock:
-            return dict(self.stats)
+            return {**self.stats, **self.counts}
 
 
 def learner_collectors(

@@ -1,0 +1,70 @@
+"""The learner's /metrics as Prometheus reads it: counters of this process, eval gauges only once an eval
+exists, and its own series served while the buffer's Redis is away."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from asyncrl.learner.records import StepRecord
+from asyncrl.metrics import LEARNER_METRICS
+from asyncrl.metrics_export import LearnerExporter, learner_collectors
+
+
+def _values(exporter: LearnerExporter) -> dict[str, float]:
+    """Name -> value of every unlabelled learner series in one scrape of the exporter."""
+    (col, _buf) = learner_collectors(exporter, dict)
+    return {s.name: s.value for fam in col.collect() for s in fam.samples if not s.labels}
+
+
+#: Exposed name -> snapshot key of every learner counter (each declared name ends in _total).
+COUNTERS = {m.name: m.key for m in LEARNER_METRICS if m.kind == "counter"}
+
+
+def test_every_learner_counter_has_a_per_step_source_in_the_step_record() -> None:
+    from asyncrl.metrics_export import PROCESS_COUNTERS
+
+    fields = {f.name for f in dataclasses.fields(StepRecord)}
+    assert set(COUNTERS.values()) == set(PROCESS_COUNTERS)
+    assert {f for f in PROCESS_COUNTERS.values() if f is not None} <= fields
+
+
+def test_a_resumed_learner_exports_counts_of_its_own_process_from_zero() -> None:
+    """A learner restored at step 40 with run-wide totals (3183 tokens, 12.5 s waited, 3 stale drops,
+    1 non-finite skip) exports 0 for every counter until it steps, then only what it did: restored
+    totals exported as counters made Prometheus count the whole run again as new increase."""
+    restored = {"step": 40, "tokens_total": 3183, "groups_total": 80, "wait_s_total": 12.5,
+                "dropped_stale_total": 3, "skipped_nonfinite": 1}  # fmt: skip
+    exporter = LearnerExporter(max_staleness=1)
+    first = _values(exporter)
+    assert {name: first[name] for name in COUNTERS} == dict.fromkeys(COUNTERS, 0.0)
+
+    totals = dict(restored)
+    steps = [  # (tokens, groups, wait_s, dropped_stale, skipped)
+        (120, 2, 0.25, 0, 0),
+        (96, 2, 1.5, 2, 1),
+        (130, 2, 0.0, 1, 0),
+    ]
+    for tokens, groups, wait_s, dropped, skipped in steps:
+        totals["step"] += 1
+        totals["tokens_total"] += tokens
+        totals["groups_total"] += groups
+        totals["wait_s_total"] += wait_s
+        totals["dropped_stale_total"] += dropped
+        totals["skipped_nonfinite"] += skipped
+        exporter(StepRecord(step=totals["step"], tokens=tokens, groups=groups, wait_s=wait_s,
+                            dropped_stale=dropped, skipped=skipped, tokens_total=totals["tokens_total"],
+                            groups_total=totals["groups_total"], wait_s_total=totals["wait_s_total"],
+                            dropped_stale_total=totals["dropped_stale_total"],
+                            skipped_nonfinite=totals["skipped_nonfinite"]))  # fmt: skip
+    got = _values(exporter)
+    assert got["asyncrl_learner_steps_total"] == 3
+    assert got["asyncrl_learner_trained_tokens_total"] == 346
+    assert got["asyncrl_learner_trained_groups_total"] == 6
+    assert got["asyncrl_learner_wait_seconds_total"] == 1.75
+    assert got["asyncrl_learner_dropped_stale_total"] == 3
+    assert got["asyncrl_learner_nonfinite_skips_total"] == 1
+    # Exactly the run-wide totals' increase since the restore, for every counter.
+    for name, key in COUNTERS.items():
+        assert got[name] == totals[key] - restored[key], name
+    # The run-wide totals stay what the gauges and metrics.jsonl say: the record is not changed.
+    assert exporter.stats["tokens_total"] == totals["tokens_total"] == 3529
