@@ -94,7 +94,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("entropy", "asyncrl_learner_entropy_nats"),
             ("grad norm", "asyncrl_learner_grad_norm"),
         ]),
-        ("Non-finite skips", "short", [("skips", "asyncrl_learner_nonfinite_skips_total")]),
+        # a counter restarts at 0 with its process: panels show rate() or increase(), never the raw value
+        ("Non-finite skips", "short", [
+            ("skips in the last hour", "sum by (run) (increase(asyncrl_learner_nonfinite_skips_total[1h]))"),
+        ]),
     ]),
     ("Buffer", [
         ("Depth and pending", "short", [

@@ -114,6 +114,23 @@ def test_histogram_queries_use_buckets():
             assert n not in hist, f"histogram {n} must be queried through _bucket/_sum/_count: {e}"
 
 
+def test_counters_are_queried_through_rate_or_increase():
+    """A counter restarts at 0 when its process does (a restarted learner, actor): its raw value is no
+    quantity to plot or alert on, only its rate() or increase() over a range (which handle the reset)."""
+    counters = {m.name for m in ALL_METRICS if m.kind == "counter"}
+    counters |= {
+        f"{m.name}_{s}" for m in ALL_METRICS if m.kind == "histogram" for s in ("bucket", "sum", "count")
+    }
+    for e in dashboard_queries() + alert_queries():
+        for m in SELECTOR.finditer(e):
+            if m[1] in counters:
+                before, after = e[: m.start()].rstrip(), e[m.end() :].lstrip()
+                assert re.search(r"\b(rate|irate|increase)\s*\($", before) and after.startswith("["), (
+                    m[1],
+                    e,
+                )
+
+
 def test_alert_rules_pass_promtool():
     promtool = shutil.which("promtool")
     assert promtool, "promtool missing: run `bash scripts/setup.sh --test` (installs the prometheus package)"
