@@ -9,6 +9,7 @@ key is missing (the invariant of :mod:`asyncrl.metrics`).
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -188,6 +189,10 @@ PROCESS_COUNTERS: dict[str, str | None] = {
 }
 
 
+#: The step record's eval results (asyncrl.learner.tracking.attach_eval): exported once an eval exists.
+EVAL_RESULTS = ("eval_reward_mean", "eval_pass_at_k", "eval_length_mean")
+
+
 class LearnerExporter:
     """Mirrors the learner's step records (an ``on_step`` callback) into a scrape snapshot.
 
@@ -210,6 +215,9 @@ class LearnerExporter:
         self.stats["step_time"] = time.time()
         self.stats["waiting_since"] = 0.0
         self.counts: dict[str, float] = dict.fromkeys(PROCESS_COUNTERS, 0)
+        # No eval yet (eval_version -1): its results are NaN ("not measured"), not a reward of 0.
+        self.stats["eval_version"] = -1
+        self.stats.update(dict.fromkeys(EVAL_RESULTS, math.nan))
 
     def waiting(self, since: float) -> None:
         """The learner loop's ``on_wait``: unix time it began waiting for a batch, 0.0 once it has one."""
@@ -218,6 +226,8 @@ class LearnerExporter:
 
     def __call__(self, record: Any) -> None:
         d = record.to_dict() if hasattr(record, "to_dict") else dict(record)
+        if int(d.get("eval_version", -1)) < 0:  # a record's eval results default to 0 before any eval
+            d = {k: v for k, v in d.items() if k not in EVAL_RESULTS}
         with self.stats.lock:
             for k, v in d.items():
                 if v in ("nan", "inf", "-inf"):  # to_dict's JSON-safe non-finite floats: NaN = not measured

@@ -68,3 +68,24 @@ def test_a_resumed_learner_exports_counts_of_its_own_process_from_zero() -> None
         assert got[name] == totals[key] - restored[key], name
     # The run-wide totals stay what the gauges and metrics.jsonl say: the record is not changed.
     assert exporter.stats["tokens_total"] == totals["tokens_total"] == 3529
+
+
+def test_eval_gauges_are_nan_until_a_first_eval_exists() -> None:
+    """Before any eval the record's eval results are 0.0 (eval_version -1): exported as they were, a run
+    without evals showed an eval reward and pass@k of 0 (a dashboard's worst possible eval)."""
+    import math
+
+    eval_values = ("asyncrl_learner_eval_reward_mean", "asyncrl_learner_eval_pass_at_k_ratio",
+                   "asyncrl_learner_eval_length_mean_tokens")  # fmt: skip
+    exporter = LearnerExporter()
+    for record in (None, StepRecord(step=1, version=1), StepRecord(step=2, version=2)):
+        if record is not None:
+            exporter(record)
+        got = _values(exporter)
+        assert got["asyncrl_learner_eval_policy_version"] == -1
+        assert all(math.isnan(got[name]) for name in eval_values), got
+    exporter(StepRecord(step=3, version=3, eval_version=2, eval_reward_mean=0.0, eval_pass_at_k=0.25,
+                        eval_length_mean=17.5))  # fmt: skip
+    got = _values(exporter)
+    assert got["asyncrl_learner_eval_policy_version"] == 2
+    assert [got[name] for name in eval_values] == [0.0, 0.25, 17.5]  # a measured 0 is exported as 0
