@@ -137,7 +137,7 @@ def test_alert_rules_pass_promtool():
     r = subprocess.run([promtool, "check", "rules", str(ROOT / "dashboards" / "alerts.yml")],
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 5 rules found" in r.stdout
+    assert "SUCCESS: 6 rules found" in r.stdout
 
 
 def test_dashboard_has_a_run_variable():
