@@ -8,13 +8,16 @@ as ``asyncrl run``'s prometheus_targets.json labels its targets. A few seconds.
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 import time
 
 import pytest
 
 from asyncrl.metrics_export import LearnerExporter, actor_collector, learner_collectors, serve
 from tests.integration.learner_helpers import free_port
-from tests.unit.test_dashboards import dashboard_queries, grafana_expr, prom_query, start_prometheus
+from tests.unit.test_dashboards import ROOT, dashboard_queries, grafana_expr, prom_query, start_prometheus
 
 RUNS = ("run-a", "run-b.2")  # a regex metacharacter in a name: the substitution must escape it
 
@@ -63,3 +66,50 @@ def test_each_panel_query_returns_only_the_selected_runs_series(prometheus_with_
         assert {r["metric"].get("run") for r in everything} == set(RUNS), f"runs mixed: {q}"
         both = prom_query(port, grafana_expr(q, list(RUNS)))
         assert len(both) == len(everything), q
+
+
+def test_shipped_prometheus_config_discovers_the_default_run_and_linked_runs(tmp_path):
+    """dashboards/prometheus.yml as shipped, next to runs/ as in the repo: the default run's targets file
+    and every run's linked into runs/_prometheus/ (README) are scraped as job asyncrl with their labels."""
+    prom_bin = shutil.which("prometheus")
+    assert prom_bin, "prometheus missing: run `bash scripts/setup.sh --test` (apt package prometheus)"
+    (tmp_path / "dashboards").mkdir()
+    for name in ("prometheus.yml", "alerts.yml"):
+        shutil.copy(ROOT / "dashboards" / name, tmp_path / "dashboards" / name)
+    runs = tmp_path / "runs"
+    (runs / "_prometheus").mkdir(parents=True)
+    stops, want = [], set()
+    for run in ("demo", "other.1"):
+        port, stop = serve([actor_collector("0", lambda: {})])
+        stops.append(stop)
+        (runs / run).mkdir()
+        groups = [{"targets": [f"127.0.0.1:{port}"], "labels": {"run": run, "role": "actor"}}]
+        (runs / run / "prometheus_targets.json").write_text(json.dumps(groups))
+        want.add((run, "actor", f"127.0.0.1:{port}"))
+    (runs / "_prometheus" / "other.1.json").symlink_to("../other.1/prometheus_targets.json")
+    prom_port = free_port()
+    prom = subprocess.Popen(
+        [prom_bin, f"--config.file={tmp_path / 'dashboards' / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=(tmp_path / "prometheus.log").open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                up = prom_query(prom_port, 'up{job="asyncrl"} == 1')
+            except OSError:
+                up = []
+            seen = {(r["metric"]["run"], r["metric"]["role"], r["metric"]["instance"]) for r in up}
+            if seen == want:
+                break
+            assert prom.poll() is None and time.monotonic() < deadline, (
+                seen,
+                (tmp_path / "prometheus.log").read_text()[-3000:],
+            )
+            time.sleep(0.3)
+    finally:
+        prom.terminate()
+        prom.wait(30)
+        for stop in stops:
+            stop()
