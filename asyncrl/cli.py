@@ -150,7 +150,13 @@ def _check_model_path(cfg, data: bool = True, shard: bool = True) -> None:
 
 def _learner_metrics(cfg):
     """Rank 0 serves the learner's and the buffer's metrics; its address goes to the learner status."""
-    from asyncrl.metrics_export import LearnerExporter, learner_collectors, metrics_endpoint, serve
+    from asyncrl.metrics_export import (
+        LearnerExporter,
+        learner_collectors,
+        metrics_endpoint,
+        scrape_buffer,
+        serve,
+    )
 
     exporter = LearnerExporter(cfg.buffer.max_staleness)
     if not cfg.metrics.enabled or int(os.environ.get("RANK", "0")) != 0:
@@ -158,12 +164,16 @@ def _learner_metrics(cfg):
     from asyncrl.buffer import ReplayBuffer
 
     buf = ReplayBuffer.from_config(cfg)
+    # The scrape's own client (short timeouts, no retry): a Redis outage costs the buffer's series, never
+    # the learner's (the patient client above rides out a restart for redis.retry_budget_s).
+    scrape_buf = scrape_buffer(cfg)
     bind, advertised = metrics_endpoint(cfg.metrics.host)
-    port, stop = serve(learner_collectors(exporter, buf.stats), bind, cfg.metrics.port)
+    port, stop = serve(learner_collectors(exporter, scrape_buf.stats), bind, cfg.metrics.port)
     buf.set_learner_status({"metrics_addr": f"{advertised}:{port}"})
 
     def close() -> None:
         stop()
+        scrape_buf.close()
         buf.close()
 
     return exporter, close

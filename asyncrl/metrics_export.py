@@ -9,6 +9,7 @@ key is missing (the invariant of :mod:`asyncrl.metrics`).
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import threading
@@ -24,6 +25,8 @@ from prometheus_client.core import (
 )
 
 from asyncrl.metrics import ACTOR_METRICS, ALL_METRICS, BUFFER_METRICS, LEARNER_METRICS, Metric
+
+log = logging.getLogger(__name__)
 
 
 class Hist:
@@ -81,17 +84,25 @@ def _hist(values: Any, buckets: tuple[float, ...]) -> tuple[list[tuple[str, floa
 
 
 class SnapshotCollector:
-    """Exports ``metrics`` from ``snapshot()`` (a dict) at scrape time, with constant labels."""
+    """Exports ``metrics`` from ``snapshot()`` (a dict) at scrape time, with constant labels.
+    ``omit_empty``: an empty snapshot (its source could not be read) exports nothing, not zeros."""
 
     def __init__(
-        self, metrics: Iterable[Metric], snapshot: Callable[[], dict], labels: dict[str, str] | None = None
+        self,
+        metrics: Iterable[Metric],
+        snapshot: Callable[[], dict],
+        labels: dict[str, str] | None = None,
+        omit_empty: bool = False,
     ):
         self.metrics = tuple(metrics)
         self.snapshot = snapshot
         self.labels = dict(labels or {})
+        self.omit_empty = omit_empty
 
     def collect(self):
         snap = self.snapshot() or {}
+        if self.omit_empty and not snap:
+            return
         names, values = list(self.labels), list(self.labels.values())
         for m in self.metrics:
             if m.kind == "counter":
@@ -247,13 +258,61 @@ class LearnerExporter:
             return {**self.stats, **self.counts}
 
 
+#: Socket and connect timeout of the learner's scrape-time read of the buffer's stats (no retry): a Redis
+#: that is away (restarting, frozen) costs a scrape about this long, well within Prometheus'
+#: scrape_timeout (10 s by default). With the learner's own Redis settings (retry_budget_s, 120 s) the
+#: scrape timed out and the learner's own series were lost with the buffer's.
+SCRAPE_REDIS_TIMEOUT_S = 1.0
+
+
+def scrape_buffer(cfg: Any, url: str | None = None) -> Any:
+    """A ReplayBuffer client of its own for the learner's scrape: short timeouts, no retry."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from asyncrl.buffer import ReplayBuffer
+
+    t = SCRAPE_REDIS_TIMEOUT_S
+    return ReplayBuffer.from_config(
+        cfg, url, socket_timeout=t, socket_connect_timeout=t, retry=Retry(NoBackoff(), 0)
+    )
+
+
+class BufferStats:
+    """The buffer's stats for a scrape: ``read()``, or {} when it raises (Redis away), which the buffer
+    collector exports as no series at all: zeros would read as an empty buffer, as a drop of the dead
+    letters (AsyncrlDeadLettersGrowing on their return) and as a reset of a counter kept in Redis.
+    Failures are counted; the first of an outage is logged, and the recovery."""
+
+    def __init__(self, read: Callable[[], dict]):
+        self.read = read
+        self.failures = 0
+        self.down = False
+
+    def __call__(self) -> dict:
+        try:
+            stats = self.read()
+        except Exception as e:  # the learner's own series are served whatever happens here
+            self.failures += 1
+            if not self.down:
+                self.down = True
+                log.warning("buffer metrics not exported: reading the buffer's stats failed (%s: %s); the "
+                            "learner's own metrics are served meanwhile", type(e).__name__, e)  # fmt: skip
+            return {}
+        if self.down:
+            self.down = False
+            log.info("buffer metrics exported again (after %d failed scrapes)", self.failures)
+        return stats
+
+
 def learner_collectors(
     exporter: LearnerExporter, buffer_stats: Callable[[], dict]
 ) -> list[SnapshotCollector]:
-    """The learner process serves its own metrics and the buffer's (read from Redis at scrape time)."""
+    """The learner process serves its own metrics and the buffer's (read from Redis at scrape time,
+    through :class:`BufferStats`: best effort; give it a :func:`scrape_buffer` client's ``stats``)."""
     return [
         SnapshotCollector(LEARNER_METRICS, exporter.snapshot),
-        SnapshotCollector(BUFFER_METRICS, buffer_stats),
+        SnapshotCollector(BUFFER_METRICS, BufferStats(buffer_stats), omit_empty=True),
     ]
 
 
