@@ -62,21 +62,45 @@ from asyncrl.launch import (
 from asyncrl.learner.records import JsonlTail, committed_step, read_jsonl  # stdlib only
 from asyncrl.lifetime import arm_reaper
 
+TARGETS_FILE = "prometheus_targets.json"
 
-def write_targets(rdir: Path, run: str, learner_status: dict, actors: dict) -> list[dict]:
-    """Prometheus ``file_sd_configs`` targets of the endpoints this run started (atomic rewrite)."""
+
+def write_targets(rdir: Path, run: str, learner_status: dict, actors: dict, num_actors: int) -> list[dict]:
+    """Prometheus ``file_sd_configs`` targets of the endpoints this run started (atomic rewrite).
+
+    Actors: the heartbeats of this run's slots 0 .. ``num_actors`` - 1 only. The registry keeps the
+    slots a previous start with more actors left behind (their ports may serve another process now),
+    and other pools' actors, which this run did not start."""
+    from asyncrl.actors.supervision import slot_actor_id
+
+    def started(actor_id: str, hb: dict) -> bool:
+        i = hb.get("index")
+        return (
+            isinstance(i, int) and 0 <= i < num_actors and hb.get("actor_id", actor_id) == slot_actor_id(0, i)
+        )
+
     groups = []
     if learner_status.get("metrics_addr"):
         groups.append(
             {"targets": [learner_status["metrics_addr"]], "labels": {"run": run, "role": "learner"}}
         )
-    addrs = sorted(a["metrics_addr"] for a in actors.values() if a.get("metrics_addr"))
+    addrs = sorted(a["metrics_addr"] for k, a in actors.items() if a.get("metrics_addr") and started(k, a))
     if addrs:
         groups.append({"targets": addrs, "labels": {"run": run, "role": "actor"}})
-    tmp = rdir / "prometheus_targets.json.tmp"
-    tmp.write_text(json.dumps(groups, indent=2))
-    os.replace(tmp, rdir / "prometheus_targets.json")
+    _replace_targets(rdir, groups)
     return groups
+
+
+def clear_targets(rdir: Path) -> None:
+    """No targets (``[]``): the run's endpoints are gone. A finished run's file listed its dead ephemeral
+    ports, and a later process that got one of them was scraped under this run's labels."""
+    _replace_targets(rdir, [])
+
+
+def _replace_targets(rdir: Path, groups: list[dict]) -> None:
+    tmp = rdir / f"{TARGETS_FILE}.tmp"
+    tmp.write_text(json.dumps(groups, indent=2))
+    os.replace(tmp, rdir / TARGETS_FILE)
 
 
 def write_summary(rdir: Path, records: list[dict], start: float, end: float, extra: dict) -> dict:
@@ -271,7 +295,7 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
             except Exception as e:  # supervision boundary: a display bug must not fail the run
                 _display_failed(sup, e)
             try:
-                write_targets(rdir, cfg.run.name, buf.learner_status(), buf.actors())
+                write_targets(rdir, cfg.run.name, buf.learner_status(), buf.actors(), cfg.actors.num_actors)
             except Exception as e:  # Redis away (being restarted): the next pass catches up
                 log_once = f"metrics targets not updated: {type(e).__name__}"
                 if log_once not in sup.events:
@@ -346,8 +370,9 @@ def _say(progress: Any, msg: str) -> None:
 
 
 def _teardown(pool: Any, sup: Supervisor, buf: Any) -> int:
-    """Stop the pool, the learner and the embedded Redis, in that order; each step runs even if an
-    earlier one raised. Returns the learner's exit code (0 when it was never started)."""
+    """Empty the Prometheus targets, then stop the pool, the learner and the embedded Redis, in that
+    order; each step runs even if an earlier one raised. Returns the learner's exit code (0 when it was
+    never started)."""
 
     def step(what: str, fn: Any) -> Any:
         try:
@@ -356,6 +381,7 @@ def _teardown(pool: Any, sup: Supervisor, buf: Any) -> int:
             print(f"{what}: {type(e).__name__}: {e}", file=sys.stderr)
             return None
 
+    step("metrics targets clear", lambda: clear_targets(sup.rdir))
     if pool is not None:
         step("actor pool stop", pool.stop)
     learner, grace_s = sup.learner, sup.cfg.learner.stop_grace_s

@@ -1,0 +1,41 @@
+"""`asyncrl run`'s Prometheus targets file (prometheus_targets.json) on real Redis: only the endpoints
+this start runs, and none once the run is torn down (a finished run's dead ephemeral ports, reused by
+another process, were scraped under its labels)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from asyncrl.config import Config
+from asyncrl.orchestrator import TARGETS_FILE, Supervisor, _teardown, write_targets
+
+
+def test_targets_list_only_this_run_s_actor_slots(buffer, tmp_path) -> None:
+    """A previous start with 3 actors left slot 2's heartbeat in the registry; another pool's actor
+    (actor-1-0) heartbeats there too. With actors.num_actors = 2 only slots 0 and 1 are targets."""
+    for aid, index, port in (("actor-0", 0, 9100), ("actor-1", 1, 9101), ("actor-2", 2, 9102),
+                             ("actor-1-0", 0, 9103)):  # fmt: skip
+        buffer.heartbeat(aid, {"actor_id": aid, "index": index, "metrics_addr": f"127.0.0.1:{port}"})
+    buffer.set_learner_status({"metrics_addr": "127.0.0.1:9000"})
+    groups = write_targets(tmp_path, "demo", buffer.learner_status(), buffer.actors(), num_actors=2)
+    assert groups == [
+        {"targets": ["127.0.0.1:9000"], "labels": {"run": "demo", "role": "learner"}},
+        {"targets": ["127.0.0.1:9100", "127.0.0.1:9101"], "labels": {"run": "demo", "role": "actor"}},
+    ]
+    assert json.loads((tmp_path / TARGETS_FILE).read_text()) == groups
+
+
+def test_teardown_empties_the_targets(tmp_path) -> None:
+    """The run's tear-down (real embedded Redis, stopped by it) leaves ``[]`` in the targets file."""
+    cfg = Config()
+    cfg.run.name = "targets"
+    rdir = tmp_path / "run"
+    rdir.mkdir()
+    sup = Supervisor(cfg, rdir, rdir / "config.yaml", time.time(), lambda msg: None)
+    sup.start_redis()
+    write_targets(rdir, "targets", {"metrics_addr": "127.0.0.1:9000"}, {}, num_actors=1)
+    assert json.loads((rdir / TARGETS_FILE).read_text()) != []
+    assert _teardown(None, sup, None) == 0
+    assert json.loads((rdir / TARGETS_FILE).read_text()) == []
+    assert not sup.redis_srv.running and not (rdir / "redis.url").exists()
