@@ -66,7 +66,8 @@ def format_status(cfg: Config, st: dict, now: float | None = None) -> str:
         # "updated" is the registry's unix stamp; the learner's own "time" counts from its start.
         seen = f"{now - float(ln['updated']):.0f}s ago" if "updated" in ln else "?"
         lines.append(
-            f"learner  step {ln.get('step', '?')}   version v{ln.get('version', '?')}   last seen {seen}"
+            f"learner  step {ln.get('step', '?')}   version v{ln.get('version', '?')}{learner_state(ln, now)}"
+            f"   last seen {seen}"
         )
     else:
         lines.append("learner  not seen")
@@ -79,6 +80,25 @@ def format_status(cfg: Config, st: dict, now: float | None = None) -> str:
             f"  in flight {info.get('in_flight', '?')}  last seen {age:.0f}s ago"
         )
     return "\n".join(lines)
+
+
+def learner_state(ln: dict, now: float) -> str:
+    """What the learner does, as it wrote it when that began (it writes no heartbeat meanwhile): waiting
+    for data, training a step, or stopped, and for how long. "last seen" alone made a live learner that
+    waits for data look like a frozen one."""
+    state = ln.get("state")
+    since = ln.get("since", ln.get("updated"))
+    age = f" for {now - float(since):.0f}s" if since is not None else ""
+    if state == "waiting":
+        return f"   waiting for data{age}"
+    if state == "training":
+        step = ln.get("step")
+        return f"   training step {step + 1 if isinstance(step, int) else '?'}{age}"
+    if state == "stepped":
+        return "   stepping"
+    if state == "stopped":
+        return f"   stopped{age.replace(' for ', ' ')} ago" if age else "   stopped"
+    return ""
 
 
 def print_status(cfg: Config, url: str) -> int:

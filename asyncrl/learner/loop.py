@@ -217,13 +217,18 @@ def learn(
         while not (max_steps and state.step >= max_steps):
             t_step = time.monotonic()
             if r0 is not None:
-                r0.buffer.set_learner_status({"step": state.step, "version": state.version,
-                                              "time": time.time() - start_time, "state": "waiting"})  # fmt: skip
+                # The state and since when (unix s), written once as it begins: asyncrl status tells a
+                # learner waiting for data from one stuck in a step (a frozen one).
+                now = time.time()
+                r0.buffer.set_learner_status({"step": state.step, "version": state.version, "time": now - start_time,
+                                              "state": "waiting", "since": now})  # fmt: skip
                 for cb in waiting:
-                    cb(time.time())
+                    cb(now)
                 batch = r0.gather(state.consumer, state.version, stop, world)
                 for cb in waiting:
                     cb(0.0)
+                if batch is not None:
+                    r0.buffer.set_learner_status({"state": "training", "since": time.time()})
                 msg = {"kind": "stop"} if batch is None else {
                     "kind": "batch", "version": state.version, "groups": [encode(g) for g in batch.groups]}  # fmt: skip
             else:
@@ -281,7 +286,7 @@ def learn(
                     marks["first_step"] = time.time()
                     (run_dir / STARTUP_FILE).write_text(json.dumps(marks, indent=1) + "\n")
                 r0.buffer.set_learner_status({"step": rec.step, "version": rec.version, "time": rec.time,
-                                              "state": "stepped"})  # fmt: skip
+                                              "state": "stepped", "since": rec.step_time})  # fmt: skip
                 log.info("step %d v%d reward %.3f loss %.4f ratio %.4f mismatch_kl %.2e staleness %.2f/%d "
                          "dropped %d grad_norm %.3g skipped %d wait %.2fs train %.2fs",
                          rec.step, rec.version, rec.reward_mean, rec.loss, rec.ratio_mean, rec.mismatch_kl,
@@ -298,8 +303,8 @@ def learn(
             state.since_publish = since_publish
             _checkpoint(le, r0, run_dir, state, counters, pending_ids, pending_groups, adapt)
         if r0 is not None:
-            r0.buffer.set_learner_status({"step": state.step, "version": state.version,
-                                          "time": time.time() - start_time, "state": "stopped"})  # fmt: skip
+            r0.buffer.set_learner_status({"step": state.step, "version": state.version, "time": time.time() - start_time,
+                                          "state": "stopped", "since": time.time()})  # fmt: skip
         return state
     finally:
         restore_signals()

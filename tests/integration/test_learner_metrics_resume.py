@@ -1,7 +1,12 @@
-"""A resumed learner's /metrics on real Redis + a real learner (CPU): its counters count what this process
-did, from 0, while metrics.jsonl keeps the run-wide totals restored from the checkpoint."""
+"""What a real learner (CPU) on real Redis shows while it runs: a resumed learner's /metrics counters count
+what this process did, from 0 (metrics.jsonl keeps the run-wide totals restored from the checkpoint), and
+asyncrl status says whether it waits for data or trains, and since when."""
 
 from __future__ import annotations
+
+import re
+import threading
+import time
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ from asyncrl.learner.loop import learn
 from asyncrl.learner.records import METRICS_FILE, read_jsonl
 from asyncrl.metrics import LEARNER_METRICS
 from asyncrl.metrics_export import LearnerExporter, learner_collectors
+from asyncrl.status import collect_status, format_status
 from asyncrl.tinymodel import resolve_model_path
 from tests.integration.learner_helpers import dist_env, sample_groups, tiny_config
 
@@ -69,3 +75,46 @@ def test_a_resumed_learner_exports_this_process_s_counts(
     for name, key in COUNTERS.items():
         assert got[name] == pytest.approx(last[key] - restored[key], abs=1e-9), name
     assert got["asyncrl_learner_trained_tokens_total"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_status_tells_a_learner_waiting_for_data_from_a_stuck_one(
+    redis_client, redis_url, run_name, sampler, tmp_path
+):
+    """The learner writes its status as a state begins (no heartbeat meanwhile), so "last seen 78s ago"
+    was all status said of a live learner waiting for data, as of a frozen one. It now says "waiting for
+    data for 78s" (a stuck step says "training step N for 78s"), from one write per wait, not per poll."""
+    rdir = tmp_path / "run"
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=1)
+    buf = ReplayBuffer(redis_client, run_name)
+    dist_env()
+    stop = threading.Event()
+    learner = threading.Thread(target=learn, args=(cfg, rdir), kwargs={"stop_event": stop}, daemon=True)
+    learner.start()
+    try:
+        deadline = time.monotonic() + 120
+        while collect_status(cfg, redis_url)["learner"].get("state") != "waiting":
+            assert learner.is_alive() and time.monotonic() < deadline
+            time.sleep(0.1)
+        first = collect_status(cfg, redis_url)["learner"]
+        time.sleep(2.5)
+        st = collect_status(cfg, redis_url)
+        assert st["learner"]["updated"] == first["updated"] and st["learner"]["since"] == first["since"]
+        line = next(ln for ln in format_status(cfg, st).splitlines() if ln.startswith("learner"))
+        assert re.fullmatch(
+            r"learner  step 0   version v0   waiting for data for [23]s   last seen [23]s ago", line
+        )
+
+        for g in sample_groups(sampler, 2, max_tokens=6, seed=61):
+            buf.put(g)
+        while (ln := collect_status(cfg, redis_url)["learner"]).get("step") != 1 or ln.get(
+            "state"
+        ) != "waiting":
+            assert learner.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ln["since"] > first["since"]
+    finally:
+        stop.set()
+        learner.join(60)
+    ln = collect_status(cfg, redis_url)["learner"]
+    assert ln["state"] == "stopped" and ln["step"] == 1

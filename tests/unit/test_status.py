@@ -131,3 +131,24 @@ def test_status_of_a_run_whose_redis_is_gone_fails_fast_naming_it(cfg: Config):
     msg = str(e.value)
     assert msg.startswith(f"no Redis answers at redis://127.0.0.1:{port}/0 (") and "hunter2" not in msg
     assert f"run {cfg.run.name} is not up" in msg and "redis.url" in msg
+
+
+def test_status_shows_the_learner_s_state_and_since_when(
+    cfg: Config, redis_url: str, run_buffer: ReplayBuffer
+):
+    """A live learner waiting for data and a frozen one both read "last seen 78s ago"; the state the
+    learner wrote as it began (waiting, training, stopped) and its "since" tell them apart."""
+
+    def line(status: dict, now: float) -> str:
+        run_buffer.set_learner_status(status)
+        text = format_status(cfg, collect_status(cfg, redis_url), now=now)
+        return next(ln for ln in text.splitlines() if ln.startswith("learner"))
+
+    now = time.time()
+    base = {"step": 7, "version": 3, "time": 90.0}
+    waiting = line({**base, "state": "waiting", "since": now - 78.0}, now)
+    assert waiting.startswith("learner  step 7   version v3   waiting for data for 78s   last seen ")
+    training = line({**base, "state": "training", "since": now - 78.0}, now)
+    assert training.startswith("learner  step 7   version v3   training step 8 for 78s   last seen ")
+    stopped = line({**base, "state": "stopped", "since": now - 5.0}, now)
+    assert stopped.startswith("learner  step 7   version v3   stopped 5s ago   last seen ")
