@@ -28,6 +28,7 @@ version the manifest names.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -50,6 +51,8 @@ __all__ = [
     "EXTENSION_CLS",
     "FILE_BACKEND",
     "KEEP_FREED_KEY",
+    "tied_layers",
+    "reprocess",
 ]
 
 EXTENSION_CLS = f"{__name__}.WeightReloadExtension"
@@ -73,6 +76,60 @@ _mark_computed_buffers()  # this module is imported in the worker process, befor
 eager_ranks.install()  # before the first sampling; see asyncrl.actors.eager_ranks
 
 
+def tied_layers(model: Any) -> list[list[Any]]:
+    """Groups of layers that share a parameter tensor (tied input/output embeddings: the head's
+    ``weight`` is the embedding's), found while the model holds its real tensors.
+
+    Why: the checkpoint holds the shared tensor once (no ``lm_head.weight``), so vLLM's layerwise reload
+    loads the embedding and gives the head nothing. The new values do land in the shared tensor (the
+    reload copies into the original storage), but the head's layer is not re-processed: on CPU its
+    packed GEMM handle (``cpu_linear``, built from the weight) kept serving the first weights, and a
+    synchronous fp32 run drifted from the learner at every swap (vLLM logs "ParallelLMHead: Failed to
+    load weights"). :meth:`FileWeightTransferEngine.finish_weight_update` re-processes the unloaded
+    members of a group one of whose layers loaded."""
+    owners: dict[int, list[Any]] = {}
+    for layer in model.modules():
+        for p in layer._parameters.values():
+            if p is not None and not p.is_meta:
+                owners.setdefault(p.untyped_storage().data_ptr(), []).append(layer)
+    groups: list[list[Any]] = []
+    for layers in owners.values():
+        unique = list({id(layer): layer for layer in layers}.values())
+        if len(unique) > 1:
+            groups.append(unique)
+    return groups
+
+
+class _QuietFollowers(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for the layers named (tied followers)."""
+
+    def __init__(self, names: set[str]) -> None:
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.names
+        )
+
+
+def reprocess(layer: Any) -> None:
+    """Run ``layer``'s quant method's after-loading processing again, on its current tensors (what the
+    layerwise reload does for a layer that loaded); only unquantized methods, whose processing is a
+    pure function of the layer's own weight, reach here (asyncrl.actors.staging.SUPPORTED_METHODS)."""
+    qm = getattr(layer, "quant_method", None)
+    if qm is None:
+        return
+    if type(qm).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+        raise RuntimeError(
+            f"{type(layer).__name__} shares a parameter with a reloaded layer but its quant method "
+            f"{type(qm).__name__} is not known to re-process from its weight alone"
+        )
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    qm.process_weights_after_loading(layer)
+
+
 @dataclass
 class FileInitInfo(WeightTransferInitInfo):
     """Nothing to set up: the bytes come from a path named by each update."""
@@ -94,6 +151,7 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._expected: dict[str, tensor_specs.TensorSpec] | None = None  # the served checkpoint's
+        self._tied: list[list[Any]] | None = None  # layers sharing a parameter (tied_layers), found once
         self.last: dict[str, Any] = {}
         # Created once per worker, after the model loaded and before any swap: the first swap already
         # packs into memory that later swaps reuse. "off" = not asked for or not a CPU device.
@@ -115,12 +173,29 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        if self._tied is None:  # before the reload moves every layer's tensors to the meta device
+            self._tied = tied_layers(self.model)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        loaded = {id(layer) for group in self._tied or () for layer in group
+                  if (get_layerwise_info(layer).load_numel or 0) > 0}  # fmt: skip
+        follow = [layer for group in self._tied or () if any(id(x) in loaded for x in group)
+                  for layer in group if id(layer) not in loaded]  # fmt: skip
+        # vLLM warns "<layer>: Failed to load weights" for each of them; they follow the tensor they
+        # share, re-processed below: not a failure, and a warning at every swap would say it was.
+        quiet = _QuietFollowers({type(layer).__name__ for layer in follow})
+        layerwise_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        layerwise_log.addFilter(quiet)
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            layerwise_log.removeFilter(quiet)
+        for layer in follow:
+            reprocess(layer)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes the accelerator afterwards, which raises on a CPU-only
