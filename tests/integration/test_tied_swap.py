@@ -32,6 +32,7 @@ def test_a_tied_head_serves_the_new_weights_after_every_swap(tmp_path, capfd) ->
     from asyncrl.config import Config
     from asyncrl.learner.publisher import ShmTransport, checkpoint_tensor_names
     from asyncrl.tinymodel import build_tiny_model
+    from tests.integration.swap_helpers import perturbed
 
     limit = sys.getrecursionlimit()  # see tests/integration/test_weight_swap.py's rig
     untied = build_tiny_model(tmp_path / "untied", Config().model.tiny, 0)
@@ -46,9 +47,7 @@ def test_a_tied_head_serves_the_new_weights_after_every_swap(tmp_path, capfd) ->
     base = load_file(str(tied / "model.safetensors"))
     assert "lm_head.weight" not in base  # the tied head is not in the checkpoint
 
-    def weights(version: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(1000 + version)
-        return {k: v + 0.05 * torch.randn(v.shape, generator=g) * (version > 0) for k, v in base.items()}
+    weights = perturbed(base)
 
     def hf(state: dict[str, torch.Tensor]):
         ref = AutoModelForCausalLM.from_pretrained(tied, dtype=torch.float32)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from asyncrl.learner.publisher import ShmTransport, checkpoint_tensor_names, shm_root
+from tests.integration.swap_helpers import perturbed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,9 +55,7 @@ def rig(tmp_path_factory):
         model_dir, dtype="float32", kv_cache_bytes=32 << 20, max_model_len=128, busy_loop_ms=BUSY_MS
     )
 
-    def weights(version: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(1000 + version)
-        return {k: v + 0.05 * torch.randn(v.shape, generator=g) * (version > 0) for k, v in base.items()}
+    weights = perturbed(base)
 
     def hf(state: dict[str, torch.Tensor]):
         m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
