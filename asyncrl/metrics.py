@@ -8,6 +8,10 @@ consistent (one snapshot).
 
 Invariant: a declared series is always exported (0 when its source key is missing), so dashboard
 queries and alerts never miss a series at start; labelled series (e.g. loss terms) are enumerated here.
+One exception: the buffer's series are left out of a scrape while Redis is unreachable (a 0 would read
+as an empty buffer, and a counter going 0 and back as a reset; asyncrl.metrics_export.BufferStats).
+The learner's counters count what its current process did (from 0 at each start); run totals are in
+metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -137,11 +141,24 @@ OBJECTIVE_HELD = (("dppo_low", "dppo_masked_frac_low"), ("dppo_high", "dppo_mask
                   ("is_masked", "is_masked_frac"))  # fmt: skip
 
 LEARNER_METRICS: tuple[Metric, ...] = (
-    Metric("asyncrl_learner_steps_total", "counter", "Learner steps taken (incl. skipped).", "step"),
     Metric(
-        "asyncrl_learner_trained_tokens_total", "counter", "Completion tokens trained on.", "tokens_total"
+        "asyncrl_learner_steps_total",
+        "counter",
+        "Learner steps taken by this learner process (incl. skipped and redone).",
+        "step",
     ),
-    Metric("asyncrl_learner_trained_groups_total", "counter", "Groups trained on.", "groups_total"),
+    Metric(
+        "asyncrl_learner_trained_tokens_total",
+        "counter",
+        "Completion tokens trained on by this learner process.",
+        "tokens_total",
+    ),
+    Metric(
+        "asyncrl_learner_trained_groups_total",
+        "counter",
+        "Groups trained on by this learner process.",
+        "groups_total",
+    ),
     Metric(
         "asyncrl_learner_step_seconds",
         "histogram",
@@ -149,7 +166,12 @@ LEARNER_METRICS: tuple[Metric, ...] = (
         "step_s",
         buckets=SECONDS_BUCKETS,
     ),  # fmt: skip
-    Metric("asyncrl_learner_wait_seconds_total", "counter", "Time blocked waiting for data.", "wait_s_total"),
+    Metric(
+        "asyncrl_learner_wait_seconds_total",
+        "counter",
+        "Time this learner process blocked waiting for data.",
+        "wait_s_total",
+    ),
     Metric(
         "asyncrl_learner_loss", "gauge", "Loss terms of the last step.", "", label="term", series=LOSS_TERMS
     ),
@@ -227,14 +249,14 @@ LEARNER_METRICS: tuple[Metric, ...] = (
     Metric(
         "asyncrl_learner_dropped_stale_total",
         "counter",
-        "Groups dropped as too stale.",
+        "Groups this learner process dropped as too stale.",
         "dropped_stale_total",
     ),
     Metric("asyncrl_learner_grad_norm", "gauge", "Gradient norm of the last step.", "grad_norm"),
     Metric(
         "asyncrl_learner_nonfinite_skips_total",
         "counter",
-        "Steps skipped for a non-finite loss/grad.",
+        "Steps this learner process skipped for a non-finite loss/grad.",
         "skipped_nonfinite",
     ),  # fmt: skip
     Metric("asyncrl_learner_policy_version", "gauge", "Latest published policy version.", "version"),

@@ -63,6 +63,7 @@ from asyncrl.learner.records import JsonlTail, committed_step, read_jsonl  # std
 from asyncrl.lifetime import arm_reaper
 
 TARGETS_FILE = "prometheus_targets.json"
+DISCOVERY_DIR = "_prometheus"  # beside the run dirs: every run's targets, for dashboards/prometheus.yml
 
 
 def write_targets(rdir: Path, run: str, learner_status: dict, actors: dict, num_actors: int) -> list[dict]:
@@ -97,10 +98,22 @@ def clear_targets(rdir: Path) -> None:
     _replace_targets(rdir, [])
 
 
+def discovery_file(rdir: Path) -> Path:
+    """The copy of ``rdir``'s targets that dashboards/prometheus.yml discovers: ``<runs>/_prometheus/
+    <run>.json``. Prometheus takes a glob only in a path's last element (``runs/*/prometheus_targets.json``
+    is refused), so every run's targets go into one directory as well (no run is named ``_prometheus``:
+    run names start with a letter or a digit)."""
+    return rdir.parent / DISCOVERY_DIR / f"{rdir.name}.json"
+
+
 def _replace_targets(rdir: Path, groups: list[dict]) -> None:
-    tmp = rdir / f"{TARGETS_FILE}.tmp"
-    tmp.write_text(json.dumps(groups, indent=2))
-    os.replace(tmp, rdir / TARGETS_FILE)
+    text = json.dumps(groups, indent=2)
+    sd = discovery_file(rdir)
+    sd.parent.mkdir(exist_ok=True)
+    for path in (rdir / TARGETS_FILE, sd):  # atomic each: Prometheus re-reads them every 5 s
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def write_summary(rdir: Path, records: list[dict], start: float, end: float, extra: dict) -> dict:

@@ -68,25 +68,29 @@ def test_each_panel_query_returns_only_the_selected_runs_series(prometheus_with_
         assert len(both) == len(everything), q
 
 
-def test_shipped_prometheus_config_discovers_the_default_run_and_linked_runs(tmp_path):
-    """dashboards/prometheus.yml as shipped, next to runs/ as in the repo: the default run's targets file
-    and every run's linked into runs/_prometheus/ (README) are scraped as job asyncrl with their labels."""
+def test_shipped_prometheus_config_discovers_every_run(tmp_path):
+    """dashboards/prometheus.yml as shipped, next to runs/ as in the repo: every run's targets, as `asyncrl
+    run` writes them (write_targets: the run dir's file and its copy in runs/_prometheus/), are scraped
+    as job asyncrl with their labels; a finished run's (clear_targets) are dropped."""
+    from asyncrl.orchestrator import clear_targets, write_targets
+
     prom_bin = shutil.which("prometheus")
     assert prom_bin, "prometheus missing: run `bash scripts/setup.sh --test` (apt package prometheus)"
     (tmp_path / "dashboards").mkdir()
     for name in ("prometheus.yml", "alerts.yml"):
         shutil.copy(ROOT / "dashboards" / name, tmp_path / "dashboards" / name)
     runs = tmp_path / "runs"
-    (runs / "_prometheus").mkdir(parents=True)
     stops, want = [], set()
-    for run in ("demo", "other.1"):
+    for run in ("demo", "other.1", "done"):
         port, stop = serve([actor_collector("0", lambda: {})])
         stops.append(stop)
-        (runs / run).mkdir()
-        groups = [{"targets": [f"127.0.0.1:{port}"], "labels": {"run": run, "role": "actor"}}]
-        (runs / run / "prometheus_targets.json").write_text(json.dumps(groups))
-        want.add((run, "actor", f"127.0.0.1:{port}"))
-    (runs / "_prometheus" / "other.1.json").symlink_to("../other.1/prometheus_targets.json")
+        (runs / run).mkdir(parents=True)
+        write_targets(runs / run, run, {"metrics_addr": f"127.0.0.1:{port}"}, {}, num_actors=1)
+        if run == "done":
+            clear_targets(runs / run)
+        else:
+            want.add((run, "learner", f"127.0.0.1:{port}"))
+    assert json.loads((runs / "_prometheus" / "done.json").read_text()) == []
     prom_port = free_port()
     prom = subprocess.Popen(
         [prom_bin, f"--config.file={tmp_path / 'dashboards' / 'prometheus.yml'}",
