@@ -150,7 +150,7 @@ class TaskConfig:
     )
     split: str = F(
         "train",
-        "Split of a saved DatasetDict used for training. A JSONL/Parquet/CSV file has no splits: only "
+        "Split of a saved DatasetDict used for training. A JSONL/Parquet file has no splits: only "
         "'train' is accepted there.",
     )
     eval_data_path: str = F("", "Eval data (same formats as data_path). Empty = eval_split or eval_fraction.")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 import traceback
 from collections.abc import Callable
@@ -211,14 +212,29 @@ def resolve_factory(name: str, registered: dict[str, Any] | None = None) -> Call
     return factory
 
 
+#: What task.name must name, said where a user named something else (verl's custom_reward_function
+#: users name their reward function).
+FACTORY_HINT = ("task.name names a factory make_task(task_cfg, seed) -> Task; for a reward function "
+                "reward(prompt, completion, metadata) over data rows, return "
+                "asyncrl.tasks.dataset_task(task_cfg, seed, reward) from such a factory")  # fmt: skip
+
+
 def make_task(task_cfg: Any, seed: int) -> Task:
     """The task named by ``task_cfg.name`` (a :class:`asyncrl.config.TaskConfig`), built for ``seed``."""
     registered = registered_entry_points()  # one scan for both: the shadowing check and the lookup
     check_task_config(task_cfg, registered=registered)
-    task = resolve_factory(task_cfg.name, registered)(task_cfg, seed)
+    factory = resolve_factory(task_cfg.name, registered)
+    try:
+        inspect.signature(factory).bind(task_cfg, seed)
+    except TypeError as e:  # e.g. a reward function (prompt, completion, metadata) named as the task
+        raise TaskNotFound(f"task.name={task_cfg.name!r}: cannot be called as a task factory ({e}); "
+                           f"{FACTORY_HINT}") from None  # fmt: skip
+    except ValueError:  # no signature to read (a builtin): call it and see
+        pass
+    task = factory(task_cfg, seed)
     if not isinstance(task, Task):
         raise TypeError(
-            f"task.name={task_cfg.name!r}: the factory returned {type(task).__name__}, not a Task"
+            f"task.name={task_cfg.name!r}: the factory returned {type(task).__name__}, not a Task; {FACTORY_HINT}"
         )
     return task
 

@@ -205,6 +205,27 @@ def test_unknown_names_fail_clearly():
         make_task(TaskConfig(name="asyncrl.tasks:nope"), 0)
 
 
+def test_a_reward_function_named_as_the_task_says_what_task_name_wants(tmp_path):
+    """verl users name their reward function (custom_reward_function); task.name wants a factory. Before:
+    "TypeError: reward() missing 1 required positional argument: 'metadata'", or (with a default)
+    "the factory returned float, not a Task", neither saying what to write instead."""
+    f = tmp_path / "myreward.py"
+    f.write_text(
+        textwrap.dedent("""
+        def reward(prompt, completion, metadata):
+            return float(completion == metadata["answer"])
+        def reward_with_default(prompt, completion, metadata=None):
+            return 0.0
+    """)
+    )
+    with pytest.raises(
+        TaskNotFound, match=r"cannot be called as a task factory .*dataset_task\(task_cfg, seed, reward\)"
+    ):
+        make_task(TaskConfig(name=f"{f}:reward"), 0)
+    with pytest.raises(TypeError, match=r"returned float, not a Task; task.name names a factory"):
+        make_task(TaskConfig(name=f"{f}:reward_with_default"), 0)
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "saved"])
 def test_data_formats_give_the_same_prompts(tmp_path, fmt):
     import datasets
