@@ -65,7 +65,13 @@ def init_distributed(timeout_s: float = 7200.0) -> tuple[int, int]:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
+        kw: dict[str, Any] = {}
+        if os.environ.get("WORLD_SIZE") == "1":
+            # One rank: its store binds port 0 (the kernel's choice) instead of MASTER_PORT, a port found
+            # free earlier and bound only now, which another process can take in between (EADDRINUSE:
+            # a CI failure of the learner bench). Nobody else connects to a one-rank group.
+            kw = {"init_method": "tcp://127.0.0.1:0", "rank": 0, "world_size": 1}
+        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), **kw)
     return dist.get_rank(), dist.get_world_size()
 
 
