@@ -111,6 +111,8 @@ def _replace_targets(rdir: Path, groups: list[dict]) -> None:
     sd = discovery_file(rdir)
     sd.parent.mkdir(exist_ok=True)
     for path in (rdir / TARGETS_FILE, sd):  # atomic each: Prometheus re-reads them every 5 s
+        if path.is_file() and path.read_text() == text:
+            continue  # unchanged (most supervision passes): no write, rename and re-read by Prometheus
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, path)

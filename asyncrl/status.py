@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from asyncrl.buffer.registry import LEARNER_HEARTBEAT_S, LEARNER_SILENT_S
 from asyncrl.config import Config, ConfigError
 
 #: A status is a glance: a run whose Redis is gone (crashed, stopped) must say so in seconds, not after
@@ -64,10 +65,18 @@ def format_status(cfg: Config, st: dict, now: float | None = None) -> str:
     ln = st["learner"] or {}
     if ln:
         # "updated" is the registry's unix stamp; the learner's own "time" counts from its start.
-        seen = f"{now - float(ln['updated']):.0f}s ago" if "updated" in ln else "?"
+        # Last seen: its newest write, a state change ("updated") or its heartbeat thread's "alive".
+        stamps = [float(ln[k]) for k in ("updated", "alive") if k in ln]
+        seen = f"{now - max(stamps):.0f}s ago" if stamps else "?"
+        silent = ""
+        if stamps and ln.get("state") != "stopped" and now - max(stamps) > LEARNER_SILENT_S:
+            silent = (
+                f"   SILENT: no heartbeat for {now - max(stamps):.0f}s (a live learner beats every"
+                f" {LEARNER_HEARTBEAT_S:.0f}s): killed, or its process frozen"
+            )
         lines.append(
             f"learner  step {ln.get('step', '?')}   version v{ln.get('version', '?')}{learner_state(ln, now)}"
-            f"   last seen {seen}"
+            f"   last seen {seen}{silent}"
         )
     else:
         lines.append("learner  not seen")
@@ -83,9 +92,9 @@ def format_status(cfg: Config, st: dict, now: float | None = None) -> str:
 
 
 def learner_state(ln: dict, now: float) -> str:
-    """What the learner does, as it wrote it when that began (it writes no heartbeat meanwhile): waiting
-    for data, training a step, or stopped, and for how long. "last seen" alone made a live learner that
-    waits for data look like a frozen one."""
+    """What the learner does, as it wrote it when that began: waiting for data, training a step, or
+    stopped, and for how long. "last seen" alone made a live learner that waits for data look like a
+    frozen one (its heartbeat thread's "alive" stamp now tells a gone one from both)."""
     state = ln.get("state")
     since = ln.get("since", ln.get("updated"))
     age = f" for {now - float(since):.0f}s" if since is not None else ""

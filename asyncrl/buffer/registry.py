@@ -7,6 +7,8 @@ All values are msgpack; the version key is shared with admission (layout.py).
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -18,7 +20,21 @@ from asyncrl.buffer.layout import Keys
 from asyncrl.buffer.subscription import NOTIFICATION_SCHEMA, VersionSubscription
 from asyncrl.buffer.weights import WeightManifest
 
-__all__ = ["RunRegistry", "PUBLISH_WEIGHTS_LUA"]
+__all__ = [
+    "RunRegistry",
+    "PUBLISH_WEIGHTS_LUA",
+    "LearnerHeartbeat",
+    "LEARNER_HEARTBEAT_S",
+    "LEARNER_SILENT_S",
+]
+
+log = logging.getLogger(__name__)
+
+#: A live learner stamps ``alive`` into its status this often, from a thread: the loop itself writes
+#: only as a state begins (waiting, training), and a wait or a step can last minutes.
+LEARNER_HEARTBEAT_S = 5.0
+#: ``asyncrl status`` calls a learner silent this long (and not stopped) gone or frozen.
+LEARNER_SILENT_S = 3 * LEARNER_HEARTBEAT_S
 
 # KEYS: weights, version. ARGV: version (decimal), manifest bytes, versions channel, notification.
 # Stores the manifest, sets V and notifies, in that order, in one call; returns the receivers.
@@ -155,6 +171,42 @@ class RunRegistry:
             mapping["updated"] = msgpack.packb(time.time(), use_bin_type=True)
             self._client.hset(self.keys.learner, mapping=mapping)
 
+    def beat_learner(self) -> None:
+        """Stamp ``alive`` (unix s) into the learner status; its state and ``updated`` stay as written."""
+        self._client.hset(self.keys.learner, "alive", msgpack.packb(time.time(), use_bin_type=True))
+
     def learner_status(self) -> dict[str, Any]:
         raw = self._client.hgetall(self.keys.learner)
         return {_s(k): msgpack.unpackb(v, raw=False) for k, v in raw.items()}
+
+
+class LearnerHeartbeat:
+    """Rank 0's liveness stamp, every ``interval_s`` from a daemon thread (first one at once).
+
+    It dies with the process (kill -9) and stops with it (SIGSTOP), which is what ``asyncrl status``
+    reads: a learner killed while it waited for data otherwise kept reading "waiting for data for Ns".
+    Redis errors are logged and the beat goes on (this thread is its own supervision boundary: the
+    loop's own Redis calls decide whether the learner survives an outage)."""
+
+    def __init__(self, registry: RunRegistry, interval_s: float = LEARNER_HEARTBEAT_S) -> None:
+        self._registry = registry
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self.failures = 0  # beats that did not reach Redis
+        self._thread = threading.Thread(target=self._run, name="learner-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._registry.beat_learner()
+            except redis.RedisError as e:
+                self.failures += 1
+                log.warning("learner heartbeat not written (%d so far): %s", self.failures, e)
+            if self._stop.wait(self._interval_s):
+                return
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop beating (before the client closes); a beat stuck in a Redis retry is left behind."""
+        self._stop.set()
+        self._thread.join(timeout_s)

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncrl.buffer import ReplayBuffer, encode
+from asyncrl.buffer.registry import LearnerHeartbeat
 from asyncrl.learner.checkpoint import TrainedLedger
 from asyncrl.learner.publisher import Publisher, checkpoint_tensor_names, is_local_url, make_transport
 from asyncrl.learner.records import MetricsWriter
@@ -90,6 +91,13 @@ class Rank0:
         self.publisher = Publisher(self.buffer, transport, cfg.learner.keep_versions, dtype)
         self.writer = MetricsWriter(run_dir, uuid.uuid4().hex[:12])
         self.ledger = TrainedLedger(cfg.learner.ledger_size)  # restored from the checkpoint by the loop
+        self.heartbeat = LearnerHeartbeat(self.buffer)
+
+    def close(self) -> None:
+        """Heartbeat first (it uses the client), then the transport (shm: frees /dev/shm), then Redis."""
+        self.heartbeat.close()
+        self.publisher.close()
+        self.buffer.close()
 
     def published_max(self) -> int:
         """Highest version ever published in this run (-1: none)."""

@@ -309,8 +309,7 @@ def learn(
     finally:
         restore_signals()
         if r0 is not None:
-            r0.publisher.close()  # shm transport: frees the weights in /dev/shm (a restart re-publishes)
-            r0.buffer.close()
+            r0.close()  # shm transport: frees the weights in /dev/shm (a restart re-publishes)
 
 
 def _publish_due(cfg: Any, r0: Rank0 | None, step: int, version: int, steps_since: int, world: int) -> bool:

@@ -102,8 +102,9 @@ def test_twenty_poison_records_of_each_kind_are_dead_lettered_with_credit(
             n_bad + len(good), n_bad, n_bad, len(good), len(good),
         )  # fmt: skip
     finally:
+        r0.heartbeat.close()  # before the run's keys go: it would write the learner status back
         buf.delete_run()
-        buf.close()
+        r0.close()
 
 
 def _nan_reward(g: Group) -> bytes:

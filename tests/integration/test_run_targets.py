@@ -24,6 +24,16 @@ def test_targets_list_only_this_run_s_actor_slots(buffer, tmp_path) -> None:
         {"targets": ["127.0.0.1:9100", "127.0.0.1:9101"], "labels": {"run": "demo", "role": "actor"}},
     ]
     assert json.loads((tmp_path / TARGETS_FILE).read_text()) == groups
+    # The supervisor calls this every second: unchanged targets are not rewritten (same inode, mtime).
+    files = [tmp_path / TARGETS_FILE, tmp_path.parent / "_prometheus" / f"{tmp_path.name}.json"]
+    before = [(f.stat().st_ino, f.stat().st_mtime_ns) for f in files]
+    time.sleep(0.02)
+    assert write_targets(tmp_path, "demo", buffer.learner_status(), buffer.actors(), num_actors=2) == groups
+    assert [(f.stat().st_ino, f.stat().st_mtime_ns) for f in files] == before
+    buffer.heartbeat("actor-1", {"actor_id": "actor-1", "index": 1, "metrics_addr": "127.0.0.1:9201"})
+    write_targets(tmp_path, "demo", buffer.learner_status(), buffer.actors(), num_actors=2)
+    for f in files:
+        assert "127.0.0.1:9201" in f.read_text() and (f.stat().st_ino, f.stat().st_mtime_ns) not in before
 
 
 def test_teardown_empties_the_targets(tmp_path) -> None:

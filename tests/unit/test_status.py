@@ -152,3 +152,63 @@ def test_status_shows_the_learner_s_state_and_since_when(
     assert training.startswith("learner  step 7   version v3   training step 8 for 78s   last seen ")
     stopped = line({**base, "state": "stopped", "since": now - 5.0}, now)
     assert stopped.startswith("learner  step 7   version v3   stopped 5s ago   last seen ")
+
+
+HEARTBEAT_CHILD = """
+import sys, time
+from asyncrl.buffer import ReplayBuffer
+from asyncrl.buffer.registry import LearnerHeartbeat
+from asyncrl.config import load_config
+buf = ReplayBuffer.from_config(load_config(overrides=[f"run.name={sys.argv[2]}"]), sys.argv[1])
+buf.set_learner_status({"step": 4, "version": 2, "state": "waiting", "since": time.time()})
+LearnerHeartbeat(buf, interval_s=0.2)
+print("beating", flush=True)
+time.sleep(600)
+"""
+
+
+def test_status_calls_a_killed_learner_silent_and_a_live_waiting_one_not(
+    cfg: Config, redis_url: str, run_buffer: ReplayBuffer, tmp_path
+):
+    """A learner killed (kill -9) while it waited for data kept reading "waiting for data for Ns" with
+    nothing to tell it from a live one. Its heartbeat thread stamps "alive" every interval; a learner
+    silent for LEARNER_SILENT_S that did not stop is called SILENT. Real process, real Redis."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from asyncrl.buffer.registry import LEARNER_SILENT_S
+
+    def line(now: float) -> str:
+        text = format_status(cfg, collect_status(cfg, redis_url), now=now)
+        return next(ln for ln in text.splitlines() if ln.startswith("learner"))
+
+    child = subprocess.Popen([sys.executable, "-c", HEARTBEAT_CHILD, redis_url, cfg.run.name],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "beating"
+        first = run_buffer.learner_status()["alive"]
+        deadline = time.monotonic() + 10
+        while run_buffer.learner_status()["alive"] == first:
+            assert time.monotonic() < deadline, "the heartbeat never refreshed 'alive'"
+            time.sleep(0.05)
+        # Alive: its state as written, no verdict; "last seen" is the newest stamp, not the state's.
+        st = run_buffer.learner_status()
+        live = line(st["alive"] + 1.0)
+        assert "waiting for data" in live and "last seen 1s ago" in live and "SILENT" not in live
+        assert st["updated"] < st["alive"]
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    dead = run_buffer.learner_status()
+    time.sleep(0.5)
+    assert run_buffer.learner_status()["alive"] == dead["alive"]  # nothing beats any more
+    later = dead["alive"] + LEARNER_SILENT_S + 5.0
+    gone = line(later)
+    assert f"last seen {LEARNER_SILENT_S + 5.0:.0f}s ago   SILENT: no heartbeat for" in gone, gone
+    assert "killed, or its process frozen" in gone
+    assert "SILENT" not in line(dead["alive"] + LEARNER_SILENT_S - 1.0)
+    # A learner that stopped on purpose stops beating too: no verdict.
+    run_buffer.set_learner_status({"state": "stopped", "since": dead["alive"]})
+    assert "SILENT" not in line(later) and "stopped" in line(later)
