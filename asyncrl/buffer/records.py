@@ -31,6 +31,8 @@ __all__ = [
     "MAX_META_ENTRIES",
     "MAX_STR_LEN",
     "MAX_ENCODED_BYTES",
+    "LOGPROB_MIN",
+    "REWARD_ABS_MAX",
     "RecordError",
     "Completion",
     "Group",
@@ -52,6 +54,14 @@ MAX_PROMPT_TOKENS = 262_144
 MAX_META_ENTRIES = 64
 MAX_STR_LEN = 4096  # ids, meta keys and meta string values
 MAX_ENCODED_BYTES = 128 * 1024 * 1024
+
+# Value bounds: numbers finite in float64 that still break an fp32 step. A sampled token's logprob
+# from fp32 logits is >= ~-104 (a probability below fp32's smallest subnormal is never sampled);
+# -1e4 leaves room for raw (untempered) logprobs and rejects an engine's "masked" sentinel (-1e30,
+# finfo.min), whose k2 rollout-KL is inf. A reward past 1e9 overflows fp32 in the advantages
+# (1e39 is finite in float64, inf in fp32) or in the loss; it is a producer bug, not a scale.
+LOGPROB_MIN = -1e4
+REWARD_ABS_MAX = 1e9
 
 MetaValue = str | int | float | bool
 
@@ -94,7 +104,7 @@ class Completion:
     """One sampled completion. Arrays are aligned: index t describes generated token t."""
 
     token_ids: np.ndarray  # uint32, generated tokens only (no prompt)
-    logprobs: np.ndarray  # float32 behaviour logprobs mu_t, finite and <= 0
+    logprobs: np.ndarray  # float32 behaviour logprobs mu_t, in [LOGPROB_MIN, 0]
     versions: np.ndarray  # uint32 policy version v_t per token, non-decreasing
     reward: float
     finish_reason: str  # one of FINISH_REASONS
@@ -192,6 +202,13 @@ def _check_float(value: Any, name: str) -> float:
     return value
 
 
+def _check_reward(value: Any, name: str) -> float:
+    value = _check_float(value, name)
+    if abs(value) > REWARD_ABS_MAX:
+        raise RecordError(f"{name}: {value:g} is beyond +-{REWARD_ABS_MAX:g} (overflows the fp32 step)")
+    return value
+
+
 def _check_meta(meta: Any) -> None:
     if not isinstance(meta, dict):
         raise RecordError(f"meta: expected a map, got {type(meta).__name__}")
@@ -227,7 +244,7 @@ def _check_completion(c: Any, name: str) -> None:
     for attr, arr, _ in arrays[1:]:
         if arr.shape[0] != n:
             raise RecordError(f"{name}.{attr}: length {arr.shape[0]} != {n} token_ids")
-    _check_float(c.reward, f"{name}.reward")
+    _check_reward(c.reward, f"{name}.reward")
     if not isinstance(c.finish_reason, str) or c.finish_reason not in FINISH_REASONS:
         raise RecordError(f"{name}.finish_reason: {c.finish_reason!r} not in {sorted(FINISH_REASONS)}")
 
@@ -241,6 +258,12 @@ def _check_values(c: Completion, name: str) -> None:
     bad = np.flatnonzero(c.logprobs > 0)
     if bad.size:
         raise RecordError(f"{name}.logprobs: positive value {float(c.logprobs[bad[0]])} at {int(bad[0])}")
+    bad = np.flatnonzero(c.logprobs < LOGPROB_MIN)
+    if bad.size:
+        raise RecordError(
+            f"{name}.logprobs: {float(c.logprobs[bad[0]]):g} at {int(bad[0])} is below {LOGPROB_MIN:g} (no sampled "
+            "token is that unlikely: a sentinel, not a logprob)"
+        )
     bad = np.flatnonzero(c.versions[1:] < c.versions[:-1])
     if bad.size:
         raise RecordError(f"{name}.versions: decreases at {int(bad[0]) + 1}")
@@ -249,9 +272,9 @@ def _check_values(c: Completion, name: str) -> None:
 def _values_ok(completions: list[Completion]) -> bool:
     """:func:`_check_values` of every completion at once, without the indices: a few reductions over
     the group's concatenated arrays (every record is validated twice, at put and at read, and the
-    per-completion index searches were most of the codec's time). -inf is <= 0: both tests needed."""
+    per-completion index searches were most of the codec's time). NaN and -inf fail the range test."""
     lp = np.concatenate([c.logprobs for c in completions])
-    if not (np.isfinite(lp).all() and (lp <= 0).all()):
+    if not ((lp >= LOGPROB_MIN) & (lp <= 0)).all():  # NaN compares False: refused too
         return False
     v = np.concatenate([c.versions for c in completions])
     if v.size < 2:
@@ -372,7 +395,7 @@ def decode(data: bytes) -> Group:
                 token_ids=_array(rc["tokens"], _WIRE_U32, _U32, f"{name}.token_ids", lim),
                 logprobs=_array(rc["logprobs"], _WIRE_F32, _F32, f"{name}.logprobs", lim),
                 versions=_array(rc["versions"], _WIRE_U32, _U32, f"{name}.versions", lim),
-                reward=_check_float(rc["reward"], f"{name}.reward"),
+                reward=_check_reward(rc["reward"], f"{name}.reward"),
                 finish_reason=rc["finish"],
             )
         )

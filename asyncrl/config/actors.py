@@ -26,7 +26,12 @@ class ActorsConfig:
         "advantage 0 (its reward less its own mean), so nothing would be learned.",
         ge=2,
     )
-    temperature: float = F(1.0, "Sampling temperature; the learner divides logits by the same value.", gt=0)
+    temperature: float = F(
+        1.0,
+        "Sampling temperature; the learner divides logits by the same value (>= 1e-5: vLLM samples greedily "
+        "below it).",
+        ge=1e-5,
+    )
     top_p: float = F(
         1.0, "Nucleus sampling mass (1 = off; <1 makes behaviour logprobs a truncated law).", gt=0, le=1
     )

@@ -84,14 +84,16 @@ def objective_config(cfg: Any) -> ObjectiveConfig:
 
 
 def advantage_lists(rewards: list[list[float]], normalize_std: bool) -> list[list[float]]:
-    """GRPO advantages of each group's rewards (fp32, :func:`group_advantages` per group).
+    """GRPO advantages of each group's rewards (float64, :func:`group_advantages` per group).
 
     Equal group sizes (the usual case) take one ``[n_groups, G]`` call, row for row the same math
     as one call per group; ragged groups fall back to one call each.
     """
+    # float64: rewards are float64 numbers (bounded by the record contract, +-1e9); in fp32 the
+    # group's mean and std lose the small differences between large rewards.
     if rewards and len({len(r) for r in rewards}) == 1:
-        return group_advantages(torch.tensor(rewards, dtype=torch.float32), normalize_std).tolist()
-    return [group_advantages(torch.tensor(r, dtype=torch.float32), normalize_std).tolist() for r in rewards]
+        return group_advantages(torch.tensor(rewards, dtype=torch.float64), normalize_std).tolist()
+    return [group_advantages(torch.tensor(r, dtype=torch.float64), normalize_std).tolist() for r in rewards]
 
 
 def loss_tokens(

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.buffer.records import LOGPROB_MIN, REWARD_ABS_MAX
+
 __all__ = ["RunSpec", "check_group"]
 
 
@@ -50,6 +52,9 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+#: vLLM's own greedy threshold (vllm.sampling_params._SAMPLING_EPS): a lower temperature samples greedily.
+MIN_TEMPERATURE = 1e-5
+
 #: meta keys the learner orders a batch by; absent is fine (sorted first, as -1).
 ORDER_KEYS = ("actor_index", "prompt_seq")
 
@@ -57,8 +62,13 @@ ORDER_KEYS = ("actor_index", "prompt_seq")
 def _check_meta(meta: dict[str, Any]) -> str | None:
     if "temperature" in meta:
         t = _number(meta["temperature"])
-        if t is None or not math.isfinite(t) or t <= 0:
-            return f"meta['temperature']: {meta['temperature']!r} (the learner divides logits by it: must be > 0)"
+        if t is None or not math.isfinite(t) or t < MIN_TEMPERATURE:
+            # Below vLLM's 1e-5 the engine samples greedily, so mu is not the tempered distribution, and
+            # fp32 logits divided by a subnormal temperature overflow to inf (NaN log-softmax).
+            return (
+                f"meta['temperature']: {meta['temperature']!r} (the learner divides logits by it: must be "
+                f">= {MIN_TEMPERATURE:g})"
+            )
     if "top_p" in meta:
         p = _number(meta["top_p"])
         if p is None or not 0 < p <= 1:
@@ -99,9 +109,13 @@ def check_group(group: Any, spec: RunSpec, version: int) -> str | None:
             return f"{name}.token_ids: {bad}"
         if t and not np.isfinite(c.logprobs).all():
             return f"{name}.logprobs: non-finite value"
+        if t and float(c.logprobs.min()) < LOGPROB_MIN:
+            return f"{name}.logprobs: {float(c.logprobs.min()):g} is below {LOGPROB_MIN:g} (a sentinel, not a logprob)"
         r = _number(c.reward)
         if r is None or not math.isfinite(r):
             return f"{name}.reward: {c.reward!r} is not a finite number"
+        if abs(r) > REWARD_ABS_MAX:
+            return f"{name}.reward: {r:g} is beyond +-{REWARD_ABS_MAX:g} (overflows the fp32 step)"
         if t and int(c.versions.max()) > version:
             return (
                 f"{name}.versions: token sampled by v{int(c.versions.max())}, newer than the learner's "

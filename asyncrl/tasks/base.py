@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+from asyncrl.buffer.records import REWARD_ABS_MAX
+
 __all__ = [
     "Prompt",
     "Task",
@@ -114,7 +116,7 @@ class Task:
 
 
 def check_reward(value: Any, task: str, prompt_id: str) -> float:
-    """``value`` as a float; ValueError when it is not a finite number.
+    """``value`` as a float; ValueError when it is not a finite number or beyond +-REWARD_ABS_MAX.
 
     Any :class:`numbers.Real` (``int``, ``float``, ``Fraction``, numpy's ``float32`` / ``int64``: what a
     reward computed with numpy returns) or :class:`~decimal.Decimal` counts. A bool (Python's or numpy's)
@@ -126,6 +128,11 @@ def check_reward(value: Any, task: str, prompt_id: str) -> float:
         as_float = float(value) if number else math.nan
     except (OverflowError, ValueError):
         as_float = math.nan
+    if math.isfinite(as_float) and abs(as_float) > REWARD_ABS_MAX:
+        # Finite, and still past what an fp32 step can train (the record contract refuses it too).
+        raise ValueError(
+            f"task {task!r}: reward for {prompt_id} is {as_float:g}, beyond +-{REWARD_ABS_MAX:g} (rescale it)"
+        )
     if not math.isfinite(as_float):
         hint = " (a bool is refused: return float(...))" if "bool" in type(value).__name__ else ""
         # reprlib: a 400-digit int or a long string would otherwise fill the dead-letter log line.

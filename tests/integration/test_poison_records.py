@@ -68,6 +68,12 @@ def test_twenty_poison_records_of_each_kind_are_dead_lettered_with_credit(
         codec = {  # rejected before validation, by the wire codec
             "record: not valid msgpack": lambda i: b"\xc1" + bytes([i]),
             "completions[0].reward: must be finite": lambda i: _nan_reward(_group(i, vocab)),
+            # Finite in float64, yet inf in the fp32 step (advantages; the k2 rollout-KL of a sentinel
+            # logprob): before the bounds they voided the whole step and were counted as trained.
+            "completions[0].reward: 1e+39 is beyond": lambda i: _patched(_group(i, vocab), reward=1e39),
+            "completions[0].logprobs: -1e+30 at 0 is below": lambda i: _patched(
+                _group(i, vocab), logprob=-1e30
+            ),
         }
         sent: list[str] = []
         k = 0
@@ -108,6 +114,17 @@ def test_twenty_poison_records_of_each_kind_are_dead_lettered_with_credit(
 
 
 def _nan_reward(g: Group) -> bytes:
+    return _patched(g, reward=float("nan"))
+
+
+def _patched(g: Group, reward: float | None = None, logprob: float | None = None) -> bytes:
+    """``g``'s record with completion 0's reward or first logprob replaced, past the encoder's checks."""
     doc = msgpack.unpackb(encode(g), raw=False)
-    doc["completions"][0]["reward"] = float("nan")
+    c = doc["completions"][0]
+    if reward is not None:
+        c["reward"] = reward
+    if logprob is not None:
+        lp = np.frombuffer(c["logprobs"], dtype="<f4").copy()
+        lp[0] = logprob
+        c["logprobs"] = lp.tobytes()
     return msgpack.packb(doc, use_bin_type=True)

@@ -75,6 +75,26 @@ def test_kl_penalty_huge_differences_finite_and_masked_grad_zero(kind):
         assert logp.grad[0, :7].tolist() == want, logp.grad
 
 
+@pytest.mark.parametrize("kind", ["abs", "k2"])
+def test_kl_penalty_holds_sentinel_differences_finite_in_fp32(kind):
+    """A logprob of -1e30 (an engine's "masked" sentinel) made the default k2 rollout-KL inf in fp32
+    (d^2 overflows past |d| ~ 1.8e19) and voided the whole step. Past |d| = 1e6 the difference is
+    held there: finite value, gradient 0; within it the plain difference still pulls."""
+    from asyncrl.learner.objectives.kl import PENALTY_DIFF_MAX
+
+    d = torch.tensor([[-1e30, -1e7, -1e6, -5e5, 5e5, 1e6, 1e7, 1e30]], dtype=torch.float32)
+    logp = torch.zeros_like(d).requires_grad_()
+    out = kl_penalty(logp, -d, kind)  # logp - ref = d
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(out.sum()) and torch.isfinite(logp.grad).all()
+    held = [max(-PENALTY_DIFF_MAX, min(PENALTY_DIFF_MAX, float(x))) for x in d[0]]
+    want = [0.5 * h * h if kind == "k2" else abs(h) for h in held]
+    assert out[0].tolist() == pytest.approx(want, rel=1e-6)
+    inside = [abs(float(x)) <= PENALTY_DIFF_MAX for x in d[0]]  # the bound itself still pulls
+    for g, x, keep in zip(logp.grad[0].tolist(), d[0].tolist(), inside, strict=True):
+        assert g == (pytest.approx(x if kind == "k2" else math.copysign(1.0, x)) if keep else 0.0)
+
+
 @pytest.mark.parametrize(
     "mu, pi",
     [

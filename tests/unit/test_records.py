@@ -16,7 +16,7 @@ from asyncrl.buffer.records import Completion, Group, RecordError, decode, encod
 # --------------------------------------------------------------------------- strategies
 
 u32 = st.integers(0, 2**32 - 1)
-logprob = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=32)
+logprob = st.floats(min_value=-1e4, max_value=0.0, width=32)
 meta_value = st.one_of(
     st.text(max_size=20),
     st.integers(-(2**63), 2**64 - 1),
@@ -34,7 +34,7 @@ def completions(draw: st.DrawFn) -> Completion:
         token_ids=draw(st.lists(u32, min_size=n, max_size=n)),
         logprobs=draw(st.lists(logprob, min_size=n, max_size=n)),
         versions=np.cumsum([start, *steps])[1:] if n else [],
-        reward=draw(st.floats(allow_nan=False, allow_infinity=False)),
+        reward=draw(st.floats(-rec.REWARD_ABS_MAX, rec.REWARD_ABS_MAX)),
         finish_reason=draw(st.sampled_from(sorted(rec.FINISH_REASONS))),
     )
 
@@ -172,6 +172,22 @@ MALFORMED = [
     ("reward type", _mutate("completions/0/reward", "1.0"), r"completions\[0\].reward: expected a number"),
     ("reward bool", _mutate("completions/0/reward", True), r"completions\[0\].reward: expected a number"),
     ("reward NaN", _mutate("completions/0/reward", math.nan), r"completions\[0\].reward: must be finite"),
+    # Finite in float64, inf in the fp32 step: refused with the bound named.
+    (
+        "reward past 1e9",
+        _mutate("completions/0/reward", 1e39),
+        r"completions\[0\].reward: 1e\+39 is beyond \+-1e\+09",
+    ),
+    (
+        "reward past -1e9",
+        _mutate("completions/0/reward", -1.5e9),
+        r"completions\[0\].reward: -1.5e\+09 is beyond",
+    ),
+    (
+        "sentinel logprob",
+        _mutate("completions/0/logprobs", np.array([-1, -1e30, -1], f32).tobytes()),
+        r"completions\[0\].logprobs: -1e\+30 at 1 is below -10000",
+    ),
     ("created_at type", _mutate("created_at", None), "created_at: expected a number"),
     ("meta type", _mutate("meta", [1]), "meta: expected a map"),
     ("meta value", _mutate("meta", {"x": [1, 2]}), r"meta\['x'\]: expected str/int/float/bool"),
@@ -278,13 +294,13 @@ def test_encode_validates(mutate, reason: str) -> None:
 @st.composite
 def value_cases(draw: st.DrawFn) -> list[Completion]:
     """Completions whose values are valid or broken in the ways _check_values names: NaN, +-inf,
-    positive logprobs, a decreasing version inside one completion; and versions that drop from one
+    positive logprobs, logprobs below -1e4 (and -1e4 itself, valid), a decreasing version inside one completion; and versions that drop from one
     completion to the next (legal), empty completions among them."""
     out = []
     for _ in range(draw(st.integers(1, 5))):
         n = draw(st.integers(0, 6))
-        lp = draw(st.lists(st.sampled_from([-1.0, -0.0, 0.0, -1e-30, -80.0, 1e-30, 2.0, np.nan,
-                                            np.inf, -np.inf]), min_size=n, max_size=n))  # fmt: skip
+        lp = draw(st.lists(st.sampled_from([-1.0, -0.0, 0.0, -1e-30, -80.0, 1e-30, 2.0, np.nan, np.inf,
+                                            -np.inf, -1e4, -10001.0, -1e30]), min_size=n, max_size=n))  # fmt: skip
         v = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
         if draw(st.booleans()):
             v = sorted(v)  # mostly monotone, so that the boundary masking is exercised
@@ -297,7 +313,7 @@ def _reference_ok(completions: list[Completion]) -> bool:
     """The definition, one completion and one token at a time."""
     for c in completions:
         for i, x in enumerate(c.logprobs.tolist()):
-            if not math.isfinite(x) or x > 0:
+            if not math.isfinite(x) or x > 0 or x < -1e4:
                 return False
             if i and int(c.versions[i]) < int(c.versions[i - 1]):
                 return False

@@ -296,6 +296,11 @@ def test_rewards_must_be_finite_numbers():
         task = FunctionTask("t", [p], lambda *_, v=bad: v)
         with pytest.raises(ValueError, match="not a finite number"):
             _score(task, p, "y")
+    # Finite, but past what the fp32 step can train (the record contract refuses it as well).
+    for big in (1e39, -2e9, 10**12):
+        with pytest.raises(ValueError, match=r"is -?[0-9.e+]+, beyond \+-1e\+09 \(rescale it\)"):
+            _score(FunctionTask("t", [p], lambda *_, v=big: v), p, "y")
+    assert _score(FunctionTask("t", [p], lambda *_: -1e9), p, "y") == -1e9
 
     async def slow(prompt, completion, meta):
         await asyncio.sleep(0.01)

@@ -80,11 +80,34 @@ def test_a_fitting_group_passes_at_the_edges() -> None:
         ),
         (group(logprobs=np.array([-0.5], dtype=np.float32)), 0, "completions[1]: 2 tokens but 1 logprobs"),
         (group(reward=float("inf")), 0, "completions[1].reward: inf is not a finite number"),
+        # Finite in float64 but not trainable in fp32 (records from a producer without the codec's bounds).
+        (group(reward=1e39), 0, "completions[1].reward: 1e+39 is beyond +-1e+09"),
+        (group(reward=-2e9), 0, "completions[1].reward: -2e+09 is beyond"),
+        (
+            group(logprobs=np.array([-0.5, -1e30], dtype=np.float32)),
+            0,
+            "completions[1].logprobs: -1e+30 is below -10000",
+        ),
+        (
+            group(meta={"temperature": 1e-6}),
+            0,
+            "meta['temperature']: 1e-06 (the learner divides logits by it: must be >= 1e-05)",
+        ),
+        (group(meta={"temperature": 1e-40}), 0, "meta['temperature']: 1e-40"),
     ],
 )
 def test_each_poison_kind_is_named(g: Group, version: int, field: str) -> None:
     reason = check_group(g, SPEC, version)
     assert reason is not None and reason.startswith(field), reason
+
+
+def test_the_value_bounds_are_inclusive() -> None:
+    """Rewards of +-1e9, a logprob of -1e4 and a temperature of 1e-5 are trainable (just inside)."""
+    for reward in (1e9, -1e9):
+        assert check_group(group(reward=reward), SPEC, 0) is None
+    assert check_group(group(logprobs=np.array([-1e4, -0.5], dtype=np.float32)), SPEC, 0) is None
+    assert check_group(group(meta={"temperature": 1e-5}), SPEC, 0) is None
+    assert check_group(group(logprobs=np.array([-1.0001e4, -0.5], dtype=np.float32)), SPEC, 0) is not None
 
 
 def test_every_group_that_passes_can_be_ordered() -> None:
@@ -111,7 +134,7 @@ def test_random_groups_agree_with_a_slow_reference() -> None:
                 return False
             if any(int(t) >= SPEC.vocab_size for t in c.token_ids) or any(int(x) > v for x in c.versions):
                 return False
-        return g.meta.get("temperature", 1.0) > 0
+        return g.meta.get("temperature", 1.0) >= 1e-5
 
     seen = {True: 0, False: 0}
     for _ in range(400):
@@ -121,7 +144,7 @@ def test_random_groups_agree_with_a_slow_reference() -> None:
             prompt=rng.integers(0, 104, n_prompt),
             tokens=rng.integers(0, 104, n_tok),
             version=int(rng.integers(0, 4)),
-            meta={"temperature": float(rng.choice([1.0, 0.5, 0.0, -0.1]))},
+            meta={"temperature": float(rng.choice([1.0, 0.5, 1e-5, 0.0, 9e-6, -0.1]))},
         )
         v = int(rng.integers(0, 4))
         ok = reference(g, v)

@@ -32,6 +32,9 @@ from torch import Tensor
 
 from asyncrl.learner.objectives.common import LOG_RATIO_CLAMP, log_ratio, safe
 
+#: k2 / abs penalties hold a finite log-ratio beyond this (see :func:`penalty_log_ratio`).
+PENALTY_DIFF_MAX = 1e6
+
 __all__ = [
     "KL_LOSS_KINDS",
     "KL_METRICS",
@@ -57,12 +60,17 @@ def penalty_log_ratio(a: Tensor, b: Tensor, kind: str) -> Tensor:
     k3 (and k1) take ``clamp(a - b, -20, 20)``: k3 has exp(-d), which must stay finite. k2 and abs
     have no exp and take the plain difference: a clamp there made the penalty flat (zero gradient)
     past |d| = 20, on exactly the tokens that moved furthest, which the rollout-KL term exists to pull
-    back (and the reference KL stopped acting on tokens furthest from the base model). Only a
-    non-finite difference (an infinite logprob at a loss position) is clamped in every kind; its
-    gradient through the clamp is 0, never NaN (torch.where routes it)."""
+    back (and the reference KL stopped acting on tokens furthest from the base model). A non-finite
+    difference (an infinite logprob at a loss position) is clamped to +-20 in every kind; for k2 and
+    abs a finite one beyond +-PENALTY_DIFF_MAX (1e6) is held there. A clamped value's gradient is 0,
+    never NaN (torch.where routes it)."""
     if kind in ("k2", "abs"):
         diff = a - b
-        return torch.where(torch.isfinite(diff), diff, diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        # |d| past PENALTY_DIFF_MAX only from a sentinel logprob (the record contract refuses behaviour
+        # logprobs below -1e4): held there, k2 = d^2 / 2 <= 5e11 stays finite in fp32 (it overflows
+        # at |d| ~ 1.8e19), where d^2 summed over a batch would be inf and void the whole step.
+        finite = diff.clamp(-PENALTY_DIFF_MAX, PENALTY_DIFF_MAX)
+        return torch.where(torch.isfinite(diff), finite, diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     return log_ratio(a, b)
 
 
