@@ -17,6 +17,7 @@ ERROR, CRITICAL or a Traceback.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -25,6 +26,10 @@ import time
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+import redis
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "LOG_DIR",
@@ -162,6 +167,7 @@ class Console:
         self._buf: Any = None
         self._gen: tuple[float, int] | None = None
         self._gen_rate: float | None = None
+        self._redis_down = False  # logged once per outage
         self._last_plain = 0.0
         self._live: Any = None
         if mode == "live":
@@ -188,8 +194,12 @@ class Console:
                 )
             actors = self._buf.actors()
             dead = int(self._buf.stats().get("dead", 0))
-        except Exception:  # Redis restarting: show '-' this time
+        except (redis.RedisError, OSError) as e:  # Redis restarting: show '-' this time
+            if not self._redis_down:
+                log.info("live display: Redis unreachable (%s); showing '-' until it is back", e)
+            self._redis_down = True
             return self._gen_rate, None
+        self._redis_down = False
         now, total = time.monotonic(), sum(int(a.get("generated_tokens", 0)) for a in actors.values())
         if self._gen is not None and now > self._gen[0] and total >= self._gen[1]:
             rate = (total - self._gen[1]) / (now - self._gen[0])

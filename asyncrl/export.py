@@ -112,9 +112,14 @@ def weight_sources(run_dir: Path) -> list[Source]:
     from asyncrl.learner.publisher import shm_root
 
     run_dir = Path(run_dir)
+    from asyncrl.config import ConfigError
+
     try:
         cfg = load_run_config(run_dir, validate=False)
-    except Exception:  # no readable run config: published files and recorded since_publish only
+    except ConfigError as e:  # no readable run config: published files and recorded since_publish only
+        if (run_dir / "config.yaml").exists():
+            log.warning("%s: config.yaml does not load (%s); listing published weights and checkpoints "
+                        "that record their steps since publication only", run_dir, e)  # fmt: skip
         cfg = None
     found: list[Source] = []
     for tag in sorted((run_dir / CHECKPOINT_DIR).glob("step*")):
@@ -125,7 +130,12 @@ def weight_sources(run_dir: Path) -> list[Source]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # an uncommitted or damaged tag
         if since < 0:  # a checkpoint of an older asyncrl: what its learner assumed (asyncrl.learner.loop)
-            since = step % cfg.learner.publish_every if cfg is not None and step >= 0 else 0
+            if cfg is None or step < 0:
+                # Without publish_every its weights cannot be labelled: assuming 0 offered weights k
+                # steps past vN as vN itself.
+                log.warning("%s: steps since publication unknown without the run's config: not listed", tag)
+                continue
+            since = step % cfg.learner.publish_every
         found.append(Source("checkpoint", tag, version, since, step))
     roots = [run_dir / "weights"]
     if cfg is not None:

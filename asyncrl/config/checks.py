@@ -37,6 +37,12 @@ def check_config(cfg: Any) -> None:
     _check_tiny_model(cfg.model)
     _check_redis(cfg.redis)
     _check_lengths(cfg)
+    if not cfg.learner.consumer.strip():
+        # The learner's name in the Redis consumer group; empty failed only at its first read.
+        raise ConfigError(
+            f"learner.consumer={cfg.learner.consumer!r} is not allowed: a non-empty consumer name (default "
+            "'learner-0')"
+        )
 
 
 def _check_run(r: Any) -> None:
@@ -105,6 +111,13 @@ def _check_redis(r: Any) -> None:
     if bool(r.tls_certfile) != bool(r.tls_keyfile):
         raise ConfigError(
             "redis.tls_certfile and redis.tls_keyfile go together (mutual TLS): set both or neither"
+        )
+    files = [k for k in ("tls_ca_certs", "tls_certfile", "tls_keyfile") if getattr(r, k)]
+    if files and not (r.tls or r.url.startswith("rediss://")):
+        # Found only as a role built its client, with the connection's own parameter names.
+        raise ConfigError(
+            f"{', '.join('redis.' + k for k in files)} need TLS: set redis.tls=true or a rediss:// redis.url "
+            f"(redis.url={r.url!r})"
         )
 
 

@@ -90,6 +90,14 @@ def _validate(obj: Any, prefix: str) -> None:
         raise ConfigError(
             f"{prefix}adaptive.min_bound={obj.adaptive.min_bound} must be <= {prefix}max_staleness={obj.max_staleness}"
         )
+    if isinstance(obj, BufferConfig) and obj.adaptive.enabled and obj.adaptive.start >= 0:
+        a = obj.adaptive
+        if not a.min_bound <= a.start <= obj.max_staleness:
+            # The controller clamped it silently: the run started at another bound than configured.
+            raise ConfigError(
+                f"{prefix}adaptive.start={a.start} must be in [{prefix}adaptive.min_bound={a.min_bound}, "
+                f"{prefix}max_staleness={obj.max_staleness}], or -1 (= max_staleness)"
+            )
     if (
         isinstance(obj, Config)
         and obj.learner.weight_transport == "nccl"

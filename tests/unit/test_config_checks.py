@@ -118,6 +118,32 @@ def test_non_str_overrides_are_still_typed():
         (["redis.url=http://foo:6379/0"], "redis.url='http://foo:6379/0': allowed schemes are redis://"),
         (["redis.url=unix:///tmp/redis.sock"], "unix sockets are not supported"),
         (["redis.url=rediss://h:6380/0", "redis.tls_certfile=c.pem"], "redis.tls_keyfile"),
+        # Accepted before, and failed only as a role built its Redis client (or first read the buffer)
+        # with names that are not config keys; the adaptive start was clamped silently.
+        (
+            ["redis.url=redis://h:6379/0", "redis.tls_ca_certs=ca.pem"],
+            "redis.tls_ca_certs need TLS: set redis.tls=true or a rediss:// redis.url",
+        ),
+        (
+            ["redis.tls_certfile=c.pem", "redis.tls_keyfile=k.pem"],
+            "redis.tls_certfile, redis.tls_keyfile need TLS",
+        ),
+        (["learner.consumer="], "learner.consumer='' is not allowed"),
+        (["learner.consumer= "], "is not allowed: a non-empty consumer name"),
+        (
+            ["buffer.adaptive.enabled=true", "buffer.max_staleness=1", "buffer.adaptive.start=5"],
+            "buffer.adaptive.start=5 must be in [buffer.adaptive.min_bound=0, buffer.max_staleness=1]",
+        ),
+        (
+            [
+                "buffer.adaptive.enabled=true",
+                "buffer.max_staleness=4",
+                "buffer.adaptive.min_bound=2",
+                "buffer.adaptive.start=1",
+            ],
+            "buffer.adaptive.start=1 must be in [buffer.adaptive.min_bound=2",
+        ),  # fmt: skip
+        (["actors.temperature=1e-6"], "actors.temperature=1e-06 is out of range; must be >= 1e-05"),
     ],
 )
 def test_cross_field_mistakes_fail_at_load(overrides, needle):
@@ -127,6 +153,12 @@ def test_cross_field_mistakes_fail_at_load(overrides, needle):
 
 
 def test_cross_field_checks_allow_what_is_valid():
+    load_config(overrides=["redis.url=rediss://h:6380/0", "redis.tls_ca_certs=ca.pem"])
+    load_config(overrides=["redis.tls=true", "redis.tls_certfile=c.pem", "redis.tls_keyfile=k.pem"])
+    for start in (-1, 2, 4):
+        load_config(overrides=["buffer.adaptive.enabled=true", "buffer.max_staleness=4",
+                               "buffer.adaptive.min_bound=2", f"buffer.adaptive.start={start}"])  # fmt: skip
+    load_config(overrides=["buffer.max_staleness=1", "buffer.adaptive.start=5"])  # not enabled: unused
     load_config(overrides=["model.max_model_len=512", "model.tiny.max_position_embeddings=512"])
     load_config(overrides=["redis.url=redis+cluster://h:7000/0", "task.min_len=3", "task.max_len=3"])
     # A plug-in may give the alphabet another meaning: the tiny tasks' rule is not applied to it.

@@ -232,3 +232,21 @@ def test_empty_tensors_of_one_shape_are_not_taken_for_tied_ones() -> None:
     got = _untied({"a.bias": torch.zeros(0), "b.bias": torch.zeros(0), "w": w, "tied": w}, False)
     assert sorted(got) == ["a.bias", "b.bias", "w"]
     save(got)  # safetensors accepts the result
+
+
+def test_an_old_checkpoint_is_not_mislabelled_when_the_run_config_does_not_load(tmp_path, caplog):
+    """A checkpoint of an older asyncrl records no since_publish; its label comes from the run's
+    publish_every. A config.yaml that exists but did not load (a renamed key) was taken as absent
+    and the checkpoint (v1 + 1 step) offered as v1 itself."""
+    from asyncrl.export import weight_sources
+
+    tag = tmp_path / "checkpoints" / "step00000003"
+    tag.mkdir(parents=True)
+    (tag / "learner_state.json").write_text(json.dumps({"step": 3, "version": 1}))
+    (tmp_path / "config.yaml").write_text("learner:\n  publish_every: 2\n")
+    assert [(s.version, s.since_publish) for s in weight_sources(tmp_path)] == [(1, 1)]
+    (tmp_path / "config.yaml").write_text("learner:\n  publish_every: 2\n  some_renamed_key: 1\n")
+    with caplog.at_level("WARNING", logger="asyncrl.export"):
+        assert weight_sources(tmp_path) == []
+    assert "config.yaml does not load" in caplog.text and "some_renamed_key" in caplog.text
+    assert "steps since publication unknown" in caplog.text
