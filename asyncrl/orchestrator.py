@@ -59,7 +59,7 @@ from asyncrl.launch import (
     stop_process,
     write_private,
 )
-from asyncrl.learner.records import JsonlTail, committed_step, read_jsonl  # stdlib only
+from asyncrl.learner.records import JsonlTail, committed_step, last_record, read_jsonl  # stdlib only
 from asyncrl.lifetime import arm_reaper
 
 TARGETS_FILE = "prometheus_targets.json"
@@ -216,12 +216,12 @@ class Supervisor:
         assert self.learner is not None
         rc = self.learner.poll()
         if rc is not None:
-            recs = read_jsonl(self.rdir / "metrics.jsonl")  # a torn last line is skipped
+            last = last_record(self.rdir / "metrics.jsonl")  # its tail only; a torn last line is skipped
             # The newer of the last record and the committed checkpoint: a learner killed between its
             # final checkpoint and that step's record restarts at max_steps and exits 0 at once, and
             # judged by metrics.jsonl alone it was restarted until run.max_restarts failed the run
             # (and every re-run of the command did the same).
-            step = max(recs[-1]["step"] if recs else 0, committed_step(self.rdir))
+            step = max(last["step"] if last else 0, committed_step(self.rdir))
             if rc == 0 and self.cfg.run.max_steps and step >= self.cfg.run.max_steps:
                 return True
             self._restart(
