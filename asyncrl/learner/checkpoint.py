@@ -276,7 +276,9 @@ def save_checkpoint(
 def _all_ranks_ok(le: LearnerEngine, ok: bool) -> bool:
     if le.world_size == 1:
         return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    # On the engine's device: a CUDA learner's group has only an NCCL backend, which reduces device
+    # tensors; a CPU tensor fails there ("No backend type associated with device type cpu").
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=le.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
