@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.actors.supervision import PoolLeaseLost  # imports neither torch, vllm nor ray
 from asyncrl.config import (
     ConfigError,
     check_data_paths,
@@ -28,6 +29,9 @@ from asyncrl.tasks.registry import TaskNotFound, check_task
 
 #: What a user's mistake raises: printed as one `asyncrl: error:` line with exit status 2, no traceback.
 USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, TaskDataError, TaskNotFound, ExportError)
+#: What stops a role for a reason outside it (its message says what and why): one `asyncrl: error:` line,
+#: exit status 1, no traceback.
+ROLE_ERRORS = (PoolLeaseLost,)
 
 
 def _add_config_args(
@@ -330,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"asyncrl: error: {e}", file=sys.stderr)
         return 2
+    except ROLE_ERRORS as e:
+        print(f"asyncrl: error: {e}", file=sys.stderr)
+        return 1
     raise AssertionError(args.cmd)
 
 

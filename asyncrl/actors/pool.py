@@ -22,13 +22,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .ray_actor import RayRolloutActor
+from .supervision import PoolLeaseLost
 
-__all__ = ["ActorPool", "serve_actors", "actor_env", "actor_runtime_env", "init_ray"]
+__all__ = ["ActorPool", "PoolLeaseLost", "serve_actors", "actor_env", "actor_runtime_env", "init_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +133,27 @@ class ActorPool:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, max_groups_per_actor: int | None = None) -> ActorPool:
-        """Start (or attach to) Ray and launch every actor's loop; returns without waiting for them."""
+    def start(
+        self, max_groups_per_actor: int | None = None, check: Callable[[], None] | None = None
+    ) -> ActorPool:
+        """Start (or attach to) Ray and launch every actor's loop; returns without waiting for them.
+
+        ``check()`` runs between the (slow) start-up steps and right before any actor is spawned, and
+        raises to abort the start (serve-actors: the pool lost its number's lease, so its actor ids may
+        be another pool's; an actor spawned now would reclaim that pool's in-flight admission slots)."""
 
         from asyncrl.tinymodel import resolve_model_path
 
+        check = check or (lambda: None)
         # Build the tiny model once here: N actors building it concurrently would race on the dir.
         model_path = resolve_model_path(self.cfg, self.run_dir)
+        check()
         if init_ray(self.cfg):
             self._started_ray = True
-        self._pg = self._placement_group()
+        check()
+        self._pg = self._placement_group(check=check)
         self._model_path = model_path
+        check()
         self.actors = [self._spawn(i, 0) for i in range(self.cfg.actors.num_actors)]
         self.run_refs = [h.run.remote(max_groups_per_actor) for h in self.actors]
         self.generations = [0] * len(self.actors)
@@ -225,15 +236,24 @@ class ActorPool:
             b["GPU"] = float(gpus)
         return b
 
-    def _placement_group(self, timeout: float = 120.0) -> Any:
+    def _placement_group(self, timeout: float = 120.0, check: Callable[[], None] = lambda: None) -> Any:
         """Reserve every actor's bundle at once (Ray schedules the group atomically, so a pool that does
-        not fit fails here, naming what it asked for, instead of leaving actors pending forever)."""
+        not fit fails here, naming what it asked for, instead of leaving actors pending forever).
+        ``check()`` runs once a second while it waits (see :meth:`start`)."""
         import ray
         from ray.util.placement_group import placement_group
 
         a = self.cfg.actors
         pg = placement_group([self.bundle()] * a.num_actors, strategy=a.placement_strategy)
-        ready, _ = ray.wait([pg.ready()], timeout=timeout)
+        deadline = time.monotonic() + timeout
+        ready: list[Any] = []
+        while not ready and time.monotonic() < deadline:
+            try:
+                check()
+            except BaseException:
+                ray.util.remove_placement_group(pg)
+                raise
+            ready, _ = ray.wait([pg.ready()], timeout=min(1.0, max(deadline - time.monotonic(), 0.0)))
         if not ready:
             ray.util.remove_placement_group(pg)
             raise RuntimeError(
@@ -352,12 +372,13 @@ def serve_actors(
 
     from .supervision import ActorSupervisor
 
-    lease = _PoolLease(cfg, redis_url, redis_password)
+    # Renewed from its own thread from here on (pool.start() can take minutes); a lost lease stops the pool.
+    lease = _PoolLease(cfg, redis_url, redis_password, on_lost=stop_event.set)
     pool = ActorPool(cfg, run_dir, redis_url=redis_url, redis_password=redis_password)
     # A short socket timeout: a frozen Redis must not freeze the supervision loop with it.
     buf = ReplayBuffer.from_config(cfg, redis_url, redis_password, socket_timeout=5.0)
     try:
-        pool.start()
+        pool.start(check=lease.check)
         log.info("actor pool %d: %d actors writing to run %r", cfg.actors.pool_index, cfg.actors.num_actors,
                  cfg.run.name)  # fmt: skip
         # The same supervision as `asyncrl run`: a failed, dead or silent actor (heartbeat older than
@@ -365,9 +386,10 @@ def serve_actors(
         # run.max_restarts times per slot; then ActorSupervisionError ends the process non-zero.
         supervisor = ActorSupervisor(pool, buf, cfg.actors.heartbeat_timeout_s, cfg.run.max_restarts)
         while not stop_event.wait(poll_s):
-            lease.renew()
+            lease.check()  # no replacement spawned under ids that may be another pool's
             for msg in supervisor.poll():
                 log.warning("%s", msg)
+        lease.check()  # stopped because the lease was lost: exit non-zero (after the pool stopped)
     finally:
         try:
             results = pool.stop(abort=True)
@@ -382,11 +404,23 @@ def serve_actors(
 class _PoolLease:
     """Leases this process's actor-pool number in Redis and puts it in ``cfg.actors.pool_index`` (actor
     ids ``actor-<pool>-<i>``), so two ``asyncrl serve-actors`` of one run never share actor ids, while a
-    restarted one gets its number back and reclaims its dead incarnation's admission slots."""
+    restarted one gets its number back and reclaims its dead incarnation's admission slots.
+
+    A daemon thread renews it every ``TTL_S / 3`` from the moment it is taken: the pool's start (Ray,
+    the model, a placement group waiting for a node) and a supervision pass (a replacement waits up to
+    30 s) both outlast the TTL, and a lease that lapses meanwhile hands the number to the next pool.
+    Should it be lost anyway (another token holds it), ``lost`` says so, ``on_lost()`` is called once
+    and :meth:`check` raises :class:`PoolLeaseLost`."""
 
     TTL_S = 15.0
 
-    def __init__(self, cfg: Any, redis_url: str | None, redis_password: str | None) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        redis_url: str | None,
+        redis_password: str | None,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
         import uuid
 
         from asyncrl.buffer import ReplayBuffer
@@ -395,17 +429,38 @@ class _PoolLease:
         self.buffer = ReplayBuffer.from_config(cfg, redis_url or cfg.redis.url, password=redis_password)
         self.n = self.buffer.lease_pool(self.token, self.TTL_S)
         cfg.actors.pool_index = self.n
+        self.lost: str | None = None
+        self._on_lost = on_lost
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._keep, name=f"asyncrl-pool-lease-{self.n}", daemon=True)
+        self._thread.start()
 
-    def renew(self) -> None:
+    def _keep(self) -> None:
+        while not self._done.wait(self.TTL_S / 3):
+            if not self.renew():
+                self.lost = (f"actor pool {self.n} lost its Redis lease to another process, which may run "
+                             f"the same actor ids; stopping this pool")  # fmt: skip
+                log.error("%s", self.lost)
+                if self._on_lost is not None:
+                    self._on_lost()
+                return
+
+    def renew(self) -> bool:
+        """Extend the lease; False only when another token holds it (a Redis error is not a loss)."""
         try:
-            ok = self.buffer.renew_pool(self.n, self.token, self.TTL_S)
+            return self.buffer.renew_pool(self.n, self.token, self.TTL_S)
         except Exception as e:  # a Redis outage past the retry budget: the actors ride it out themselves
             log.warning("actor pool %d: lease not renewed: %s", self.n, e)
-            return
-        if not ok:
-            log.error("actor pool %d: lost its Redis lease (another pool may share its actor ids)", self.n)
+            return True
+
+    def check(self) -> None:
+        """Raise :class:`PoolLeaseLost` once the lease is lost."""
+        if self.lost:
+            raise PoolLeaseLost(self.lost)
 
     def release(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=self.TTL_S)
         try:
             self.buffer.release_pool(self.n, self.token)
         finally:

@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["ActorSupervisor", "ActorSupervisionError", "slot_actor_id"]
+__all__ = ["ActorSupervisor", "ActorSupervisionError", "PoolLeaseLost", "slot_actor_id"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,11 @@ def slot_actor_id(pool_index: int, index: int) -> str:
 
 class ActorSupervisionError(RuntimeError):
     """An actor slot failed more often than ``run.max_restarts`` allows."""
+
+
+class PoolLeaseLost(RuntimeError):
+    """Another process holds this pool's number (``asyncrl.actors.pool._PoolLease``): the two would run
+    the same actor ids, so this pool stops. Defined here, free of Ray, so the CLI can report it."""
 
 
 class ActorSupervisor:

@@ -4,6 +4,10 @@ between the two can be neither extended nor deleted by the pool that lost it."""
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import redis
 
 from asyncrl.buffer import ReplayBuffer
@@ -75,3 +79,55 @@ def test_renew_and_release_of_the_own_lease(redis_client: redis.Redis, run_name:
         assert redis_client.get(key) is None
     finally:
         buf.delete_run()
+
+
+# ---------------------------------------------------------------- the pool's lease keeper (serve-actors)
+
+KEEPER_TTL_S = 1.5  # the keeper renews every TTL/3: short, so the tests wait a few seconds, not 15 s
+
+
+def _keeper(monkeypatch, redis_url: str, run_name: str, **kw):
+    from asyncrl.actors.pool import _PoolLease
+    from asyncrl.config import load_config
+
+    monkeypatch.setattr(_PoolLease, "TTL_S", KEEPER_TTL_S)
+    cfg = load_config(None, [f"redis.url={redis_url}", f"run.name={run_name}"])
+    return _PoolLease(cfg, redis_url, None, **kw), cfg
+
+
+def test_lease_is_kept_while_the_pool_is_busy_starting(
+    monkeypatch, redis_url, redis_client, run_name
+) -> None:
+    """serve-actors leases its number, then starts the pool (Ray, the model, a placement group: minutes)
+    without calling anything on the lease. It must still hold the number afterwards; a lapsed lease
+    hands it to the next pool, and the two run the same actor ids."""
+    lease, cfg = _keeper(monkeypatch, redis_url, run_name)
+    key = ReplayBuffer(redis_client, run_name).keys.pool_lease(lease.n)
+    try:
+        assert cfg.actors.pool_index == lease.n == 0
+        time.sleep(3 * KEEPER_TTL_S)  # "pool.start()": nobody renews by hand
+        assert redis_client.get(key) == lease.token.encode()
+        lease.check()  # not lost
+    finally:
+        lease.release()
+        ReplayBuffer(redis_client, run_name).delete_run()
+    assert redis_client.get(key) is None
+
+
+def test_a_lost_lease_stops_the_pool(monkeypatch, redis_url, redis_client, run_name) -> None:
+    """Another process holds the number (this one's lease lapsed and was taken): the keeper calls
+    on_lost (serve-actors: the stop event), check() raises, and release leaves the other's lease alone."""
+    from asyncrl.actors.supervision import PoolLeaseLost
+
+    stopped = threading.Event()
+    lease, _ = _keeper(monkeypatch, redis_url, run_name, on_lost=stopped.set)
+    key = ReplayBuffer(redis_client, run_name).keys.pool_lease(lease.n)
+    try:
+        redis_client.set(key, "other-pool", px=60_000)
+        assert stopped.wait(3 * KEEPER_TTL_S)
+        with pytest.raises(PoolLeaseLost, match="lost its Redis lease"):
+            lease.check()
+        lease.release()
+        assert redis_client.get(key) == b"other-pool"
+    finally:
+        ReplayBuffer(redis_client, run_name).delete_run()
