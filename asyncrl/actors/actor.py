@@ -128,7 +128,7 @@ class RolloutActor(GroupProduction, VersionWatching):
         # Weights are loaded only from this run's weight directories (manifest paths come from Redis).
         self.weight_roots = weight_roots(self.run_dir, cfg.run.name)
         self.evaluator = PeriodicEval.for_actor(cfg, self.task, actor_index)
-        self.source: PromptSource | None = None  # set by run(), from the resumed cursor
+        self.source: PromptSource | None = None  # set by run(): the run's prompt order (positions from Redis)
         self.engine: Engine | None = None
         # learner.weight_transport=nccl: the engine's membership in the learner's broadcast group.
         self.receiver: NcclReceiver | None = None
@@ -200,12 +200,8 @@ class RolloutActor(GroupProduction, VersionWatching):
         heartbeat: asyncio.Task | None = None
         failures = 0
         try:
-            # The prompt position first: the first heartbeat must carry it, not overwrite the one a
-            # previous incarnation left (the cursor this one resumes from).
-            cursor = await asyncio.to_thread(self._resume_cursor)
-            self.source = self.task.source(
-                self.cfg.run.seed, self.index, self.cfg.actors.num_actors, cursor=cursor
-            )
+            # The run's one prompt order; each group claims its position in Redis (group_worker).
+            self.source = self.task.source(self.cfg.run.seed, 0, 1)
             heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
             while True:
                 written = self.counters["groups_written"]
@@ -301,19 +297,6 @@ class RolloutActor(GroupProduction, VersionWatching):
         self.counters["state"] = state
         log.info("%s: %s", self.actor_id, state)
 
-    def _resume_cursor(self) -> tuple[int, int]:
-        """Continue the prompt order where this actor's last heartbeat left it (restart), else start.
-
-        The prompts taken after that heartbeat (within the last ``actors.heartbeat_s`` seconds) are
-        taken again by the new instance, so such a prompt may be sampled twice, once by each; each
-        written group is still written once (puts are deduplicated by group id), and the killed
-        instance's admitted-but-unwritten slots are reclaimed."""
-        info = self.buffer.actors().get(self.actor_id) or {}
-        c = info.get("cursor")
-        if isinstance(c, list | tuple) and len(c) == 2 and all(isinstance(x, int) and x >= 0 for x in c):
-            return int(c[0]), int(c[1])
-        return (0, 0)
-
     async def _start_engine(self) -> None:
         from transformers import AutoTokenizer
 
@@ -401,7 +384,6 @@ class RolloutActor(GroupProduction, VersionWatching):
     def _heartbeat_info(self) -> dict[str, Any]:
         s = self.stats()
         self.last_stats = s
-        src = self.source
         return {
             "metrics_addr": self.metrics_addr or "",
             "actor_id": self.actor_id,
@@ -416,7 +398,6 @@ class RolloutActor(GroupProduction, VersionWatching):
             "weight_rejects": s["weight_rejects"],
             "admission_wait_s": round(s["admission_wait_s"], 3),
             "reconstructed": s["reconstructed"],
-            "cursor": list(src.cursor) if src is not None else [0, 0],
             **({"eval": self.evaluator.last.to_dict()} if self.evaluator and self.evaluator.last else {}),
         }
 

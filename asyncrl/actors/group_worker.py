@@ -22,7 +22,7 @@ from asyncrl.tasks import Prompt, prompt_token_ids
 from .groups import build_group, swaps_seen, version_span
 from .put_batch import PutBatcher
 from .rewards import RewardFailure
-from .seeding import prompt_seq, request_seed
+from .seeding import request_seed
 
 __all__ = ["GroupProduction"]
 
@@ -211,13 +211,21 @@ class GroupProduction:
             if not await self._admit(rec):
                 break
             rec["t_admit"] = time.time()
-            # The prompt's position in this actor's stream names the group independently of timing:
-            # it seeds its sampling and orders it in the learner's batch (asyncrl.actors.seeding).
-            seq = prompt_seq(self.source.cursor, len(self.source))
-            seed = request_seed(self.cfg.run.seed, self.index, seq) if a.seeded_sampling else None
-            prompt = self.source.next()
-            prompt_ids = self._encode_prompt(prompt)
             group_id = f"{self.actor_id}-{uuid.uuid4().hex[:12]}"
+            try:
+                # The prompt's position in the run's one order, claimed in Redis (every actor of every
+                # pool draws from it: no two groups share a prompt position or a sampling seed, whatever
+                # the number of actors and pools, across restarts and a changed actors.num_actors). It
+                # names the group independently of timing: it seeds its sampling and orders it in the
+                # learner's batch (asyncrl.actors.seeding).
+                seq = await asyncio.to_thread(self.buffer.claim_prompt_seq)
+            except BaseException:
+                self._give_back(group_id)  # cancelled (stop with abort) or Redis gone: the slot goes back
+                self.counters["groups_aborted"] += 1
+                raise
+            seed = request_seed(self.cfg.run.seed, 0, seq) if a.seeded_sampling else None
+            prompt = self.source.at(seq)
+            prompt_ids = self._encode_prompt(prompt)
             v_start = self.engine.version
             rec["t_gen0"] = time.time()
             try:

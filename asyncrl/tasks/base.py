@@ -204,6 +204,7 @@ class PromptSource:
             raise ValueError(f"cursor {tuple(cursor)} must be non-negative")
         self._epoch = -1
         self._order: list[int] = []
+        self._orders: dict[int, list[int]] = {}  # epoch -> shuffle, for at()
         self._load_epoch(epoch)
         # An index past the end of the shard (e.g. a cursor saved with another shard count) rolls
         # over into the next epoch rather than failing.
@@ -218,6 +219,24 @@ class PromptSource:
         # An int seed makes random.Random reproducible across processes and platforms.
         random.Random(self._seed * 1_000_003 + epoch).shuffle(perm)
         return perm[self._shard :: self._num_shards]
+
+    def at(self, seq: int) -> Prompt:
+        """The prompt at position ``seq`` of the whole order (shard 0 of 1): epoch ``seq // len``, then
+        that epoch's shuffle. What the actors serve: each claims its next position from the run's
+        Redis (``claim_prompt_seq``), so the order is the run's, not an actor's. A shard's own cursor
+        is not moved."""
+        if self._num_shards != 1:
+            raise ValueError("PromptSource.at() is the order of one shard of one (the run's order)")
+        if seq < 0:
+            raise ValueError(f"prompt position {seq} must be >= 0")
+        epoch, index = divmod(int(seq), len(self._prompts))
+        order = self._orders.get(epoch)
+        if order is None:
+            # Workers claim positions close to each other: a few epochs' shuffles are all it needs.
+            if len(self._orders) >= 4:
+                del self._orders[min(self._orders)]
+            order = self._orders[epoch] = self.epoch_order(epoch)
+        return self._prompts[order[index]]
 
     def _load_epoch(self, epoch: int) -> None:
         self._epoch = epoch

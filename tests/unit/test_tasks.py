@@ -255,3 +255,22 @@ def test_gsm8k_bad_rows_and_files_are_clear_errors(tmp_path):
         TaskDataError, match=r"task\.eval_split='test' picks a split of a save_to_disk directory"
     ):
         make_task(TaskConfig(name="gsm8k", data_path=str(jsonl), eval_split="test"), 0)
+
+
+def test_at_is_the_one_shard_order_by_position_and_leaves_the_cursor():
+    """The actors serve the run's one order by claimed position: at(seq) is exactly what next() of a
+    fresh source of shard 0 of 1 serves at that position (the synchronous reference loop's order),
+    across epochs and in any claim order."""
+    from asyncrl.tasks import Prompt
+
+    prompts = [Prompt(str(i), f"t{i}") for i in range(7)]
+    ref = PromptSource(prompts, seed=3).take(7 * 5)
+    src = PromptSource(prompts, seed=3)
+    positions = list(range(7 * 5))
+    random.Random(0).shuffle(positions)
+    assert [src.at(q).prompt_id for q in positions] == [ref[q].prompt_id for q in positions]
+    assert src.cursor == (0, 0)
+    with pytest.raises(ValueError):
+        PromptSource(prompts, seed=3, shard=1, num_shards=2).at(0)
+    with pytest.raises(ValueError):
+        src.at(-1)
