@@ -370,7 +370,7 @@ def serve_actors(
             previous[sig] = signal.signal(sig, lambda *_: stop_event.set())
     from asyncrl.buffer import ReplayBuffer
 
-    from .supervision import ActorSupervisor
+    from .supervision import ActorSupervisor, LapsedPoolReclaimer
 
     # Renewed from its own thread from here on (pool.start() can take minutes); a lost lease stops the pool.
     lease = _PoolLease(cfg, redis_url, redis_password, on_lost=stop_event.set)
@@ -385,10 +385,16 @@ def serve_actors(
         # actors.heartbeat_timeout_s) is replaced in its slot, its admission slots reclaimed, at most
         # run.max_restarts times per slot; then ActorSupervisionError ends the process non-zero.
         supervisor = ActorSupervisor(pool, buf, cfg.actors.heartbeat_timeout_s, cfg.run.max_restarts)
+        # A pool of this run that died for good (never restarted) would keep its admission slots taken.
+        lapsed = LapsedPoolReclaimer(buf, lease.n, lease.token, lease.TTL_S)
+        next_lapsed_check = 0.0
         while not stop_event.wait(poll_s):
             lease.check()  # no replacement spawned under ids that may be another pool's
             for msg in supervisor.poll():
                 log.warning("%s", msg)
+            if time.monotonic() >= next_lapsed_check:
+                lapsed.poll()
+                next_lapsed_check = time.monotonic() + lease.TTL_S / 3
         lease.check()  # stopped because the lease was lost: exit non-zero (after the pool stopped)
     finally:
         try:

@@ -25,7 +25,14 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["ActorSupervisor", "ActorSupervisionError", "PoolLeaseLost", "slot_actor_id"]
+__all__ = [
+    "ActorSupervisor",
+    "ActorSupervisionError",
+    "LapsedPoolReclaimer",
+    "PoolLeaseLost",
+    "actor_pool",
+    "slot_actor_id",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +41,72 @@ def slot_actor_id(pool_index: int, index: int) -> str:
     """The actor id of slot ``index`` of pool ``pool_index`` (pool 0: ``asyncrl run`` and the first
     ``serve-actors``; later pools lease their number, see :class:`asyncrl.actors.pool._PoolLease`)."""
     return f"actor-{index}" if pool_index == 0 else f"actor-{pool_index}-{index}"
+
+
+def actor_pool(actor_id: str) -> int | None:
+    """The pool number of an actor id made by :func:`slot_actor_id` (None for any other id)."""
+    parts = actor_id.split("-")
+    if parts[0] != "actor" or not all(p.isdigit() for p in parts[1:]):
+        return None
+    if len(parts) == 2:
+        return 0
+    return int(parts[1]) if len(parts) == 3 else None
+
+
+class LapsedPoolReclaimer:
+    """Reclaims the admission slots of ``serve-actors`` pools that died for good (run by every live pool).
+
+    A dead actor's in-flight slots come back only when an actor with its id starts again, or when its
+    own pool's supervisor replaces it; a pool killed and never restarted kept them taken for good (at
+    ``max_staleness`` 0 the learner then waits for data forever). So each :meth:`poll` looks for pool
+    numbers whose actor ids hold in-flight slots while nobody holds the number's lease; one that stays
+    so for ``grace_s`` (continuously, as seen by this pool with Redis reachable) is reclaimed under its
+    lease (:meth:`ReplayBuffer.reclaim_pool`). The grace exceeds a lease period: a live pool renews
+    every TTL/3 (also right after a Redis outage, which may have let every lease expire), so only a
+    pool that is gone leaves its lease lapsed that long."""
+
+    def __init__(
+        self, buffer: Any, own_pool: int, token: str, ttl_s: float = 15.0, grace_s: float | None = None
+    ) -> None:
+        self.buffer = buffer
+        self.own_pool = own_pool
+        self.token = token
+        self.ttl_s = ttl_s
+        self.grace_s = 2 * ttl_s if grace_s is None else grace_s
+        self.lapsed_since: dict[int, float] = {}  # pool -> when it was first seen lapsed (monotonic)
+
+    def poll(self) -> list[str]:
+        import redis
+
+        try:
+            return self._poll()
+        except redis.RedisError as e:  # an outage: every observation starts over once it ends
+            self.lapsed_since.clear()
+            log.warning("lapsed-pool check skipped: %s", e)
+            return []
+
+    def _poll(self) -> list[str]:
+        owners: dict[int, list[str]] = {}
+        for owner, n in self.buffer.inflight_owners().items():
+            pool = actor_pool(owner)
+            if n > 0 and pool is not None and pool != self.own_pool:
+                owners.setdefault(pool, []).append(owner)
+        pools = sorted(owners)
+        now = time.monotonic()
+        held = dict(zip(pools, self.buffer.pool_leases_held(pools), strict=True))
+        self.lapsed_since = {p: self.lapsed_since.get(p, now) for p in pools if not held[p]}
+        done: list[str] = []
+        for pool, since in list(self.lapsed_since.items()):
+            if now - since < self.grace_s:
+                continue
+            n = self.buffer.reclaim_pool(pool, self.token, owners[pool], self.ttl_s)
+            del self.lapsed_since[pool]
+            if n is not None:
+                msg = (f"actor pool {pool} left its lease to lapse for {now - since:.0f}s with "
+                       f"{len(owners[pool])} actor id(s) in flight: {n} admission slots reclaimed")  # fmt: skip
+                log.warning("%s", msg)
+                done.append(msg)
+        return done
 
 
 class ActorSupervisionError(RuntimeError):

@@ -224,6 +224,30 @@ class ReplayBuffer(StreamProducer, StreamConsumer, RunRegistry):
         """Free pool ``n``'s lease if it is still ours (never another pool's that took it since)."""
         self._release_pool(keys=[self.keys.pool_lease(n)], args=[token])
 
+    def inflight_owners(self) -> dict[str, int]:
+        """Actor id -> admission slots it holds in flight (admitted, neither written nor credited back)."""
+        return {_s(k): int(v) for k, v in self._client.hgetall(self.keys.inflight).items()}
+
+    def pool_leases_held(self, pools: list[int]) -> list[bool]:
+        """Whether each of ``pools`` has a live lease (one EXISTS per key, not one multi-key: cluster-safe)."""
+        pipe = self._client.pipeline(transaction=False)
+        for n in pools:
+            pipe.exists(self.keys.pool_lease(n))
+        return [bool(x) for x in pipe.execute()]
+
+    def reclaim_pool(self, n: int, token: str, owners: list[str], ttl_s: float = 15.0) -> int | None:
+        """Credit back the in-flight slots of ``owners`` (the actor ids of pool ``n``, which died for
+        good and left its lease to lapse) under pool ``n``'s lease, taken for ``token`` for the duration
+        (SET NX): a pool restarting with that number waits for it in :meth:`lease_pool` instead of
+        running those ids meanwhile. None, and nothing reclaimed, if the lease is held."""
+        ms = max(int(ttl_s * 1000), 1)
+        if not self._client.set(self.keys.pool_lease(n), token, nx=True, px=ms):
+            return None
+        try:
+            return sum(self.reclaim_inflight(owner) for owner in owners)
+        finally:
+            self.release_pool(n, token)
+
     def stats(self) -> dict[str, Any]:
         """depth (stream length), pending, dead (the dead-letter stream's length: trimmed at about
         DEAD_MAXLEN), dead_total (dead letters ever written: never trimmed), admitted, credits, version,
