@@ -99,11 +99,18 @@ class LogTail:
         return new
 
 
+def _t(r: dict) -> float:
+    """A record's wall-clock stamp: ``step_time`` (unix s). ``time`` counts from its learner's start, so
+    after a resume the restored records' times exceed the new ones' and a window by ``time`` mixed the
+    two histories (79 steps/s shown for ~12 right after a resume)."""
+    return float(r.get("step_time", r["time"]))
+
+
 def _window(records: list[dict], seconds: float = 30.0) -> list[dict]:
     if not records:
         return []
-    t_end = records[-1]["time"]
-    return [r for r in records if r["time"] >= t_end - seconds]
+    t_end = _t(records[-1])
+    return [r for r in records if _t(r) >= t_end - seconds]
 
 
 def _num(x: Any, spec: str) -> str:
@@ -125,7 +132,7 @@ def status_fields(records: list[dict], elapsed: float, max_steps: int, gen_tok_s
         return {"step": f"0/{max_steps or '-'}", "state": f"waiting for the first step ({elapsed:.0f}s)"}
     r = records[-1]
     win = _window(records)
-    span = win[-1]["time"] - win[0]["time"] if len(win) > 1 else 0.0
+    span = _t(win[-1]) - _t(win[0]) if len(win) > 1 else 0.0
     steps_s = (win[-1]["step"] - win[0]["step"]) / span if span > 0 else 0.0
     trained = sum(x.get("tokens", 0) for x in win[1:]) / span if span > 0 else 0.0
     busy = sum(x.get("step_s", 0.0) for x in win)

@@ -42,6 +42,19 @@ def test_status_fields_from_records():
     assert status_fields([], 3.0, 0, None, None)["state"].startswith("waiting for the first step")
 
 
+def test_status_fields_after_a_resume_take_the_rate_from_wall_clock_stamps():
+    """A resumed learner's "time" starts again at 0 while the restored records' run to the old process's
+    end: a window by "time" mixed both histories (79 steps/s shown for ~12). step_time is wall clock."""
+    base = {"tokens": 100, "reward_mean": 0.1, "version": 1, "staleness_mean": 0.5, "staleness_max": 1.0,
+            "step_s": 0.08, "wait_s": 0.0, "eval_version": -1}  # fmt: skip
+    old = [{**base, "step": s, "time": 5.0 + s / 12, "step_time": 1000.0 + s / 12} for s in range(1, 301)]
+    new = [{**base, "step": s, "time": 20.0 + (s - 200) / 12, "step_time": 2000.0 + (s - 200) / 12}
+           for s in range(201, 213)]  # fmt: skip
+    restored = [r for r in old if r["step"] <= 200]  # truncated at the checkpoint, then redone
+    f = status_fields(restored + new, 60.0, 1000, None, None)
+    assert f["steps/s"] == "12.00" and f["trained tok/s"] == "1200", f
+
+
 def test_status_fields_show_a_dash_for_nan_values_read_back_from_metrics_jsonl():
     """An eval that scored no prompt has reward_mean / pass_at_k NaN (asyncrl.evaluate); metrics.jsonl
     writes them as the string "nan", and formatting that with :.3f raised inside the run's display,
