@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.actors.supervision import PoolLeaseLost  # imports neither torch, vllm nor ray
+from asyncrl.actors.supervision import PoolLeaseLost, RayConnectError  # no torch, vllm or ray
 from asyncrl.config import (
     ConfigError,
     check_data_paths,
@@ -31,7 +31,7 @@ from asyncrl.tasks.registry import TaskNotFound, check_task
 USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, TaskDataError, TaskNotFound, ExportError)
 #: What stops a role for a reason outside it (its message says what and why): one `asyncrl: error:` line,
 #: exit status 1, no traceback.
-ROLE_ERRORS = (PoolLeaseLost,)
+ROLE_ERRORS = (PoolLeaseLost, RayConnectError)
 
 
 def _add_config_args(

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .ray_actor import RayRolloutActor
-from .supervision import PoolLeaseLost
+from .supervision import PoolLeaseLost, RayConnectError
 
 __all__ = ["ActorPool", "PoolLeaseLost", "serve_actors", "actor_env", "actor_runtime_env", "init_ray"]
 
@@ -90,16 +90,33 @@ def init_ray(cfg: Any) -> bool:
     # ray.init installs a native SIGTERM handler that dumps a stack and aborts the driver;
     # keep the caller's Python handlers (e.g. "set the stop event") in charge instead.
     with _keep_signal_handlers():
-        ray.init(
-            address=cfg.ray.address or None,
-            num_cpus=(cfg.ray.num_cpus or None) if not cfg.ray.address else None,
-            include_dashboard=False,
-            runtime_env=actor_runtime_env() or None,
-            logging_level=logging.WARNING,
-            # asyncrl run: the actors write to <run_dir>/logs (asyncrl.console); -v forwards.
-            log_to_driver=not cfg.console.log_dir,
-        )
+        try:
+            ray.init(
+                address=cfg.ray.address or None,
+                num_cpus=(cfg.ray.num_cpus or None) if not cfg.ray.address else None,
+                include_dashboard=False,
+                runtime_env=actor_runtime_env() or None,
+                logging_level=logging.WARNING,
+                # asyncrl run: the actors write to <run_dir>/logs (asyncrl.console); -v forwards.
+                log_to_driver=not cfg.console.log_dir,
+            )
+        except (ray.exceptions.AuthenticationError, ConnectionError) as e:
+            raise RayConnectError(ray_connect_message(cfg.ray.address, e)) from e
     return True
+
+
+def ray_connect_message(address: str | None, e: BaseException) -> str:
+    """One line for a Ray that refused or could not be reached, with the usual cause: a cluster started
+    by ``ray start --head`` with ``~/.ray/auth_token`` present uses token authentication, and every
+    driver and node must then run with RAY_AUTH_MODE=token and that token (Ray's own error names
+    neither in its first line)."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return (
+        f"cannot connect to Ray at {address or 'a new local cluster'}: {type(e).__name__}: {first[:200]} "
+        f"(a cluster started by `ray start --head` with ~/.ray/auth_token present needs "
+        f"`export RAY_AUTH_MODE=token` in every shell that runs `ray start` or asyncrl, and that token "
+        f"file copied to every node)"
+    )
 
 
 class ActorPool:

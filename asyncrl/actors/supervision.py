@@ -113,6 +113,10 @@ class ActorSupervisionError(RuntimeError):
     """An actor slot failed more often than ``run.max_restarts`` allows."""
 
 
+class RayConnectError(RuntimeError):
+    """Ray refused or could not reach the cluster (``asyncrl.actors.pool.init_ray``); Ray-free, for the CLI."""
+
+
 class PoolLeaseLost(RuntimeError):
     """Another process holds this pool's number (``asyncrl.actors.pool._PoolLease``): the two would run
     the same actor ids, so this pool stops. Defined here, free of Ray, so the CLI can report it."""
