@@ -161,6 +161,19 @@ def _cuda_device() -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _settle(tensors: Iterable[Any]) -> None:
+    """Wait until the work queued on the current CUDA stream (the optimizer step, the copies and
+    ``contiguous()`` above) has landed. vLLM's packed producer concatenates the tensors on its own
+    streams without waiting on the current one, and ZeRO-0/1/2 hand over the live parameters: a fused
+    AdamW kernel the host ran ahead of could still be writing them (a torn or stale broadcast)."""
+    import torch
+
+    for t in tensors:
+        if t.is_cuda:
+            torch.cuda.current_stream(t.device).synchronize()
+            return  # one device: the policy's
+
+
 def vllm_nccl_trainer(
     client: RedisWeightSyncClient, source: _Source, *, master_address: str, master_port: int,
     world_size: int, packed: bool = True,
@@ -242,6 +255,7 @@ class NcclTransport(WeightTransport):
         with self._lock:
             self.source.tensors = {n: t if t.is_contiguous() else t.contiguous() for n, t in tensors.items()}
             self.client.version, self.client.meta = int(version), self.source.meta()
+            _settle(self.source.tensors.values())
             try:
                 if self._engine is None:  # a new group: every actor up first, then the rendezvous
                     self.client.form(*self.group)

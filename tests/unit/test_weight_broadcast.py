@@ -403,3 +403,29 @@ def test_a_restarted_actor_waits_for_the_next_group(stack, redis_client, run_nam
         assert all(torch.equal(reborn.engine.llm.received[n], t) for n, t in _weights(1).items())
     finally:
         reborn.close()
+
+
+@pytest.mark.gpu
+def test_publish_waits_for_the_current_stream_before_a_side_stream_reads(redis_client, run_name):
+    """vLLM's packed producer concatenates on its own streams without waiting on the current one; the
+    live ZeRO-0 parameters may still be written there by an optimizer kernel the host ran ahead of."""
+
+    class SideStreamReader:  # what the packed producer does, minus NCCL
+        def __init__(self, source) -> None:
+            self.source, self.got = source, None
+
+        def send_weights(self) -> None:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                self.got = torch.cat([t.flatten() for _n, t in self.source]).cpu()
+
+        def shutdown(self) -> None:
+            pass
+
+    w = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(2_000_000_000)  # a long kernel queued ahead of the write: the optimizer step
+    w.fill_(1.0)
+    t = NcclTransport(BroadcastSession(redis_client, run_name), None, master_address="127.0.0.1", master_port=1,
+                      world_size=2, timeout_s=1.0, join_timeout_s=1.0, device=w.device)  # fmt: skip
+    t._engine = reader = SideStreamReader(t.source)  # a formed group: no actors needed
+    t.publish(0, {"w": w}, "float32")
+    assert bool((reader.got == 1.0).all())
