@@ -26,7 +26,7 @@ from asyncrl.lifetime import arm_reaper, die_with_parent
 
 __all__ = [
     "ENV_REDIS_PASSWORD", "ENV_REDIS_URL", "EarlyRay", "learner_threads", "redact_url", "redacted",
-    "start_learner_process", "stop_process", "write_private",
+    "start_learner_process", "stop_process", "write_private", "visible_gpus", "learner_gpu_split",
 ]  # fmt: skip
 
 
@@ -67,10 +67,42 @@ def write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def visible_gpus() -> list[str]:
+    """The GPU ids this process may use, without importing torch (the run process stays torch-free):
+    ``CUDA_VISIBLE_DEVICES`` if set, else one per ``nvidia-smi -L`` line; [] without either."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(ln for ln in out.splitlines() if ln.startswith("GPU "))]
+
+
+def learner_gpu_split(cfg: Config, gpus: list[str]) -> tuple[str, list[str]] | None:
+    """``(learner's GPU, the local Ray's GPUs)`` for ``asyncrl run`` with GPU actors, or None (nothing
+    to split). The learner took cuda:0 of every GPU while the local Ray handed the same GPU to actor 0's
+    bundle: vLLM refused to start there (free memory below gpu_memory_utilization) or the learner ran
+    out of memory, and NCCL refuses two ranks of one communicator on one device. The learner gets the
+    last GPU when the actors fit on the others; otherwise (one GPU, as in the gpu smoke test) they share
+    it, as configured (None)."""
+    a = cfg.actors
+    if cfg.ray.address or a.num_gpus_per_actor <= 0 or len(gpus) < 2:
+        return None
+    need = a.num_actors * a.num_gpus_per_actor * a.tensor_parallel_size * a.pipeline_parallel_size
+    if need > len(gpus) - 1:
+        return None
+    return gpus[-1], gpus[:-1]
+
+
 def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, resume: bool = False,
                           log_path: Path | None = None, threads: int = 0,
                           redis_password: str = "", cpus: tuple[int, ...] | None = None,
-                          ) -> subprocess.Popen:  # fmt: skip
+                          gpu: str | None = None) -> subprocess.Popen:  # fmt: skip
     """The learner as its own process group (so Ctrl-C reaches it only through us, in order).
 
     The Redis URL (it may hold the password) and the password travel in the environment. ``cpus``: the
@@ -88,6 +120,8 @@ def start_learner_process(cfg_path: Path, redis_url: str, start_time: float, res
         env[ENV_REDIS_PASSWORD] = redis_password
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    if gpu is not None:  # its own GPU (learner_gpu_split): the local Ray does not see it
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     cmd = [sys.executable, "-m", "asyncrl.cli", "learn", "--config", str(cfg_path)]
     if resume:
         cmd.insert(4, "--resume")

@@ -53,10 +53,12 @@ from asyncrl.console import make_console
 from asyncrl.cpu_binding import resolve_plan
 from asyncrl.launch import (
     EarlyRay,
+    learner_gpu_split,
     learner_threads,
     redacted,
     start_learner_process,
     stop_process,
+    visible_gpus,
     write_private,
 )
 from asyncrl.learner.records import JsonlTail, committed_step, last_record, read_jsonl  # stdlib only
@@ -164,6 +166,7 @@ class Supervisor:
         self.learner: subprocess.Popen | None = None
         self.actors: Any = None  # ActorSupervisor, once the pool is up
         self.cpu_plan = resolve_plan(cfg)  # disjoint cores for learner and engines, or None
+        self.learner_gpu: str | None = None  # its own GPU beside GPU actors (launch.learner_gpu_split)
 
     def _restart(self, role: str, why: str) -> None:
         self.restarts[role] += 1
@@ -195,7 +198,7 @@ class Supervisor:
         self.learner = start_learner_process(
             self.cfg_path, self.url, self.start, resume=resume, log_path=self.rdir / "learner.log",
             threads=learner_threads(self.cfg, self.learner_cpus), redis_password=self.cfg.redis.password or url_pw,
-            cpus=self.learner_cpus,
+            cpus=self.learner_cpus, gpu=self.learner_gpu,
         )  # fmt: skip
 
     @property
@@ -273,6 +276,11 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
         # Before Ray: its processes (and the agents its raylet starts) must carry the reaper's token, so a
         # kill -9 of this command takes them down too (asyncrl.lifetime).
         arm_reaper()
+        split = learner_gpu_split(cfg, visible_gpus()) if cfg.actors.num_gpus_per_actor > 0 else None
+        if split is not None:
+            # Before Ray starts: its raylet schedules only the GPUs in this process's environment.
+            sup.learner_gpu, os.environ["CUDA_VISIBLE_DEVICES"] = split[0], ",".join(split[1])
+            _note(progress, rdir, f"GPU {split[0]} for the learner, {','.join(split[1])} for the actors")
         early_ray = EarlyRay(cfg)  # Ray starts while the model is built, Redis and the learner start
         resolve_model_path(cfg, rdir)  # build once here, before two roles race to build it
         url = sup.start_redis()
