@@ -3,7 +3,8 @@
 The engine runs vLLM's ``nccl`` weight-transfer engine in its workers; this class answers the
 learner's rounds on Redis (protocol in :mod:`asyncrl.buffer.broadcast`):
 
-* a new session: claim ``tp * pp`` consecutive NCCL ranks, ``init_weight_transfer_engine`` with
+* a new session: release the old group's communicator (``shutdown_weight_transfer_engine``) if our
+  workers were in one, claim ``tp * pp`` consecutive NCCL ranks, ``init_weight_transfer_engine`` with
   that rank offset (blocks until the learner and every other worker rendezvous), report ``joined``;
 * a ``start`` round for version v: check the announced tensor names, shapes and dtypes against the
   served checkpoint (a mismatch is reported as ``error`` before anyone enters the collective), then,
@@ -99,6 +100,15 @@ class NcclReceiver:
         info = await asyncio.to_thread(self.session.session)
         if info is None or info.id in (self.joined, self._refused):
             return False
+        if self.joined is not None:
+            # The learner re-formed the group: release our workers' communicator of the old one first.
+            # vLLM's init_weight_transfer_engine overwrites it without closing it, and a
+            # PyNcclCommunicator is never freed otherwise (no __del__): one leaked per re-formed group.
+            old, self.joined, self.rank_offset = self.joined, None, None
+            try:
+                await self.engine.llm.shutdown_weight_transfer_engine()
+            except Exception as e:  # the old group is gone either way; joining the new one matters
+                log.warning("%s: releasing weight broadcast %s: %s", self.actor_id, old, e)
         try:
             offset = await asyncio.to_thread(self.session.claim, info.id, self.actor_id, self.ranks)
         except BroadcastError as e:

@@ -146,10 +146,15 @@ class _Llm:
         self.queues: list[queue.Queue] = []
         self.received: dict[str, torch.Tensor] = {}
         self.closed_reloads = 0
+        self.released = 0  # shutdown_weight_transfer_engine calls: communicators of old groups freed
 
     async def init_weight_transfer_engine(self, req) -> None:
         off = req.init_info["rank_offset"]
         self.queues = [self.plane.join(off + i) for i in range(self.ranks)]
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        self.queues = []
+        self.released += 1
 
     async def update_weights(self, req) -> None:
         info = req.update_info
@@ -401,6 +406,8 @@ def test_a_restarted_actor_waits_for_the_next_group(stack, redis_client, run_nam
         pub2.publish(1, _weights(1))
         assert buf.version() == 1 and actors[0].engine.version == reborn.engine.version == 1
         assert all(torch.equal(reborn.engine.llm.received[n], t) for n, t in _weights(1).items())
+        # The survivor released the old group's communicator before joining (vLLM overwrites it unfreed).
+        assert actors[0].engine.llm.released == 1 and reborn.engine.llm.released == 0
     finally:
         reborn.close()
 
@@ -429,3 +436,15 @@ def test_publish_waits_for_the_current_stream_before_a_side_stream_reads(redis_c
     t._engine = reader = SideStreamReader(t.source)  # a formed group: no actors needed
     t.publish(0, {"w": w}, "float32")
     assert bool((reader.got == 1.0).all())
+
+
+def test_the_vllm_calls_the_receiver_makes_exist_with_these_signatures():
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    for name, params in (("init_weight_transfer_engine", ["self", "request"]), ("update_weights", ["self", "request"]),
+                         ("finish_weight_update", ["self", "weight_version"]),
+                         ("shutdown_weight_transfer_engine", ["self"])):  # fmt: skip
+        fn = getattr(AsyncLLM, name)
+        assert inspect.iscoroutinefunction(fn) and list(inspect.signature(fn).parameters) == params, name
