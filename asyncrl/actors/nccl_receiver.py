@@ -15,7 +15,8 @@ learner's rounds on Redis (protocol in :mod:`asyncrl.buffer.broadcast`):
 
 Any failure is reported as ``error`` with its reason (the learner raises it) and re-raised: the
 group may be mid-collective, so the actor's supervision restarts the engine, which joins the next
-group the learner forms.
+group the learner forms. A receive that outlasts the round's deadline (``learner.nccl_timeout_s``;
+the learner died mid-broadcast) is such a failure: :class:`ReceiveStalled`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from typing import Any
 
 from asyncrl.buffer.broadcast import BroadcastError, BroadcastSession, MemberState, Round
 
+from .swap_prepare import EngineError
 from .tensor_specs import TensorSpec, check_names, check_specs, checkpoint_specs
 
-__all__ = ["NcclReceiver", "NCCL_BACKEND", "check_names", "check_round", "expected_names"]
+__all__ = ["NcclReceiver", "NCCL_BACKEND", "ReceiveStalled", "check_names", "check_round", "expected_names"]
 
 log = logging.getLogger(__name__)
 NCCL_BACKEND = "nccl"  # vLLM's dense NCCL weight-transfer engine
@@ -57,6 +59,16 @@ def check_round(expected: Mapping[str, TensorSpec] | set[str], info: Mapping[str
 
 class _Abandoned(BroadcastError):
     """The learner gave up on a round before its broadcast began (no NCCL call was made)."""
+
+
+class ReceiveStalled(EngineError):
+    """The NCCL receive outlasted the round's deadline (the learner died mid-broadcast): the engine is
+    stuck inside the collective, paused, and is replaced (an engine failure, not an abandoned round)."""
+
+
+def _retrieve(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()  # a stalled swap's late error: already reported as ReceiveStalled
 
 
 class NcclReceiver:
@@ -143,8 +155,12 @@ class NcclReceiver:
             await asyncio.to_thread(self._report, rnd.version, rnd.seq, "error", why)
             log.error("%s: refusing broadcast v%d: %s", self.actor_id, rnd.version, why)
             return None
+        receiving = asyncio.Event()
+        swap = asyncio.ensure_future(
+            self.engine.swap_with(rnd.version, mode, lambda: self._receive(rnd, receiving))
+        )
         try:
-            res = await self.engine.swap_with(rnd.version, mode, lambda: self._receive(rnd))
+            res = await self._bounded(swap, receiving, rnd)
         except _Abandoned as e:  # before any NCCL call: the old weights serve on, the group is intact
             await asyncio.to_thread(self._report, rnd.version, rnd.seq, "error", str(e))
             log.warning("%s: broadcast v%d abandoned: %s", self.actor_id, rnd.version, e)
@@ -155,7 +171,31 @@ class NcclReceiver:
         await asyncio.to_thread(self._report, rnd.version, rnd.seq, "done")
         return res
 
-    async def _receive(self, rnd: Round) -> None:
+    async def _bounded(self, swap: asyncio.Future, receiving: asyncio.Event, rnd: Round) -> Any:
+        """``swap``'s result, or :class:`ReceiveStalled` once its NCCL receive (from ``receiving``) outlasts
+        ``timeout_s``. The swap is left running, not cancelled: the receive is a collective RPC that
+        blocks the engine core's loop until the collective ends, so the swap's own clean-up (the
+        resume) would block behind it too; the actor's supervision replaces the whole engine."""
+        swap.add_done_callback(_retrieve)
+        started = asyncio.ensure_future(receiving.wait())
+        try:
+            await asyncio.wait((swap, started), return_when=asyncio.FIRST_COMPLETED)
+            if not swap.done():
+                await asyncio.wait((swap,), timeout=self.timeout_s)
+            if not swap.done():
+                raise ReceiveStalled(f"no weights of v{rnd.version} received within {self.timeout_s:.0f} s of "
+                                     "the broadcast's start (the learner died mid-broadcast?)")  # fmt: skip
+            return swap.result()
+        except asyncio.CancelledError:
+            # As when the swap was awaited directly: a begun reload runs to its end (run_whole) before
+            # the caller goes on, bounded like the receive.
+            swap.cancel()
+            await asyncio.wait((swap,), timeout=self.timeout_s)
+            raise
+        finally:
+            started.cancel()
+
+    async def _receive(self, rnd: Round, receiving: asyncio.Event) -> None:
         """Inside the engine's paused window, after ``start_weight_update``: report, receive."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -176,6 +216,7 @@ class NcclReceiver:
                 await self.engine.llm.finish_weight_update()
                 raise _Abandoned(why)
             await asyncio.sleep(self.poll_s)
+        receiving.set()  # from here the receive is bounded by _bounded
         await self.engine.llm.update_weights(WeightTransferUpdateRequest(update_info=cur.update_info or {}))
 
 

@@ -21,6 +21,10 @@ held on rank 0 for the duration of one broadcast (one model copy of GPU memory).
 Limit (stated, not hidden): an NCCL group has a fixed size. An actor that dies makes the next
 round fail on its 'started' deadline with the actor's name; the learner's supervision restarts
 the learner, whose first publish forms a new group that the surviving and replaced actors join.
+One that fails or dies during the broadcast fails the 'done' wait on the client's side thread, which
+aborts the NCCL communicator (the broadcast would wait for the missing peer forever), so the publish
+raises all the same. An actor whose receive outlasts ``learner.nccl_timeout_s`` (the learner died
+mid-broadcast) fails as an engine and is restarted.
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ class RedisWeightSyncClient:
         self.meta: list[TensorMeta] = []
         self.seq = -1
         self._formed: tuple[str, int, int] | None = None  # (address, port, world) announced by form()
+        #: Called on the update thread when a round fails once the broadcast may have begun (see
+        #: :meth:`update_weights`); :class:`NcclTransport` aborts the communicator there.
+        self.on_update_failure: Callable[[], None] | None = None
 
     def _need_session(self) -> str:
         if self.session_id is None:
@@ -119,10 +126,18 @@ class RedisWeightSyncClient:
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Every actor receives (concurrently with the broadcast), finishes with the version label, resumes."""
         sid = self._need_session()
-        if not isinstance(update_info, dict):
-            raise BroadcastError("weight broadcast: chunked update_info is not supported")
-        self.session.announce(Round(sid, self.version, self.seq, "update", dict(update_info)))
-        self._wait(sid, "done")
+        try:
+            if not isinstance(update_info, dict):
+                raise BroadcastError("weight broadcast: chunked update_info is not supported")
+            self.session.announce(Round(sid, self.version, self.seq, "update", dict(update_info)))
+            self._wait(sid, "done")
+        except BaseException:
+            # The trainer's main thread is (or is about to be) inside the NCCL broadcast, which waits
+            # for every peer forever: a dead or failed actor never arrives. Only an abort of the
+            # communicator makes it return, so that send_weights can raise this error.
+            if self.on_update_failure is not None:
+                self.on_update_failure()
+            raise
 
     def _wait(self, sid: str, stage: str) -> None:
         try:
@@ -232,6 +247,7 @@ class NcclTransport(WeightTransport):
         )
         self._engine: Any = None
         self._lock = threading.Lock()
+        self.client.on_update_failure = self._abort_group
 
     def publish(self, version: int, state_dict: Any, dtype: str) -> WeightManifest:
         """Broadcast ``state_dict`` (mapping, or callable yielding pairs: always consumed) as ``version``."""
@@ -282,6 +298,20 @@ class NcclTransport(WeightTransport):
         raise WeightIntegrityError(
             f"weights v{manifest.version} were broadcast ({manifest.path}); nothing stored"
         )
+
+    def _abort_group(self) -> None:
+        """Abort the group's communicator (vLLM's ``PyNcclCommunicator.destroy``: ``ncclCommAbort``) from
+        the update thread: the broadcast blocked in NCCL on the main thread returns, later ones are no-ops
+        (a destroyed communicator is disabled), and send_weights raises the round's error. The group is
+        shut down for good in :meth:`publish` (destroy is idempotent)."""
+        group = getattr(self._engine, "model_update_group", None)
+        if group is not None:
+            log.warning("weight broadcast v%d failed during the broadcast: aborting the NCCL group",
+                        self.client.version)  # fmt: skip
+            try:
+                group.destroy()
+            except Exception as e:  # the main thread must still get the round's error
+                log.warning("weight broadcast: abort of the NCCL group: %s", e)
 
     def _shutdown_engine(self) -> None:
         engine, self._engine = self._engine, None

@@ -354,6 +354,66 @@ def test_dead_actor_fails_the_round_by_name_and_v_stays(stack):
     assert actors[0].engine.version == 0 and actors[0].error is None
 
 
+class _Comm:
+    """vLLM's PyNcclCommunicator as far as an abort goes: ``destroy`` (ncclCommAbort) releases a broadcast
+    blocked on a missing peer."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+
+    def destroy(self) -> None:
+        self.aborted.set()
+
+
+def test_an_actor_failing_mid_broadcast_aborts_the_blocked_send(stack):
+    """NCCL waits for a peer that fails after 'started' forever: the failed 'done' wait (update thread)
+    aborts the communicator, so the broadcast returns and the publish raises instead of hanging."""
+    plane, actors, pub, buf = stack
+    pub.publish(0, _weights(0))
+    plane.sent = 0
+    comm = pub.transport._engine.model_update_group = _Comm()
+    plane.on_first_send = lambda: comm.aborted.wait(20)  # the broadcast, blocked until an abort
+
+    async def dies(req) -> None:
+        raise RuntimeError("worker died")
+
+    actors[1].engine.llm.update_weights = dies
+    t0 = time.monotonic()
+    with pytest.raises(BroadcastError, match=r"actor-1: RuntimeError: worker died"):
+        pub.publish(1, _weights(1))
+    assert comm.aborted.is_set() and time.monotonic() - t0 < 10
+    assert buf.version() == 0 and pub.transport._engine is None
+
+
+def test_a_receive_outlasting_the_deadline_fails_the_engine(redis_client, run_name):
+    """The learner died mid-broadcast: the receive (vLLM: a collective RPC, engine paused) would wait
+    forever. Past timeout_s the actor raises an engine failure (its supervision restarts the engine)."""
+    from asyncrl.actors.nccl_receiver import ReceiveStalled
+    from asyncrl.actors.swap_prepare import EngineError
+    from asyncrl.buffer.broadcast import Round
+
+    names = set(_weights(0))
+    actor = _Actor(redis_client, run_name, "actor-0", _Plane(world_size=2), names)
+    actor.receiver.timeout_s = 1.0
+    s = BroadcastSession(redis_client, run_name)
+    try:
+        sid = s.open("127.0.0.1", 1, world_size=2).id
+        s.wait(sid, "joined", timeout_s=30)
+        meta = {"names": sorted(names), "dtype_names": ["float32"] * 3,
+                "shapes": [list(_weights(0)[n].shape) for n in sorted(names)]}  # fmt: skip
+        s.announce(Round(sid, 0, 0, "start", meta))
+        s.wait(sid, "started", seq=0, timeout_s=10)
+        s.announce(Round(sid, 0, 0, "update", meta))  # ... and the learner dies: nothing is sent
+        actor.thread.join(6)
+        assert isinstance(actor.error, ReceiveStalled) and isinstance(actor.error, EngineError)
+        with pytest.raises(
+            BroadcastError, match="actor-0: ReceiveStalled: no weights of v0 received within 1 s"
+        ):
+            s.wait(sid, "done", seq=0, timeout_s=1)
+    finally:
+        actor.close()
+
+
 def test_join_timeout_names_the_missing_ranks(redis_client, run_name):
     names = set(_weights(0))
     plane = _Plane(world_size=3)
