@@ -16,33 +16,58 @@ import torch.distributed as dist
 
 from asyncrl.learner import checkpoint
 
+#: In a fresh interpreter: an earlier test of the same process may have left a default process group
+#: initialized ("trying to initialize the default process group twice" in the full suite).
+_CHECK = """
+import sys
+from types import SimpleNamespace
 
-@pytest.fixture
-def cuda_only_group(tmp_path):
-    dist.init_process_group("cuda:gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+import torch
+import torch.distributed as dist
 
+from asyncrl.learner import checkpoint
 
-class _Reached(Exception):
-    pass
-
-
-def test_flag_is_reduced_on_the_engine_device(cuda_only_group, monkeypatch):
+dist.init_process_group("cuda:gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+try:
     # The emulation is faithful: a CPU tensor has no backend in this group.
-    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+    try:
         dist.all_reduce(torch.zeros(1, dtype=torch.int64))
-    seen: list[torch.device] = []
+        raise SystemExit("a CPU tensor was reduced on the cuda-only group")
+    except RuntimeError as e:
+        assert "No backend type associated with device type cpu" in str(e), e
+
+    class Reached(Exception):
+        pass
+
+    seen = []
 
     def spy(t, *a, **kw):  # no CUDA here: record where the flag lives, stop before the reduce
         seen.append(t.device)
-        raise _Reached
+        raise Reached
 
-    monkeypatch.setattr(dist, "all_reduce", spy)
+    dist.all_reduce = spy
     le = SimpleNamespace(world_size=2, device=torch.device("meta"))  # stands in for cuda:N
-    with pytest.raises(_Reached):
+    try:
         checkpoint._all_ranks_ok(le, True)
-    assert seen == [torch.device("meta")]
+        raise SystemExit("the flag was never reduced")
+    except Reached:
+        pass
+    assert seen == [torch.device("meta")], seen
+    print("ok")
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_flag_is_reduced_on_the_engine_device(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _CHECK, str(tmp_path / "pg")], capture_output=True, text=True,
+                         timeout=300, cwd=root)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
 
 
 @pytest.mark.gpu

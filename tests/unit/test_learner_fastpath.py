@@ -208,14 +208,19 @@ def test_collate_equals_a_slow_reference_on_random_ragged_samples() -> None:
 def test_stacked_group_advantages_equal_one_call_per_group(normalize_std) -> None:
     rng = np.random.default_rng(8)
     equal = [rng.integers(0, 2, 8).astype(float).tolist() for _ in range(5)] + [[1.0] * 8]
+    # float64 rewards in, float64 advantages out (advantage_lists: fp32 rewards rounded 1e8 + 1 to 1e8).
     per_group = [
-        group_advantages(torch.tensor(r, dtype=torch.float32), normalize_std).tolist() for r in equal
+        group_advantages(torch.tensor(r, dtype=torch.float64), normalize_std).tolist() for r in equal
     ]
     assert advantage_lists(equal, normalize_std) == per_group
     ragged = [[1.0, 0.0, 1.0], [0.5], [0.0, 1.0]]
-    expect = [group_advantages(torch.tensor(r, dtype=torch.float32), normalize_std).tolist() for r in ragged]
+    expect = [group_advantages(torch.tensor(r, dtype=torch.float64), normalize_std).tolist() for r in ragged]
     assert advantage_lists(ragged, normalize_std) == expect
     assert advantage_lists([], normalize_std) == []
+    # Rewards that fp32 cannot tell apart still get their advantages (a float64 reference by hand).
+    big = advantage_lists([[1e8, 1e8 + 1.0]], normalize_std)[0]
+    want = [-0.5, 0.5] if not normalize_std else [-0.5 / (0.5**0.5 + 1e-6), 0.5 / (0.5**0.5 + 1e-6)]
+    assert big == pytest.approx(want, rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
