@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             (rdir / "config.yaml").write_text(to_yaml(redacted(cfg)))
         cfg.redis.url = _redis_url(cfg, rdir)
         if args.cmd == "serve-actors":
-            from asyncrl.actors.pool import serve_actors
+            from asyncrl.actors.serve import serve_actors
 
             serve_actors(cfg, rdir)
             return 0

@@ -43,6 +43,8 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +63,7 @@ from asyncrl.launch import (
     visible_gpus,
     write_private,
 )
-from asyncrl.learner.records import JsonlTail, committed_step, last_record, read_jsonl  # stdlib only
+from asyncrl.learner.records import JsonlTail, committed_step, iter_jsonl, last_record  # stdlib only
 from asyncrl.lifetime import arm_reaper
 
 TARGETS_FILE = "prometheus_targets.json"
@@ -120,23 +122,34 @@ def _replace_targets(rdir: Path, groups: list[dict]) -> None:
         os.replace(tmp, path)
 
 
-def write_summary(rdir: Path, records: list[dict], start: float, end: float, extra: dict) -> dict:
+def write_summary(rdir: Path, records: Iterable[dict], start: float, end: float, extra: dict) -> dict:
     """``summary.json`` of the run dir from its metrics.jsonl records and this start's [start, end].
 
     After a resume metrics.jsonl holds the earlier starts' steps too: ``steps`` and ``trained_tokens``
     are the run's, but ``wall_s`` and the rate are this start's, so the rate counts only the tokens of
-    steps that ended since ``start`` (before: every start's tokens over the last one's wall seconds)."""
-    k = min(3, len(records))
-    this_start = [r for r in records if float(r.get("step_time", start)) >= start]
+    steps that ended since ``start`` (before: every start's tokens over the last one's wall seconds).
+    ``records`` is consumed once, in order (:func:`iter_jsonl`: a run of days is not held in memory)."""
+    first: list[dict] = []
+    last: deque[dict] = deque(maxlen=3)
+    tokens = tokens_this_start = 0
+    staleness_max = 0
+    for r in records:
+        if len(first) < 3:
+            first.append(r)
+        last.append(r)
+        tokens += r.get("tokens", 0)
+        if float(r.get("step_time", start)) >= start:
+            tokens_this_start += r.get("tokens", 0)
+        staleness_max = max(staleness_max, r["staleness_max"])
     summary = {
-        "steps": records[-1]["step"] if records else 0,
-        "final_version": records[-1]["version"] if records else 0,
-        "start_reward": sum(r["reward_mean"] for r in records[:k]) / k if k else None,
-        "end_reward": sum(r["reward_mean"] for r in records[-k:]) / k if k else None,
+        "steps": last[-1]["step"] if last else 0,
+        "final_version": last[-1]["version"] if last else 0,
+        "start_reward": sum(r["reward_mean"] for r in first) / len(first) if first else None,
+        "end_reward": sum(r["reward_mean"] for r in last) / len(last) if last else None,
         "wall_s": end - start,
-        "trained_tokens": sum(r.get("tokens", 0) for r in records),
-        "trained_tokens_per_s": sum(r.get("tokens", 0) for r in this_start) / max(end - start, 1e-9),
-        "staleness_max": max((r["staleness_max"] for r in records), default=0),
+        "trained_tokens": tokens,
+        "trained_tokens_per_s": tokens_this_start / max(end - start, 1e-9),
+        "staleness_max": staleness_max,
         **extra,
     }
     (rdir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -265,6 +278,7 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
     sup = Supervisor(cfg, rdir, cfg_path, start, lambda msg: _note(progress, rdir, msg))
     pool = None
     buf = None
+    lease = None
     early_ray = None
     extra: dict = {}
     status, error = "interrupted", ""
@@ -287,19 +301,25 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
         cfg.redis.url = url
         sup.start_learner(resume)
         from asyncrl.actors.pool import ActorPool
-        from asyncrl.actors.supervision import ActorSupervisionError, ActorSupervisor
+        from asyncrl.actors.serve import PoolLease
+        from asyncrl.actors.supervision import ActorSupervisionError, ActorSupervisor, LapsedPoolReclaimer
 
+        # This run's own pool holds its number (0 unless a serve-actors of an external Redis took it) the
+        # way `asyncrl serve-actors` does: a serve-actors joining the run then leases another number instead
+        # of running actor-0.. beside ours, and a dead joined pool's slots are reclaimed here too.
+        lease = PoolLease(cfg, url, None, on_lost=stop.set)
         owns_ray = early_ray.result()
         pool = ActorPool(cfg, rdir, redis_url=url, cpu_plan=sup.cpu_plan, owns_ray=owns_ray)
         if sup.cpu_plan is not None:
             _say(progress, f"cpu binding: learner on cores {list(sup.cpu_plan.learner)}, "
                            f"engines on {[list(b) for b in sup.cpu_plan.engines]} (run.cpu_binding=off to disable)")  # fmt: skip
-        pool.start()
+        pool.start(check=lease.check)
         # A short socket timeout and retry budget: a frozen or dead Redis must not freeze the loop that
         # restarts it (the pass fails, the next one restarts redis-server). With redis.retry_budget_s
         # (120 s) a Redis that died mid-pass held the loop while the roles' own budgets ran out.
         buf = ReplayBuffer.from_config(cfg, url, socket_timeout=5.0, retry_budget_s=2.0)
         sup.actors = ActorSupervisor(pool, buf, cfg.actors.heartbeat_timeout_s, cfg.run.max_restarts)
+        lapsed, next_lapsed_check = LapsedPoolReclaimer(buf, lease.n, lease.token, lease.TTL_S), 0.0
         metrics = JsonlTail(rdir / "metrics.jsonl")  # the display's window, read as it is appended
         while not stop.is_set():
             try:
@@ -312,6 +332,11 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
             if cfg.run.max_wall_s and time.time() - start > cfg.run.max_wall_s:
                 status = "wall_budget"
                 break
+            if time.monotonic() >= next_lapsed_check:  # every TTL/3, as serve-actors does
+                for msg in lapsed.poll():
+                    sup.events.append(msg)
+                    sup.note(msg)
+                next_lapsed_check = time.monotonic() + lease.TTL_S / 3
             metrics.poll()
             try:
                 progress.update(list(metrics.recent), time.time() - start)
@@ -324,6 +349,8 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
                 if log_once not in sup.events:
                     sup.events.append(log_once)
             stop.wait(1.0)
+        if lease.lost:  # it set the stop event: another process runs this pool's actor ids
+            status, error = "failed", lease.lost
         try:
             extra["actors"] = {k: {kk: vv for kk, vv in v.items() if isinstance(vv, int | float | str)}
                                for k, v in buf.actors().items()}  # fmt: skip
@@ -337,20 +364,19 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
         progress.close()
         if pool is None and early_ray is not None:
             early_ray.shutdown()  # failed before the pool took Ray over
-        rc = _teardown(pool, sup, buf)
+        rc = _teardown(pool, sup, buf, lease)
         if early_ray is not None:
             early_ray.release()
         for s, h in prev_handlers.items():
             signal.signal(s, h)
         end = time.time()
-        records = read_jsonl(rdir / "metrics.jsonl")
         finished = status == "finished" and rc == 0
         if status == "finished" and rc != 0:
             status, error = "failed", f"learner exited with code {rc} after the last step"
         extra.update(finished=finished, status=status, error=error, learner_exit_code=rc,
                      restarts={**sup.restarts, "actors": sup.actors.restarts if sup.actors else []},
                      supervision_events=sup.events)  # fmt: skip
-        summary = write_summary(rdir, records, start, end, extra)
+        summary = write_summary(rdir, iter_jsonl(rdir / "metrics.jsonl"), start, end, extra)
     print(f"run dir: {rdir}\nsteps {summary['steps']}  reward {summary['start_reward']} -> {summary['end_reward']}  "
           f"wall {summary['wall_s']:.0f}s  status {status}")  # fmt: skip
     if status == "failed":
@@ -392,10 +418,10 @@ def _say(progress: Any, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _teardown(pool: Any, sup: Supervisor, buf: Any) -> int:
-    """Empty the Prometheus targets, then stop the pool, the learner and the embedded Redis, in that
-    order; each step runs even if an earlier one raised. Returns the learner's exit code (0 when it was
-    never started)."""
+def _teardown(pool: Any, sup: Supervisor, buf: Any, lease: Any = None) -> int:
+    """Empty the Prometheus targets, then stop the pool (and free its number's lease), the learner and
+    the embedded Redis, in that order; each step runs even if an earlier one raised. Returns the
+    learner's exit code (0 when it was never started)."""
 
     def step(what: str, fn: Any) -> Any:
         try:
@@ -407,6 +433,8 @@ def _teardown(pool: Any, sup: Supervisor, buf: Any) -> int:
     step("metrics targets clear", lambda: clear_targets(sup.rdir))
     if pool is not None:
         step("actor pool stop", pool.stop)
+    if lease is not None:  # after the pool: no actor of ours runs once another pool may take the number
+        step("actor pool lease release", lease.release)
     learner, grace_s = sup.learner, sup.cfg.learner.stop_grace_s
     rc = step("learner stop", lambda: stop_process(learner, grace_s)) if learner is not None else 0
     if buf is not None:

@@ -15,7 +15,7 @@ __all__ = ["ActorPool", "serve_actors", "RolloutActor", "Engine"]
 
 _WHERE = {
     "ActorPool": "asyncrl.actors.pool",
-    "serve_actors": "asyncrl.actors.pool",
+    "serve_actors": "asyncrl.actors.serve",
     "RolloutActor": "asyncrl.actors.actor",
     "Engine": "asyncrl.actors.engine",
 }

@@ -5,12 +5,13 @@
     pool.wait_written(8)         # e.g. in tests
     pool.stop()                  # in-flight groups aborted (not written), engines shut down
 
-``serve_actors(cfg, run_dir, stop_event)`` runs a pool until Ctrl-C / SIGTERM / ``stop_event``.
+``asyncrl.actors.serve.serve_actors(cfg, run_dir, stop_event)`` runs a pool under a leased pool number
+until Ctrl-C / SIGTERM / ``stop_event``.
 
 Fault tolerance is Ray's: every actor is created with ``max_restarts`` and ``max_task_retries``,
 so a crashed actor process is restarted and its long-running ``run`` call retried on the new
-instance, which loads the latest published weights before generating and resumes its prompt
-cursor from its last heartbeat. The pool only reports an actor that Ray gave up on (or whose loop
+instance, which loads the latest published weights before generating and claims its next prompt
+position from the run's Redis (one prompt order per run, whatever the pools and actors). The pool only reports an actor that Ray gave up on (or whose loop
 raised) by raising from :meth:`ActorPool.check`.
 """
 
@@ -27,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from .ray_actor import RayRolloutActor
-from .supervision import PoolLeaseLost, RayConnectError
+from .supervision import RayConnectError
 
-__all__ = ["ActorPool", "PoolLeaseLost", "serve_actors", "actor_env", "actor_runtime_env", "init_ray"]
+__all__ = ["ActorPool", "actor_env", "actor_runtime_env", "init_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -362,129 +363,3 @@ class ActorPool:
         if errors:
             raise errors[0]
         return results
-
-
-def serve_actors(
-    cfg: Any,
-    run_dir: str | os.PathLike,
-    stop_event: threading.Event | None = None,
-    *,
-    redis_url: str | None = None,
-    redis_password: str | None = None,
-    poll_s: float = 1.0,
-) -> list[dict[str, Any]]:
-    """Run the actor pool until ``stop_event`` is set or the process gets SIGINT/SIGTERM.
-
-    In-flight groups are aborted on stop (never written; their admission slots are credited back)
-    and every engine is shut down. A failed, dead or silent actor is replaced (see
-    :mod:`asyncrl.actors.supervision`); raises ``ActorSupervisionError`` once a slot has failed more
-    than ``run.max_restarts`` times. Returns the final counters.
-    """
-    stop_event = stop_event or threading.Event()
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: stop_event.set())
-    from asyncrl.buffer import ReplayBuffer
-
-    from .supervision import ActorSupervisor, LapsedPoolReclaimer
-
-    # Renewed from its own thread from here on (pool.start() can take minutes); a lost lease stops the pool.
-    lease = _PoolLease(cfg, redis_url, redis_password, on_lost=stop_event.set)
-    pool = ActorPool(cfg, run_dir, redis_url=redis_url, redis_password=redis_password)
-    # A short socket timeout: a frozen Redis must not freeze the supervision loop with it.
-    buf = ReplayBuffer.from_config(cfg, redis_url, redis_password, socket_timeout=5.0)
-    try:
-        pool.start(check=lease.check)
-        log.info("actor pool %d: %d actors writing to run %r", cfg.actors.pool_index, cfg.actors.num_actors,
-                 cfg.run.name)  # fmt: skip
-        # The same supervision as `asyncrl run`: a failed, dead or silent actor (heartbeat older than
-        # actors.heartbeat_timeout_s) is replaced in its slot, its admission slots reclaimed, at most
-        # run.max_restarts times per slot; then ActorSupervisionError ends the process non-zero.
-        supervisor = ActorSupervisor(pool, buf, cfg.actors.heartbeat_timeout_s, cfg.run.max_restarts)
-        # A pool of this run that died for good (never restarted) would keep its admission slots taken.
-        lapsed = LapsedPoolReclaimer(buf, lease.n, lease.token, lease.TTL_S)
-        next_lapsed_check = 0.0
-        while not stop_event.wait(poll_s):
-            lease.check()  # no replacement spawned under ids that may be another pool's
-            for msg in supervisor.poll():
-                log.warning("%s", msg)
-            if time.monotonic() >= next_lapsed_check:
-                lapsed.poll()
-                next_lapsed_check = time.monotonic() + lease.TTL_S / 3
-        lease.check()  # stopped because the lease was lost: exit non-zero (after the pool stopped)
-    finally:
-        try:
-            results = pool.stop(abort=True)
-        finally:
-            buf.close()
-            lease.release()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    return results
-
-
-class _PoolLease:
-    """Leases this process's actor-pool number in Redis and puts it in ``cfg.actors.pool_index`` (actor
-    ids ``actor-<pool>-<i>``), so two ``asyncrl serve-actors`` of one run never share actor ids, while a
-    restarted one gets its number back and reclaims its dead incarnation's admission slots.
-
-    A daemon thread renews it every ``TTL_S / 3`` from the moment it is taken: the pool's start (Ray,
-    the model, a placement group waiting for a node) and a supervision pass (a replacement waits up to
-    30 s) both outlast the TTL, and a lease that lapses meanwhile hands the number to the next pool.
-    Should it be lost anyway (another token holds it), ``lost`` says so, ``on_lost()`` is called once
-    and :meth:`check` raises :class:`PoolLeaseLost`."""
-
-    TTL_S = 15.0
-
-    def __init__(
-        self,
-        cfg: Any,
-        redis_url: str | None,
-        redis_password: str | None,
-        on_lost: Callable[[], None] | None = None,
-    ) -> None:
-        import uuid
-
-        from asyncrl.buffer import ReplayBuffer
-
-        self.token = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.buffer = ReplayBuffer.from_config(cfg, redis_url or cfg.redis.url, password=redis_password)
-        self.n = self.buffer.lease_pool(self.token, self.TTL_S)
-        cfg.actors.pool_index = self.n
-        self.lost: str | None = None
-        self._on_lost = on_lost
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._keep, name=f"asyncrl-pool-lease-{self.n}", daemon=True)
-        self._thread.start()
-
-    def _keep(self) -> None:
-        while not self._done.wait(self.TTL_S / 3):
-            if not self.renew():
-                self.lost = (f"actor pool {self.n} lost its Redis lease to another process, which may run "
-                             f"the same actor ids; stopping this pool")  # fmt: skip
-                log.error("%s", self.lost)
-                if self._on_lost is not None:
-                    self._on_lost()
-                return
-
-    def renew(self) -> bool:
-        """Extend the lease; False only when another token holds it (a Redis error is not a loss)."""
-        try:
-            return self.buffer.renew_pool(self.n, self.token, self.TTL_S)
-        except Exception as e:  # a Redis outage past the retry budget: the actors ride it out themselves
-            log.warning("actor pool %d: lease not renewed: %s", self.n, e)
-            return True
-
-    def check(self) -> None:
-        """Raise :class:`PoolLeaseLost` once the lease is lost."""
-        if self.lost:
-            raise PoolLeaseLost(self.lost)
-
-    def release(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=self.TTL_S)
-        try:
-            self.buffer.release_pool(self.n, self.token)
-        finally:
-            self.buffer.close()

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 def slot_actor_id(pool_index: int, index: int) -> str:
     """The actor id of slot ``index`` of pool ``pool_index`` (pool 0: ``asyncrl run`` and the first
-    ``serve-actors``; later pools lease their number, see :class:`asyncrl.actors.pool._PoolLease`)."""
+    ``serve-actors``; later pools lease their number, see :class:`asyncrl.actors.serve.PoolLease`)."""
     return f"actor-{index}" if pool_index == 0 else f"actor-{pool_index}-{index}"
 
 
@@ -118,7 +118,7 @@ class RayConnectError(RuntimeError):
 
 
 class PoolLeaseLost(RuntimeError):
-    """Another process holds this pool's number (``asyncrl.actors.pool._PoolLease``): the two would run
+    """Another process holds this pool's number (``asyncrl.actors.serve.PoolLease``): the two would run
     the same actor ids, so this pool stops. Defined here, free of Ray, so the CLI can report it."""
 
 

@@ -38,13 +38,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.learner.records import METRICS_FILE, read_jsonl
+from asyncrl.learner.records import METRICS_FILE, records_after, truncate_jsonl
 
 __all__ = ["AdaptiveBound", "Decision", "StalenessController", "install", "staleness_drift", "truncate_log",
            "BOUND_LOG"]  # fmt: skip
@@ -198,17 +197,9 @@ class AdaptiveBound:
 
 def truncate_log(path: Path, step: int) -> None:
     """Drop the decisions of steps > ``step`` from the decision log (steps a resume discarded; they are
-    decided again), rewriting it atomically; a torn last line from a kill goes too."""
-    if not path.exists():
-        return
-    rows = read_jsonl(path)
-    keep = [r for r in rows if int(r.get("step", 0)) <= step]
-    text = path.read_text()
-    if len(keep) == len(rows) and text.count("\n") == len(rows) and (not text or text.endswith("\n")):
-        return
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-    os.replace(tmp, path)
+    decided again), replacing it atomically by its head; a torn last line from a kill goes too. Only the
+    tail is read (the log grows with the run)."""
+    truncate_jsonl(path, step)
 
 
 def install(
@@ -237,7 +228,8 @@ def install(
     if saved is not None:
         ctrl.restore(saved)
         # Records the checkpoint was taken before (its own step's, normally): fed again below.
-        by_step = {int(r.get("step", 0)): r for r in read_jsonl(run_dir / METRICS_FILE)}
+        # Only the tail after the controller's last step (read from the end, not the run's whole history).
+        by_step = {int(r["step"]): r for r in records_after(run_dir / METRICS_FILE, ctrl.last_step)}
         replay = [by_step[s] for s in range(ctrl.last_step + 1, step + 1) if s in by_step]
         if len(replay) < step - ctrl.last_step:
             log.warning("adaptive staleness: metrics.jsonl lacks records of steps %d-%d (killed between the "

@@ -188,9 +188,7 @@ class MetricsWriter:
                     f.flush()
                     os.fsync(f.fileno())
             _keep_head(ledger, cut)
-        cut = _cut_after(self.dir / METRICS_FILE, step)
-        if cut is not None:
-            _keep_head(self.dir / METRICS_FILE, cut)
+        truncate_jsonl(self.dir / METRICS_FILE, step)
 
     def ledger_entries(self, after: int, upto: int) -> list[tuple[str, str]]:
         """(group id, stream entry id) pairs the ledger lists for steps ``after < step <= upto``, each once
@@ -287,17 +285,50 @@ def last_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All complete JSON lines of ``path`` (a torn last line from a kill is skipped)."""
-    out = []
-    p = Path(path)
-    if not p.exists():
-        return out
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+    """All complete JSON lines of ``path`` (a torn last line from a kill is skipped). Holds the whole
+    file: for a run's growing files (metrics.jsonl, ~5 KB a step) use :func:`iter_jsonl` or
+    :func:`records_after`."""
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The complete JSON lines of ``path`` one at a time, in file order (a torn line is skipped; a
+    missing file yields nothing): one line in memory at a time, whatever the run's length."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
+
+
+def records_after(path: str | os.PathLike[str], step: int) -> list[dict[str, Any]]:
+    """The records of steps > ``step`` of a JSON-lines file in step order (metrics.jsonl), in file
+    order, read back from its end to the first record of a step <= ``step``: a resume that needs the
+    last few steps reads those, not the run's whole history. Lines without a step are skipped."""
+    rows = []
+    for _, line in lines_from_end(path):
+        s = _step_of(line)
+        if s is None:
             continue
-    return out
+        if s <= step:
+            break
+        rows.append(json.loads(line))
+    rows.reverse()
+    return rows
+
+
+def truncate_jsonl(path: str | os.PathLike[str], step: int) -> None:
+    """Keep only the lines of steps <= ``step`` of a JSON-lines file in step order, and cut a torn last
+    line; reads only the tail and leaves the file untouched when nothing is cut (see
+    :meth:`MetricsWriter.truncate_after`)."""
+    cut = _cut_after(Path(path), step)
+    if cut is not None:
+        _keep_head(Path(path), cut)
 
 
 class JsonlTail:

@@ -238,6 +238,31 @@ def test_every_dashboard_query_returns_data_from_a_live_run(live_run):
     assert float(prom_query(port, "sum(asyncrl_actor_generated_tokens_total)")[0]["value"][1]) > 0
 
 
+def test_the_run_holds_pool_0_so_a_joining_pool_leases_another_number(live_run):
+    """`asyncrl run`'s own pool leases its number as `asyncrl serve-actors` does: a serve-actors joining the
+    run (its Redis) is handed number 1 and actor ids actor-1-<i>, never actor-0.. beside the run's own."""
+    import redis
+
+    from asyncrl.buffer import ReplayBuffer
+
+    rdir, proc = live_run["dir"], live_run["proc"]
+    wait_for(
+        lambda: len(read_jsonl(rdir / "metrics.jsonl")) >= 1, 420, "a learner step", proc, live_run["log"]
+    )
+    client = redis.Redis.from_url((rdir / "redis.url").read_text().strip())
+    buf = ReplayBuffer(client, live_run["name"])
+    try:
+        holder = client.get(buf.keys.pool_lease(0))
+        assert holder and str(os.getpid()).encode() not in holder, holder  # held by the run, not by us
+        assert 0 < client.pttl(buf.keys.pool_lease(0)) <= 15_000  # renewed: a lease, not a fixed key
+        joined = buf.lease_pool("a-joining-pool", ttl_s=2.0)
+        assert joined == 1
+        buf.release_pool(joined, "a-joining-pool")
+        assert client.get(buf.keys.pool_lease(0)) == holder  # the run's lease untouched
+    finally:
+        client.close()
+
+
 def test_run_learns_swaps_weights_bounds_staleness_and_cleans_up(live_run):
     proc, rdir = live_run["proc"], live_run["dir"]
     wait_for(lambda: len(read_jsonl(rdir / "metrics.jsonl")) >= MIN_STEPS, 600, f"{MIN_STEPS} learner steps",

@@ -140,3 +140,89 @@ def test_a_tail_follows_a_resume_that_regrows_the_file_before_its_next_poll(tmp_
     w.truncate_after(5)
     _write(w, range(6, 12))
     assert [r["step"] for r in tail.poll()] == list(range(1, 12))
+
+
+def test_records_after_and_iter_jsonl_match_the_full_read(tmp_path, monkeypatch) -> None:
+    """The run end's summary and the adaptive controller's resume parsed metrics.jsonl whole (~5 KB of
+    memory a step). ``iter_jsonl`` streams it and ``records_after`` reads only the tail after a step;
+    both give what the full read gives on random histories with garbage and torn lines."""
+    import numpy as np
+
+    from asyncrl.learner import records
+    from asyncrl.learner.records import iter_jsonl, records_after
+
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        path = tmp_path / f"m{trial}.jsonl"
+        recs = _history(path, rng, int(rng.integers(0, 60)))
+        full = read_jsonl(path)
+        assert full == recs
+        assert list(iter_jsonl(path)) == full
+        after = int(rng.integers(-1, len(recs) + 2))
+        with monkeypatch.context() as m:
+            m.setattr(records, "read_jsonl", None)  # not used: it parses the whole file
+            got = records_after(path, after)
+        assert got == [r for r in recs if r["step"] > after], (trial, after)
+    assert list(iter_jsonl(tmp_path / "missing.jsonl")) == [] and records_after(tmp_path / "missing", 0) == []
+
+
+def test_records_after_reads_back_only_to_the_step(tmp_path, monkeypatch) -> None:
+    """On a long file the tail reader stops at the first record of a step <= ``after``: it reads a few
+    block from the end, not the file (counted by how far back the lines it parsed reach)."""
+    from asyncrl.learner import records
+
+    path = tmp_path / METRICS_FILE
+    with open(path, "w") as f:
+        for s in range(1, 20_001):
+            f.write(json.dumps({"step": s, "pad": "x" * 200}) + "\n")
+    read = 0
+    real = records.lines_from_end
+
+    def counted(p, block=1 << 16):
+        nonlocal read
+        for off, line in real(p, block):
+            read = path.stat().st_size - off
+            yield off, line
+
+    monkeypatch.setattr(records, "lines_from_end", counted)
+    got = records.records_after(path, 19_990)
+    assert [r["step"] for r in got] == list(range(19_991, 20_001))
+    assert read < 10_000 and path.stat().st_size > 4_000_000  # ~11 lines of ~220 bytes, of 4.4 MB
+
+
+def test_the_run_summary_streams_the_records_and_matches_the_full_read(tmp_path) -> None:
+    """summary.json from the streamed records equals the old whole-list computation (random histories,
+    resumes at random times)."""
+    import numpy as np
+
+    from asyncrl.learner.records import iter_jsonl
+    from asyncrl.orchestrator import write_summary
+
+    rng = np.random.default_rng(7)
+    for trial in range(30):
+        n = int(rng.integers(0, 40))
+        recs = [{"step": s, "version": s + 1, "step_time": float(s), "tokens": int(rng.integers(0, 500)),
+                 "reward_mean": float(rng.normal()), "staleness_max": int(rng.integers(0, 5))}
+                for s in range(1, n + 1)]  # fmt: skip
+        path = tmp_path / f"m{trial}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        start, end = float(rng.uniform(0, n + 1)), float(n + 2)
+        got = write_summary(tmp_path, iter_jsonl(path), start, end, {})
+        k = min(3, n)
+        this = [r for r in recs if r["step_time"] >= start]
+        want = {
+            "steps": recs[-1]["step"] if recs else 0,
+            "final_version": recs[-1]["version"] if recs else 0,
+            "start_reward": sum(r["reward_mean"] for r in recs[:k]) / k if k else None,
+            "end_reward": sum(r["reward_mean"] for r in recs[-k:]) / k if k else None,
+            "wall_s": end - start,
+            "trained_tokens": sum(r["tokens"] for r in recs),
+            "trained_tokens_per_s": sum(r["tokens"] for r in this) / max(end - start, 1e-9),
+            "staleness_max": max((r["staleness_max"] for r in recs), default=0),
+        }
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            if isinstance(value, float):
+                assert abs(got[key] - value) <= 1e-12 * max(1.0, abs(value)), (trial, key)
+            else:
+                assert got[key] == value, (trial, key)

@@ -87,12 +87,12 @@ KEEPER_TTL_S = 1.5  # the keeper renews every TTL/3: short, so the tests wait a 
 
 
 def _keeper(monkeypatch, redis_url: str, run_name: str, **kw):
-    from asyncrl.actors.pool import _PoolLease
+    from asyncrl.actors.serve import PoolLease
     from asyncrl.config import load_config
 
-    monkeypatch.setattr(_PoolLease, "TTL_S", KEEPER_TTL_S)
+    monkeypatch.setattr(PoolLease, "TTL_S", KEEPER_TTL_S)
     cfg = load_config(None, [f"redis.url={redis_url}", f"run.name={run_name}"])
-    return _PoolLease(cfg, redis_url, None, **kw), cfg
+    return PoolLease(cfg, redis_url, None, **kw), cfg
 
 
 def test_lease_is_kept_while_the_pool_is_busy_starting(
