@@ -74,6 +74,7 @@ from asyncrl.buffer.layout import Keys
 
 __all__ = [
     "ADMIT_LUA",
+    "TAKE_SLOT_LUA",
     "DEDUP_TTL_S",
     "WAKE_SCHEMA",
     "admission_bound_formula",
@@ -95,6 +96,28 @@ def wake_lua(channel_arg: str, event: str) -> str:
     return (
         f"redis.call('PUBLISH', {channel_arg}, cmsgpack.pack({{schema = {WAKE_SCHEMA}, event = '{event}'}}))"
     )
+
+
+#: Lua ``take_slot(inflight, owner)``: resolve one of ``owner``'s slots in the in-flight tally (the hash
+#: ``inflight``); false when the tally holds none ('' = an untracked owner: always true). Why (the fence): a reclaim (a restarted actor, its pool's supervisor, a live pool
+#: reclaiming a lapsed one) turns everything the owner holds into credits and zeroes its tally; a write,
+#: credit or give-back of that owner that arrives after it (a pool frozen past two lease periods, then
+#: resumed) resolves a slot the reclaim already credited. Such a call must not credit it again (the
+#: window would stay one slot wider for good), and a write of its group must take that credit back (the
+#: group is now in the stream, which the ledger counts): the callers check this and do so. The tally never
+#: goes below zero. Invariant kept: admitted = credits + skew * gpv + in flight + in the stream + trained.
+TAKE_SLOT_LUA = """
+local function take_slot(inflight, owner)
+  if owner == '' then
+    return true
+  end
+  if tonumber(redis.call('HGET', inflight, owner) or '0') <= 0 then
+    return false
+  end
+  redis.call('HINCRBY', inflight, owner, -1)
+  return true
+end
+"""
 
 
 def wake_message(event: str) -> bytes:
@@ -183,25 +206,40 @@ return n
 """
 
 # KEYS: credits, inflight, dedup. ARGV: n, owner ('' = none), dedup ttl, admission channel.
-# Returns total credits. A repeated request (same dedup key) changes nothing.
-CREDIT_LUA = f"""
+# Returns total credits. A repeated request (same dedup key) changes nothing. An owner's credit counts only
+# the slots its tally still holds (TAKE_SLOT_LUA: the rest a reclaim already credited).
+CREDIT_LUA = (
+    TAKE_SLOT_LUA
+    + f"""
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return tonumber(redis.call('GET', KEYS[1]) or '0')
 end
-local total = redis.call('INCRBY', KEYS[1], tonumber(ARGV[1]))
+local n = 0
 if ARGV[2] ~= '' then
-  redis.call('HINCRBY', KEYS[2], ARGV[2], -tonumber(ARGV[1]))
+  for _ = 1, tonumber(ARGV[1]) do
+    if take_slot(KEYS[2], ARGV[2]) then
+      n = n + 1
+    end
+  end
+else
+  n = tonumber(ARGV[1])
 end
+local total = redis.call('INCRBY', KEYS[1], n)
 redis.call('SET', KEYS[3], '1', 'EX', tonumber(ARGV[3]))
-{wake_lua("ARGV[4]", "credit")}
+if n > 0 then
+  {wake_lua("ARGV[4]", "credit")}
+end
 return total
 """
+)
 
 
 # KEYS: dedup, credits, inflight. ARGV: owner ('' = none), dedup ttl, kind ('admit' or other),
 # admission channel. Settles a request whose outcome the client never learned: not run -> tombstone (it
 # never will); an admission that ran -> given back (credit, in-flight tally). Returns 1 if it gave a slot back.
-SETTLE_LUA = f"""
+SETTLE_LUA = (
+    TAKE_SLOT_LUA
+    + f"""
 local prev = redis.call('GET', KEYS[1])
 if not prev then
   redis.call('SET', KEYS[1], 'cancelled', 'EX', tonumber(ARGV[2]))
@@ -209,15 +247,16 @@ if not prev then
 end
 if prev == '1' and ARGV[3] == 'admit' then
   redis.call('SET', KEYS[1], 'undone', 'EX', tonumber(ARGV[2]))
-  redis.call('INCRBY', KEYS[2], 1)
-  if ARGV[1] ~= '' then
-    redis.call('HINCRBY', KEYS[3], ARGV[1], -1)
+  if not take_slot(KEYS[3], ARGV[1]) then
+    return 0  -- a reclaim already credited it
   end
+  redis.call('INCRBY', KEYS[2], 1)
   {wake_lua("ARGV[4]", "credit")}
   return 1
 end
 return 0
 """
+)
 
 # KEYS: credits, version_skew. ARGV: total skew, groups per version, admission channel. Sets the skew and
 # moves the credits by -(change * groups per version) (see "Forks" in the module doc); returns the change.

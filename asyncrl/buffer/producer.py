@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from asyncrl.buffer.admission import DEDUP_TTL_S, wake_lua
+from asyncrl.buffer.admission import DEDUP_TTL_S, TAKE_SLOT_LUA, wake_lua
 from asyncrl.buffer.consumer import DEAD_MAXLEN, _s
 from asyncrl.buffer.layout import ROLLOUT_FIELD
 from asyncrl.buffer.records import Group, RecordError, encode
@@ -23,25 +23,28 @@ __all__ = ["StreamProducer", "PUT_MANY_LUA", "ABANDON_LUA"]
 
 log = logging.getLogger(__name__)
 
-# KEYS: rollouts, inflight, then one dedup key per group. ARGV: field, owner ('' = none), maxlen
+# KEYS: rollouts, inflight, credits, then one dedup key per group. ARGV: field, owner ('' = none), maxlen
 # (0 = none), dedup ttl, then one encoded group per dedup key. For each group in order: a repeat of its
 # group id returns the first entry id and appends nothing; else append it and take it off the owner's
-# in-flight tally. Returns the entry ids in that order. (``put`` is this with one group.)
-PUT_MANY_LUA = """
+# in-flight tally, or, when a reclaim already credited its slot (TAKE_SLOT_LUA: a frozen pool's late
+# write), take that credit back. Returns the entry ids in that order. (``put`` is this with one group.)
+PUT_MANY_LUA = (
+    TAKE_SLOT_LUA
+    + """
 local ids = {}
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   local prev = redis.call('GET', KEYS[i])
   if prev then
     ids[#ids + 1] = prev
   else
     local id
     if tonumber(ARGV[3]) > 0 then
-      id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', ARGV[1], ARGV[i + 2])
+      id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', ARGV[1], ARGV[i + 1])
     else
-      id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[i + 2])
+      id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[i + 1])
     end
-    if ARGV[2] ~= '' then
-      redis.call('HINCRBY', KEYS[2], ARGV[2], -1)
+    if not take_slot(KEYS[2], ARGV[2]) then
+      redis.call('DECRBY', KEYS[3], 1)
     end
     redis.call('SET', KEYS[i], id, 'EX', tonumber(ARGV[4]))
     ids[#ids + 1] = id
@@ -49,18 +52,20 @@ for i = 3, #KEYS do
 end
 return ids
 """
+)
 
 # KEYS: credits, inflight, dedup, dead, dead_total. ARGV: owner ('' = none), dedup ttl, group id, reason, time, dead maxlen,
 # admission channel.
 # An actor gives up a group it was admitted for (its reward failed): credit, in-flight tally, dead letter,
 # once per group id (shares the dedup key of ``credit(request_id=group_id)``). Returns 1, or 0 if repeated.
-ABANDON_LUA = f"""
+ABANDON_LUA = (
+    TAKE_SLOT_LUA
+    + f"""
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return 0
 end
-redis.call('INCRBY', KEYS[1], 1)
-if ARGV[1] ~= '' then
-  redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
+if take_slot(KEYS[2], ARGV[1]) then
+  redis.call('INCRBY', KEYS[1], 1)  -- else a reclaim already credited the slot
 end
 redis.call('SET', KEYS[3], '1', 'EX', tonumber(ARGV[2]))
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'id', ARGV[3], 'reason', ARGV[4], 'data', '',
@@ -69,6 +74,7 @@ redis.call('INCR', KEYS[5])
 {wake_lua("ARGV[7]", "credit")}
 return 1
 """
+)
 
 
 class StreamProducer:
@@ -128,7 +134,7 @@ class StreamProducer:
         if not sent:
             return out  # type: ignore[return-value]
         k = self.keys
-        keys = [k.rollouts, k.inflight, *(dedup for _, dedup, _ in sent)]
+        keys = [k.rollouts, k.inflight, k.credits, *(dedup for _, dedup, _ in sent)]
         args = [ROLLOUT_FIELD, owner or "", self._maxlen or 0, DEDUP_TTL_S, *(data for _, _, data in sent)]
         try:
             ids = self._put_many_script(keys=keys, args=args)

@@ -526,6 +526,41 @@ def test_slots_of_a_crashed_actor_are_reclaimed_as_credits(buffer, make_group):
     assert buffer.stats()["credits"] == 2
 
 
+def _ledger(buffer) -> tuple[int, int]:
+    """(admitted, credits + in flight + in the stream): equal while every slot counts once (no skew,
+    nothing trained in these tests)."""
+    st = buffer.stats()
+    return st["admitted"], st["credits"] + sum(buffer.inflight_owners().values()) + st["depth"]
+
+
+def test_a_reclaimed_owners_late_write_credit_or_abandon_counts_its_slot_once(buffer, make_group):
+    """The fence: a reclaim (restarted actor, supervisor, a live pool reclaiming a lapsed one) credits
+    everything an owner holds; a write, credit or abandon of that owner arriving after it (a pool frozen
+    past two lease periods, then resumed) must not count the slot again. Before, each credited it once
+    more (the tally going negative) and the admission window stayed that much wider for good."""
+    g = 8  # bound (0 + 0 + 1) * 8 + credits
+    # A new incarnation with the same id admits before its predecessor's late write lands: whichever
+    # write comes first takes the tally's slot, the other takes the reclaim's credit back.
+    assert buffer.try_admit(0, g, owner="actor-2-0") and buffer.try_admit(0, g, owner="actor-2-0")
+    assert buffer.reclaim_inflight("actor-2-0") == 2
+    assert buffer.try_admit(0, g, owner="actor-2-0")  # the new incarnation
+    buffer.put(make_group(group_id="old-0"), owner="actor-2-0")  # the old incarnation's late write
+    buffer.put(make_group(group_id="new-0"), owner="actor-2-0")
+    st = buffer.stats()
+    assert (st["admitted"], st["credits"], st["depth"]) == (3, 1, 2)  # the old one's other slot: 1 credit
+    assert buffer.inflight_owners().get("actor-2-0", 0) == 0 and _ledger(buffer) == (3, 3)
+    # A frozen pool's actor: reclaimed with 4 slots, then a late write, an aborted group, an abandoned one.
+    assert all(buffer.try_admit(0, g, owner="actor-1-0") for _ in range(4))
+    assert buffer.reclaim_inflight("actor-1-0") == 4
+    buffer.put(make_group(group_id="late-0"), owner="actor-1-0")  # its credit taken back: in the stream
+    assert buffer.credit(1, owner="actor-1-0", request_id="late-1") == 4  # already credited: no change
+    assert buffer.abandon("late-2", "actor-1-0", "reward raised")  # dead-lettered, not credited again
+    st = buffer.stats()
+    assert (st["admitted"], st["credits"], st["depth"], st["dead_total"]) == (7, 4, 3, 1)
+    assert buffer.inflight_owners().get("actor-1-0", 0) == 0 and _ledger(buffer) == (7, 7)
+    assert sum(buffer.try_admit(0, g, owner="actor-0") for _ in range(10)) == 5  # 8 + 4 - 7 slots open
+
+
 def test_lagging_actors_are_the_live_ones_behind_the_version(buffer) -> None:
     """publish_policy=taken waits only for live actors that serve an older version: not for dead ones
     (heartbeat past the timeout), stopping ones, or ones that serve nothing yet."""

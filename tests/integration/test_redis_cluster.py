@@ -75,7 +75,7 @@ def test_a_run_lives_in_one_slot_and_every_buffer_operation_works_on_the_cluster
         # Data path: put, read through the consumer group, ack (deleted), credit a drop.
         groups = [small_group(group_id=f"{run}-g{i}") for i in range(4)]
         first = buf.put(groups[0], "a")
-        rest = buf.put_many(groups[1:], "a")  # one MULTI/EXEC: the run's keys share a slot
+        rest = buf.put_many(groups[1:])  # one script call: the run's keys share a slot ("a" held one slot)
         assert all(isinstance(i, str) for i in rest) and len({first, *rest}) == 4
         got = buf.read("learner-0", 4, block_ms=1000)
         assert [e.group.group_id for e in got] == [g.group_id for g in groups]
