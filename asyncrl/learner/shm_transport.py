@@ -6,6 +6,7 @@ the manifest are :class:`asyncrl.learner.file_transport.FilesystemTransport`'s.
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import shutil
@@ -16,7 +17,13 @@ from typing import Any
 from asyncrl.learner.file_transport import WEIGHTS_FILE, FilesystemTransport
 from asyncrl.learner.safetensors_writer import safetensors_header, write_into
 
-__all__ = ["ShmTransport"]
+__all__ = ["ShmTransport", "reap_orphaned_roots"]
+
+log = logging.getLogger(__name__)
+
+#: In each shm root: the learner that owns it ("<pid> <start time in clock ticks> <pid namespace>"), so
+#: a later learner can tell a root whose learner was killed (kill -9: no clean-up ran) from a live one.
+OWNER_FILE = ".owner"
 
 #: Write leases (Linux): how ShmTransport proves that a spare file is no longer open or mapped.
 _LEASES = hasattr(fcntl, "F_SETLEASE")
@@ -78,6 +85,8 @@ class ShmTransport(FilesystemTransport):
     def __init__(self, root: str | os.PathLike[str], expected_names: set[str] | None = None) -> None:
         super().__init__(root, expected_names)
         os.chmod(self.root, 0o700)
+        (self.root / OWNER_FILE).write_text(_identity(os.getpid()) or "")
+        reap_orphaned_roots(self.root)
         self._maps: dict[int, _Mapped] = {}  # inode -> the learner's mapping of that file
         self.mapped_writes = 0  # versions copied into a kept mapping (tests, benchmarks)
 
@@ -193,3 +202,44 @@ class ShmTransport(FilesystemTransport):
         shutil.rmtree(self.root, ignore_errors=True)
 
     close = cleanup  # memory is not kept past the learner: a restarted learner re-publishes
+
+
+def _identity(pid: int) -> str | None:
+    """``"<pid> <start time> <pid namespace>"`` of a live process (None: gone). The start time (field 22
+    of /proc/<pid>/stat) tells a reused pid apart; the namespace, a process this one cannot see."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ns = os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]} {ns}"
+
+
+def reap_orphaned_roots(own: Path) -> list[Path]:
+    """Remove this user's other shm roots (``asyncrl-<uid>-*`` beside ``own``) whose learner died without
+    its clean-up (kill -9, OOM): their weights held ``keep_versions`` model copies of RAM until that run
+    was resumed, and for good if it never was. Returns the removed roots.
+
+    Only a root whose owner file names a process of this pid namespace that no longer exists (or is
+    another process now) goes: a root without one (being created, another tool) or of a learner in
+    another pid namespace (a container sharing /dev/shm) is left alone. A reaped run loses nothing: a
+    resumed learner publishes its version again, and an actor that mapped a removed file keeps its bytes.
+    """
+    own_ns = os.readlink("/proc/self/ns/pid") if os.path.exists("/proc/self/ns/pid") else None
+    prefix = f"asyncrl-{os.getuid()}-"
+    removed = []
+    for root in own.parent.glob(prefix + "*"):
+        if root == own or not root.is_dir() or root.is_symlink():
+            continue
+        try:
+            pid, start, ns = (root / OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if own_ns is None or ns != own_ns or _identity(int(pid)) == f"{pid} {start} {ns}":
+            continue
+        size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(root, ignore_errors=True)
+        log.warning("removed %s (%.1f MiB): weights of a learner (pid %s) that died without its clean-up",
+                    root, size / 2**20, pid)  # fmt: skip
+        removed.append(root)
+    return removed
