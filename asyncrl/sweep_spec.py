@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.config.loading import _yaml_problem
 from asyncrl.sweep_report import CellSpec, SeedRun
 from asyncrl.sweep_runs import Marks
 from asyncrl.tasks.base import TaskDataError
@@ -268,6 +269,8 @@ def load_spec(path: str | Path | None, overrides: list[str] | None = None) -> Sw
         raise ConfigError(f"sweep config file not found: {path}")
     try:
         raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:  # a tab, a duplicate key (a traceback before)
+        raise ConfigError(f"sweep config {path}: not a valid YAML file: {_yaml_problem(e)}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"sweep config {path}: {e}") from None
     overrides = list(overrides or [])
