@@ -11,7 +11,10 @@ complete grids for its first seeds. The sweep is resumable: a finished run (its 
 re-run (if the sweep now gives it other overrides than its marker recorded, e.g. after an edit of the
 sweep file, the sweep refuses to start rather than report it under settings it did not run with); a
 failed, interrupted or incomplete one (stopped early, e.g. by ``run.max_wall_s``: ``asyncrl
-run`` exits 0 then) is re-run from scratch. Only finished runs enter the report's statistics. The
+run`` exits 0 then) is re-run from scratch. Only finished runs enter the report's statistics, and a
+run dir is one run's: its ``asyncrl run`` dies with the sweep (die_with_parent; a stop signal stops it in
+order), a dir whose recorded run process is still alive is refused, and a finished run whose
+metrics.jsonl is not one run's record (steps repeated, decreasing or past run.max_steps) is failed. The
 sweep file format is documented in ``configs/sweep_staleness.yaml`` and validated by
 :mod:`asyncrl.sweep_spec`; the report (statistics, csv, markdown, plots) is :mod:`asyncrl.sweep_report`.
 """
@@ -28,10 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import ConfigError, LearnerConfig, load_config
+from asyncrl.config import Config, ConfigError, LearnerConfig, load_config
 from asyncrl.launch import stop_process
+from asyncrl.lifetime import die_with_parent
 from asyncrl.orchestrator import read_summary
 from asyncrl.sweep_report import SeedRun, write_report
+from asyncrl.sweep_runs import config_value, step_problem
 from asyncrl.sweep_spec import SweepSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -43,7 +48,17 @@ MARKER = "sweep_cell.json"
 
 
 class _Interrupted(Exception):
-    """SIGINT/SIGTERM reached the sweep; the running seed run is stopped and marked for a re-run."""
+    """SIGINT/SIGTERM/SIGHUP reached the sweep; the running seed run is stopped and marked for a re-run."""
+
+
+#: What stops the sweep in order (the run is stopped and marked for a re-run): Ctrl-C, kill, a closed
+#: terminal or ssh session. Ignored while the run is being stopped, so that a second one cannot leave it
+#: running; a SIGKILL of the sweep kills the run too (die_with_parent).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class RunInUse(ConfigError):
+    """A run dir's recorded `asyncrl run` process is still alive: the sweep must not write into it."""
 
 
 def _raise_interrupt(*_: Any) -> None:
@@ -66,9 +81,51 @@ def _reached_max_steps(summary: dict[str, Any]) -> bool:
     return summary.get("finished") is True
 
 
+def bad_steps(run: SeedRun) -> str | None:
+    """Why the run's metrics.jsonl is not the record of one run to run.max_steps (None: it is); e.g. an
+    orphaned run of an earlier sweep wrote into it. run.max_steps from the marker, else the run's config."""
+    limit = read_marker(run).get("max_steps", config_value(run.dir, "run.max_steps"))
+    return step_problem(run.dir / "metrics.jsonl", limit)
+
+
 def is_finished(run: SeedRun) -> bool:
-    """Reached run.max_steps (summary.json) and the sweep did not record a failure or interruption."""
-    return _reached_max_steps(read_summary(run.dir)) and read_marker(run).get("status", "ok") == "ok"
+    """Reached run.max_steps (summary.json), the sweep did not record a failure or interruption, and its
+    metrics.jsonl is one run's record (:func:`bad_steps`)."""
+    return (
+        _reached_max_steps(read_summary(run.dir))
+        and read_marker(run).get("status", "ok") == "ok"
+        and bad_steps(run) is None
+    )
+
+
+def _proc_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot: /proc/<pid>/stat field 22), which tells it
+    from a later process given the same pid; None if there is none (or only its zombie), or no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def live_child(run: SeedRun) -> int | None:
+    """The pid of the run's recorded `asyncrl run` process if it is still alive (same pid, same start)."""
+    marker = read_marker(run)
+    pid, start = marker.get("pid"), marker.get("pid_start")
+    return pid if pid is not None and start is not None and _proc_start(pid) == start else None
+
+
+def check_no_live_runs(runs: list[SeedRun]) -> None:
+    """Refuse to start while a run's recorded process is still alive: a re-run would move its dir aside
+    and start a second run in a new one, into which the live one keeps writing (its metrics.jsonl and
+    summary.json are opened by path): two runs' steps in one record, reported as one run."""
+    for run in runs:
+        if (pid := live_child(run)) is not None:
+            raise RunInUse(
+                f"sweep run {run.dir} is still being run by process {pid} (started by an earlier sweep that "
+                "was killed, or by another sweep on the same dir); a re-run would mix its steps into the new "
+                f"run. Let it end, or stop it (kill -TERM -- -{pid}, its process group), then run the sweep again"
+            )
 
 
 #: Overrides left out when a finished run's recorded overrides are compared with the current ones: where
@@ -127,11 +184,14 @@ def check_finished_runs(spec: SweepSpec, runs: list[SeedRun]) -> None:
 
 def disk_status(run: SeedRun) -> str:
     """The status of a run the sweep did not run this time, from its dir: ok, incomplete (exited 0 but
-    stopped before run.max_steps; a marker written before "incomplete" existed says ok), failed,
-    interrupted, running (the sweep died during it) or missing."""
+    stopped before run.max_steps; a marker written before "incomplete" existed says ok), failed (also: a
+    metrics.jsonl that is not one run's record, :func:`bad_steps`), interrupted, running (the sweep died
+    during it) or missing."""
     if is_finished(run):
         return "ok"
     marker = read_marker(run).get("status")
+    if marker in (None, "ok") and _reached_max_steps(read_summary(run.dir)):
+        return "failed"  # finished, but bad_steps
     if marker in (None, "ok") and (run.dir / "summary.json").exists():
         return "incomplete"
     return marker or "missing"
@@ -144,19 +204,24 @@ STOP_MARGIN_S = 60.0
 DEFAULT_STOP_GRACE_S = LearnerConfig().stop_grace_s
 
 
-def stop_grace_s(spec: SweepSpec, run: SeedRun) -> float:
+def _run_config(spec: SweepSpec, run: SeedRun) -> Config | None:
+    """The run's config, or None (logged) if it no longer loads (edited or removed mid-sweep)."""
+    try:
+        return load_config(spec.base_config, spec.run_overrides(run))
+    except (ConfigError, OSError) as e:
+        log.warning("sweep run %s: its config does not load (%s); stop grace %.0f s", run.name, e,
+                    DEFAULT_STOP_GRACE_S + STOP_MARGIN_S)  # fmt: skip
+        return None
+
+
+def stop_grace_s(spec: SweepSpec, run: SeedRun, cfg: Config | None = None) -> float:
     """How long a stopped run may take before its process group is killed: its learner's
     ``learner.stop_grace_s`` (the final checkpoint) plus :data:`STOP_MARGIN_S`. A fixed 120 s killed a
     run whose learner was given more, mid-checkpoint (the learner dies with its parent). A config that
     no longer loads (edited or removed mid-sweep) gets the default's grace: the run itself then fails
     on it and is marked failed, as any failed run, and the sweep goes on."""
-    try:
-        cfg = load_config(spec.base_config, spec.run_overrides(run))
-    except (ConfigError, OSError) as e:
-        log.warning("sweep run %s: its config does not load (%s); stop grace %.0f s", run.name, e,
-                    DEFAULT_STOP_GRACE_S + STOP_MARGIN_S)  # fmt: skip
-        return DEFAULT_STOP_GRACE_S + STOP_MARGIN_S
-    return cfg.learner.stop_grace_s + STOP_MARGIN_S
+    cfg = cfg or _run_config(spec, run)
+    return (cfg.learner.stop_grace_s if cfg else DEFAULT_STOP_GRACE_S) + STOP_MARGIN_S
 
 
 def _stop(proc: subprocess.Popen, grace_s: float) -> None:
@@ -166,6 +231,7 @@ def _stop(proc: subprocess.Popen, grace_s: float) -> None:
 
 def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
     """Run one seed of a cell to completion; returns (status, exit code). Output in <run dir>/run.log."""
+    check_no_live_runs([run])  # checked at the sweep's start too; here again: another sweep on the dir
     if run.dir.exists():
         # A failed or interrupted attempt: keep it for forensics, start clean (the run would otherwise
         # resume its checkpoints and append to metrics.jsonl with a second clock).
@@ -175,15 +241,29 @@ def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
     run.dir.mkdir(parents=True)
     cmd = spec.command(run)
     overrides = spec.run_overrides(run)  # what a resume checks this run against (check_finished_runs)
-    grace_s = stop_grace_s(spec, run)
+    cfg = _run_config(spec, run)
+    grace_s = stop_grace_s(spec, run, cfg)
+    # What every marker of this run records: bad_steps checks the steps against max_steps.
+    info: dict[str, Any] = {
+        "cmd": cmd,
+        "overrides": overrides,
+        "max_steps": cfg.run.max_steps if cfg else None,
+    }
     started = time.time()
-    _write_marker(run, status="running", started=started, cmd=cmd, overrides=overrides)
+    _write_marker(run, status="running", started=started, **info)
     proc: subprocess.Popen | None = None
     timed_out = False
     try:
         with (run.dir / "run.log").open("ab") as log:
             # Own session: a terminal Ctrl-C reaches the sweep only, which then stops the run in order.
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # die_with_parent: a SIGKILL of the sweep kills the run too (its own processes die with it,
+            # asyncrl.lifetime); an orphan would write on into the dir the next sweep re-runs it in.
+            proc = subprocess.Popen(
+                die_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        # The pid (and its start, against pid reuse): a later sweep refuses the dir while it lives.
+        info.update(pid=proc.pid, pid_start=_proc_start(proc.pid))
+        _write_marker(run, status="running", started=started, **info)
         while proc.poll() is None:
             if spec.cell_timeout_s and time.time() - started > spec.cell_timeout_s:
                 timed_out = True
@@ -191,24 +271,28 @@ def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
                 break
             time.sleep(0.5)
     except _Interrupted:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abandon the tear-down
+        for s in STOP_SIGNALS:  # a second Ctrl-C, a kill or a hang-up must not abandon the tear-down
+            signal.signal(s, signal.SIG_IGN)
         code = None
         if proc is not None:
             _stop(proc, grace_s)
             code = proc.returncode
-        _write_marker(run, status="interrupted", started=started, ended=time.time(), exit_code=code, cmd=cmd,
-                      overrides=overrides)  # fmt: skip
+        _write_marker(run, status="interrupted", started=started, ended=time.time(), exit_code=code, **info)
         raise
     summary = read_summary(run.dir)
+    reason = None
     if proc.returncode != 0 or timed_out:
         status = "failed"
-    else:
+    elif not _reached_max_steps(summary):
         # `asyncrl run` exits 0 on a wall-budget stop too (a normal stop for a plain run, resumable), but a
         # truncated run would enter the paired statistics with fewer steps than its pair: not ok here.
-        status = "ok" if _reached_max_steps(summary) else "incomplete"
+        status = "incomplete"
+    else:
+        reason = step_problem(run.dir / "metrics.jsonl", info["max_steps"])
+        status = "failed" if reason else "ok"
     _write_marker(run, status=status, started=started, ended=time.time(), exit_code=proc.returncode,
                   timed_out=timed_out, run_status=summary.get("status"), steps=summary.get("steps"),
-                  cmd=cmd, overrides=overrides)  # fmt: skip
+                  reason=reason, **info)  # fmt: skip
     return status, proc.returncode
 
 
@@ -222,7 +306,8 @@ def _status_line(run: SeedRun, status: str, code: int | None, elapsed: float | N
             f"left out of the statistics, re-run next time)  log: {run.dir / 'run.log'}"
         )
     if status != "ok":
-        why = "timed out" if read_marker(run).get("timed_out") else f"exit {code}"
+        marker = read_marker(run)
+        why = marker.get("reason") or ("timed out" if marker.get("timed_out") else f"exit {code}")
         return f"FAILED ({why})  log: {run.dir / 'run.log'}"
     summary = json.loads((run.dir / "summary.json").read_text())
     from asyncrl.sweep_runs import finite_mean, load_metrics
@@ -250,9 +335,10 @@ def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None
     spec.out_dir.mkdir(parents=True, exist_ok=True)
     runs = spec.runs()
     check_finished_runs(spec, runs)  # before any run: an edited sweep must not mix old and new settings
+    check_no_live_runs(runs)
     print(f"sweep {spec.name}: {len(spec.cells())} cells x {len(spec.seeds)} seeds in {spec.dir}", flush=True)
     statuses: dict[str, tuple[str, int | None]] = {}
-    prev = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    prev = {s: signal.signal(s, _raise_interrupt) for s in STOP_SIGNALS}
     interrupted = False
     try:
         for i, run in enumerate(runs, 1):

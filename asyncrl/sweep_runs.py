@@ -169,8 +169,8 @@ def staleness_hist(records: Sequence[dict]) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
-def _group_size(run_dir: Path) -> int:
-    """G of the run from the config.yaml it wrote (completions per group); 0 if unknown.
+def config_value(run_dir: Path, key: str) -> Any:
+    """``key`` of the config.yaml the run wrote; None if unknown.
 
     Read as plain YAML, not through the schema: a sweep dir must stay reportable after the schema
     gains or renames a key.
@@ -178,9 +178,36 @@ def _group_size(run_dir: Path) -> int:
     from omegaconf import OmegaConf
 
     path = run_dir / "config.yaml"
+    return OmegaConf.select(OmegaConf.load(path), key, default=None) if path.exists() else None
+
+
+def _group_size(run_dir: Path) -> int:
+    """G of the run (completions per group); 0 if unknown."""
+    return int(config_value(run_dir, "actors.group_size") or 0)
+
+
+def step_problem(path: Path, max_steps: int | None) -> str | None:
+    """Why a metrics.jsonl is not the record of one run (None: it can be): its steps must increase line
+    by line (a learner restart rewrites the file from its checkpoint's step on, it never repeats one)
+    and number at most ``max_steps`` (0 or None: no limit). A second process writing into the run dir
+    (an orphaned run of a killed sweep, beside the re-run) breaks both. A torn line is skipped."""
     if not path.exists():
-        return 0
-    return int(OmegaConf.select(OmegaConf.load(path), "actors.group_size", default=0) or 0)
+        return None
+    prev, n = None, 0
+    with path.open() as f:
+        for line in f:
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            n += 1
+            if prev is not None and step <= prev:
+                return (f"metrics.jsonl has step {step} after step {prev} (record {n}): steps of two runs "
+                        "in one dir")  # fmt: skip
+            prev = step
+    if max_steps and n > max_steps:
+        return f"metrics.jsonl has {n} steps, more than run.max_steps={max_steps}"
+    return None
 
 
 def _generated_tokens(summary: dict) -> int | None:

@@ -453,9 +453,14 @@ sys.exit(1 if args["run.name"] in os.environ.get("FAIL_CELLS", "").split(",") el
 """
 
 
+FAKE_OVERRIDES = ["run.max_steps=4"]  # the steps FAKE_RUN writes
+
+
 def _fake_sweep(monkeypatch, path: Path, **sweep) -> Path:
     """A sweep file at ``path`` (``_raw(**sweep)``) whose runs are FAKE_RUN instead of `asyncrl run`."""
     import sys
+
+    sweep.setdefault("overrides", FAKE_OVERRIDES)  # a run of more steps than run.max_steps is failed
 
     monkeypatch.setattr(
         SweepSpec, "command", lambda self, run: [sys.executable, "-c", FAKE_RUN, *self.run_overrides(run)]
@@ -542,7 +547,7 @@ def test_second_sweep_file_shares_runs_and_reports_elsewhere(tmp_path: Path, mon
     sub = tmp_path / "sub.yaml"
     assert run_sweep(main) == 0
     before = (tmp_path / "out" / "results.csv").read_text()
-    sub.write_text(yaml.safe_dump(_raw(dir=str(tmp_path / "out"), seeds=[0, 1], report_dir=str(tmp_path / "out" / "r"),
+    sub.write_text(yaml.safe_dump(_raw(dir=str(tmp_path / "out"), seeds=[0, 1], report_dir=str(tmp_path / "out" / "r"), overrides=FAKE_OVERRIDES,
                                        grid={"max_staleness": [2], "objective": ["naive", "corrected"]})))  # fmt: skip
     capsys.readouterr()
     assert run_sweep(sub) == 0
