@@ -37,7 +37,7 @@ from asyncrl.lifetime import die_with_parent
 from asyncrl.orchestrator import read_summary
 from asyncrl.sweep_report import SeedRun, write_report
 from asyncrl.sweep_runs import config_value, step_problem
-from asyncrl.sweep_spec import SweepSpec, load_spec
+from asyncrl.sweep_spec import SweepSpec, changed_config, config_hash, flat_config, load_spec
 
 log = logging.getLogger(__name__)
 
@@ -159,27 +159,56 @@ def check_finished_runs(spec: SweepSpec, runs: list[SeedRun]) -> None:
     A finished run is skipped, and reported as a run of the current sweep file; after an edit of, e.g.,
     a common ``learner.lr`` it was silently reported under settings it never ran with. A run dir may be
     shared by a second sweep file (configs/sweep_staleness_ladder.yaml): that is fine as long as the
-    overrides match. Markers from before the overrides were recorded cannot be checked: accepted as
-    before, with one warning.
+    overrides match. Then the same for the run's fully resolved config (its marker's hash of it): another
+    ``sweep.base_config``, or the same file edited, changes it under the same overrides. Keys only one
+    side has (added or removed by another asyncrl version, with their defaults) are no change. Markers
+    from before the overrides (or the config) were recorded cannot be checked: accepted as before, with
+    one warning.
     """
-    unchecked = 0
+    new_dir = (f"Run the changed sweep in a new dir (e.g. sweep.dir={spec.dir}-v2, or a new sweep.name where "
+               "the file sets no sweep.dir), or put")  # fmt: skip
+    unchecked = no_config = 0
     for run in runs:
         if not is_finished(run):
             continue
-        recorded = read_marker(run).get("overrides")
+        marker = read_marker(run)
+        recorded = marker.get("overrides")
         if recorded is None:
             unchecked += 1
             continue
         if diff := changed_overrides(recorded, spec.run_overrides(run)):
             raise ConfigError(
                 f"sweep run {run.dir} finished with other overrides than this sweep gives it now ({diff}); "
-                f"it would be skipped and reported under the new settings. Run the changed sweep in a new dir "
-                f"(e.g. sweep.dir={spec.dir}-v2, or a new sweep.name where the file sets no sweep.dir), or put "
-                "the overrides back as they were"
+                f"it would be skipped and reported under the new settings. {new_dir} the overrides back as "
+                "they were"
+            )
+        if "config" not in marker:
+            no_config += 1
+        elif diff := _changed_run_config(spec, run, marker):
+            raise ConfigError(
+                f"sweep run {run.dir} finished with another run config than this sweep gives it now, under the "
+                f"same overrides ({diff}): the base config {spec.base_config or 'configs/default.yaml'} is "
+                f"another file or was edited; the run would be skipped and reported under the new settings. "
+                f"{new_dir} the base config back as it was"
             )
     if unchecked:
         log.warning("sweep %s: %d finished runs have no recorded overrides (made by an older asyncrl); "
                     "reused without checking them against the sweep file", spec.name, unchecked)  # fmt: skip
+    if no_config:
+        log.warning("sweep %s: %d finished runs have no recorded run config (made by an older asyncrl); "
+                    "reused without checking them against the base config", spec.name, no_config)  # fmt: skip
+
+
+def _changed_run_config(spec: SweepSpec, run: SeedRun, marker: dict[str, Any]) -> str | None:
+    """How the run's resolved config now differs from the one its marker recorded (None: the same, or it
+    no longer loads: the run is then re-run only if unfinished, as before)."""
+    cfg = _run_config(spec, run)
+    if cfg is None or config_hash(now := flat_config(cfg)) == marker.get("config_hash"):
+        return None
+    old = marker["config"]
+    return changed_config(
+        {k: v for k, v in old.items() if k in now}, {k: v for k, v in now.items() if k in old}
+    )
 
 
 def disk_status(run: SeedRun) -> str:
@@ -243,12 +272,16 @@ def run_one(spec: SweepSpec, run: SeedRun) -> tuple[str, int | None]:
     overrides = spec.run_overrides(run)  # what a resume checks this run against (check_finished_runs)
     cfg = _run_config(spec, run)
     grace_s = stop_grace_s(spec, run, cfg)
-    # What every marker of this run records: bad_steps checks the steps against max_steps.
+    # What every marker of this run records: bad_steps checks the steps against max_steps, a resume the
+    # resolved config against the sweep's (check_finished_runs).
     info: dict[str, Any] = {
         "cmd": cmd,
         "overrides": overrides,
         "max_steps": cfg.run.max_steps if cfg else None,
     }
+    if cfg is not None:
+        flat = flat_config(cfg)
+        info.update(config_hash=config_hash(flat), config=flat)
     started = time.time()
     _write_marker(run, status="running", started=started, **info)
     proc: subprocess.Popen | None = None

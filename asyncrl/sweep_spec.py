@@ -8,6 +8,8 @@ running the spec is :mod:`asyncrl.sweep`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import sys
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.config.loading import _yaml_problem
 from asyncrl.sweep_report import CellSpec, SeedRun
 from asyncrl.sweep_runs import Marks
@@ -97,6 +99,54 @@ class SweepSpec:
         if self.base_config is not None:
             cmd += ["--config", str(self.base_config)]
         return cmd + self.run_overrides(run)
+
+
+# ------------------------------------------------------------------------------- a run's resolved config
+
+#: Keys of a resolved run config that change no result: where the run dir is (a sweep dir moved or
+#: reached by another path) and the progress display.
+LOCATION_KEYS = ("run.dir", "run.progress")
+
+
+def flat_config(cfg: Config) -> dict[str, Any]:
+    """A run's fully resolved config as {dotted key: value} (JSON types), less :data:`LOCATION_KEYS` and
+    the Redis password: what a finished run's marker records, so that a resume sees a changed base config
+    (another ``sweep.base_config`` file, or the same file edited) and names the keys that changed."""
+    from asyncrl.launch import redacted
+
+    tree = OmegaConf.to_container(OmegaConf.structured(redacted(cfg)), enum_to_str=True)
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict) and v:
+                walk(v, f"{prefix}{k}.")
+            elif f"{prefix}{k}" not in LOCATION_KEYS:
+                out[f"{prefix}{k}"] = v
+
+    walk(tree, "")
+    return out
+
+
+def config_hash(flat: dict[str, Any]) -> str:
+    """sha256 of a :func:`flat_config` (key order does not count)."""
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def changed_config(recorded: dict[str, Any], current: dict[str, Any], most: int = 6) -> str | None:
+    """The keys whose values differ between two :func:`flat_config` s, as 'key: old -> new' (None: same)."""
+    # Through JSON both ways: a recorded (JSON) 1e-3 and a current float 0.001 compare equal, a tuple a list.
+    current = json.loads(json.dumps(current, default=str))
+    keys = [
+        k
+        for k in dict.fromkeys([*recorded, *current])
+        if recorded.get(k, "<absent>") != current.get(k, "<absent>")
+    ]
+    if not keys:
+        return None
+    shown = [f"{k}: {json.dumps(recorded.get(k, '<absent>'))} -> {json.dumps(current.get(k, '<absent>'))}"
+             for k in keys[:most]]  # fmt: skip
+    return ", ".join(shown) + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
 # ---------------------------------------------------------------------------------------- validation
