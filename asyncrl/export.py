@@ -299,6 +299,24 @@ def _check_out(out: Path) -> None:
             break
 
 
+def _portable(cfg: Any) -> Any:
+    """``cfg`` with the task's relative file paths (``task.data_path``, ``task.eval_data_path``, a
+    ``path/to/file.py:make_task`` factory) made absolute where they exist from here: the run's config keeps
+    them as typed, and ``asyncrl eval OUT_DIR`` from another directory could not find them."""
+    import dataclasses
+
+    t = cfg.task
+    changes: dict[str, str] = {}
+    for key in ("data_path", "eval_data_path"):
+        value = getattr(t, key)
+        if value and not os.path.isabs(value) and os.path.exists(value):
+            changes[key] = os.path.abspath(value)
+    file, sep, fn = t.name.rpartition(":")
+    if sep and file.endswith(".py") and not os.path.isabs(file) and os.path.isfile(file):
+        changes["name"] = f"{os.path.abspath(file)}:{fn}"
+    return dataclasses.replace(cfg, task=dataclasses.replace(t, **changes)) if changes else cfg
+
+
 def export_version(
     run_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -337,7 +355,7 @@ def export_version(
             (tmp / "generation_config.json").write_text(
                 json.dumps(_generation_config(cfg, model_config), indent=2)
             )
-        (tmp / EXPORT_CONFIG).write_text(to_yaml(cfg))
+        (tmp / EXPORT_CONFIG).write_text(to_yaml(_portable(cfg)))
         info = {"run": cfg.run.name, "run_dir": str(run_dir.resolve()), "version": src.version,
                 "steps_past_version": src.since_publish, "label": src.label, "step": src.step,
                 "source": src.kind, "source_digest": digest, "skipped_damaged": failures,

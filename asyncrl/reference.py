@@ -93,7 +93,7 @@ async def _reference(cfg: Config, rdir: Path, steps: int) -> list[dict[str, Any]
     from asyncrl.actors.engine import Engine
     from asyncrl.actors.seeding import prompt_seq
     from asyncrl.launch import learner_threads
-    from asyncrl.learner.engine import build_engine, init_distributed
+    from asyncrl.learner.engine import build_engine, init_distributed, pad_id
     from asyncrl.learner.feed import batch_order_key
     from asyncrl.learner.logprobs import ReferenceModel
     from asyncrl.learner.publisher import FilesystemTransport, checkpoint_tensor_names
@@ -111,9 +111,7 @@ async def _reference(cfg: Config, rdir: Path, steps: int) -> list[dict[str, Any]
     le = build_engine(cfg, model_path)
     # On the engine's device (a CUDA learner's micro-batches are there; "cpu" was a device mismatch).
     ref = ReferenceModel(model_path, le.dtype, le.device) if cfg.learner.loss.ref_kl_coef > 0 else None
-    mc = le.module.config
-    pad_id = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
-    trainer = Trainer(cfg, le, ref, int(pad_id))
+    trainer = Trainer(cfg, le, ref, pad_id(le.module.config))
     transport = FilesystemTransport(rdir / "weights", checkpoint_tensor_names(model_path))
     task = make_task(cfg.task, cfg.run.seed)
     source = task.source(cfg.run.seed, 0, 1)

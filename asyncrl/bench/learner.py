@@ -113,7 +113,7 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
 
     from asyncrl.config import load_config
     from asyncrl.learner.batching import collate, plan_mini_batch, split_mini_batches
-    from asyncrl.learner.engine import build_engine
+    from asyncrl.learner.engine import build_engine, pad_id
     from asyncrl.learner.logprobs import load_hf_model
     from asyncrl.learner.step import Trainer
     from asyncrl.tinymodel import build_tiny_model
@@ -125,10 +125,10 @@ def _measure(config: str | None, steps: int, warmup: int) -> dict:
         tok = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
         le = build_engine(cfg, model_path)
         mc = le.module.config
-        pad = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
-        trainer = Trainer(cfg, le, None, int(pad))
+        pad = pad_id(mc)
+        trainer = Trainer(cfg, le, None, pad)
         no_ent = dataclasses.replace(cfg, learner=dataclasses.replace(lc, entropy_metric=False))
-        trainer_no_ent = Trainer(no_ent, le, None, int(pad))
+        trainer_no_ent = Trainer(no_ent, le, None, pad)
         groups = demo_groups(cfg, tok, int(mc.vocab_size), cfg.run.seed)
         samples, _ = trainer.samples(groups)
         lengths = [s.length for s in samples]

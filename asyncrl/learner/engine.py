@@ -42,7 +42,15 @@ import torch.distributed as dist
 from asyncrl.learner.host_stage import HostStage
 from asyncrl.learner.logprobs import DTYPES, load_hf_model
 
-__all__ = ["init_distributed", "GuardedAdamW", "LearnerEngine", "build_engine", "ds_config", "StepOutcome"]
+__all__ = [
+    "init_distributed",
+    "GuardedAdamW",
+    "LearnerEngine",
+    "build_engine",
+    "ds_config",
+    "StepOutcome",
+    "pad_id",
+]
 
 
 def _free_port() -> int:
@@ -281,6 +289,18 @@ def _placed(t: torch.Tensor, device: str | None, *, live: bool) -> torch.Tensor:
     if t.device == torch.device(device):
         return t.clone()
     return t.to(device)
+
+
+def pad_id(model_config: Any) -> int:
+    """The token id the learner pads micro-batches with (masked out everywhere, so any id of the vocabulary
+    does): the model's pad id, else its end-of-sequence id, else 0. ``eos_token_id`` may be a list
+    (Llama-3-Instruct's config.json lists three and has no pad id): its first entry."""
+    pad = getattr(model_config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model_config, "eos_token_id", None)
+    if isinstance(pad, list | tuple):
+        pad = pad[0] if pad else None
+    return int(pad or 0)
 
 
 def build_engine(cfg: Any, model_path: str | Path) -> LearnerEngine:

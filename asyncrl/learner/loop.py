@@ -56,7 +56,7 @@ import torch.distributed as dist
 from asyncrl.buffer import decode, encode
 from asyncrl.learner import adaptive, tracking
 from asyncrl.learner.checkpoint import LearnerState, Skipped, load_checkpoint, read_latest, save_checkpoint
-from asyncrl.learner.engine import LearnerEngine, build_engine, init_distributed
+from asyncrl.learner.engine import LearnerEngine, build_engine, init_distributed, pad_id
 from asyncrl.learner.feed import Batch, Rank0, broadcast
 from asyncrl.learner.logprobs import ReferenceModel
 from asyncrl.learner.records import OBJECTIVE_FIELDS, StepRecord
@@ -149,9 +149,7 @@ def learn(
         le = build_engine(cfg, model_path)
         marks["deepspeed_ready"] = time.time()
         ref = ReferenceModel(model_path, le.dtype, le.device) if cfg.learner.loss.ref_kl_coef > 0 else None
-        mc = le.module.config
-        pad_id = mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id or 0)
-        trainer = Trainer(cfg, le, ref, int(pad_id))
+        trainer = Trainer(cfg, le, ref, pad_id(le.module.config))
         r0 = Rank0(cfg, run_dir, model_path, le.dtype_name) if rank == 0 else None
         adapt: adaptive.AdaptiveBound | None = None  # rank 0's adaptive admission bound (installed below)
 

@@ -145,7 +145,8 @@ def check_reward(value: Any, task: str, prompt_id: str) -> float:
 class FunctionTask(Task):
     """A task from prompts and a plain reward function ``fn(prompt_text, completion, metadata)``.
 
-    ``metadata`` is ``prompt.meta`` plus ``target`` (the target column, when configured).
+    ``metadata`` is ``prompt.meta`` plus ``target`` (the target column's value; without a target column
+    a data column named ``target`` reaches the reward as it is, and ``target`` is "" when neither exists).
     """
 
     def __init__(self, name: str, prompts: Sequence[Prompt], reward_fn: RewardFn,
@@ -157,7 +158,12 @@ class FunctionTask(Task):
         super().__init__(prompts, eval_prompts)
 
     def reward(self, prompt: Prompt, completion_text: str) -> float | Awaitable[float]:
-        return self.reward_fn(prompt.text, completion_text, {**prompt.meta, "target": prompt.target})
+        meta = prompt.meta
+        if (
+            prompt.target or "target" not in meta
+        ):  # else: the row's own 'target' column (no target column set)
+            meta = {**meta, "target": prompt.target}
+        return self.reward_fn(prompt.text, completion_text, meta)
 
 
 def holdout_split(prompts: Sequence[Prompt], fraction: float, seed: int) -> tuple[list[Prompt], list[Prompt]]:

@@ -141,6 +141,12 @@ def rows_to_prompts(rows: Sequence[dict[str, Any]], *, name: str, where: str, pr
         text = row[prompt_column]
         if not isinstance(text, str) or not text.strip():
             raise TaskDataError(f"{where}: row {i}: column {prompt_column!r} must be a non-empty string")
+        if target_column and target_column != "target" and "target" in row:
+            # The reward's metadata["target"] is the target column's value: this column would be hidden.
+            raise TaskDataError(
+                f"{where}: row {i} has a column 'target' and task.target_column is {target_column!r}: the reward's "
+                f"metadata['target'] is task.target_column's value; rename that column or set task.target_column=target"
+            )
         meta = {k: v for k, v in row.items() if k not in (prompt_column, target_column)}
         target = "" if not target_column or row[target_column] is None else str(row[target_column])
         out.append(Prompt(f"{prefix}-{i}", text, target, {"task": name, **meta}))

@@ -250,3 +250,25 @@ def test_an_old_checkpoint_is_not_mislabelled_when_the_run_config_does_not_load(
         assert weight_sources(tmp_path) == []
     assert "config.yaml does not load" in caplog.text and "some_renamed_key" in caplog.text
     assert "steps since publication unknown" in caplog.text
+
+
+def test_the_exported_config_finds_the_tasks_files_from_any_directory(run_dir, tmp_path, monkeypatch):
+    """The run's config keeps task paths as typed (relative to where `asyncrl run` ran): the exported
+    asyncrl_config.yaml made `asyncrl eval OUT_DIR` fail from any other directory ("not found")."""
+    from asyncrl.config import load_config
+
+    rdir, _ = run_dir
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "d.jsonl").write_text(json.dumps({"prompt": "q"}) + "\n")
+    (work / "t.py").write_text("def make_task(cfg, seed):\n    raise NotImplementedError\n")
+    cfg = load_config(None, ["run.name=exp", "task.name=t.py:make_task", "task.data_path=data/d.jsonl",
+                             "task.eval_data_path=missing.jsonl"], validate=False)  # fmt: skip
+    (rdir / "config.yaml").write_text(to_yaml(cfg))
+    monkeypatch.chdir(work)  # where the run was started, and the export is made
+    out = export_version(rdir, tmp_path / "out", 3)
+    monkeypatch.chdir(tmp_path)
+    task = load_config(str(out / "asyncrl_config.yaml"), validate=False).task
+    assert task.data_path == str(work / "data" / "d.jsonl") and task.name == f"{work / 't.py'}:make_task"
+    assert task.eval_data_path == "missing.jsonl"  # not found from the export's directory: left as typed
+    assert "data_path: data/d.jsonl" in (rdir / "config.yaml").read_text()  # the run's own: untouched

@@ -252,6 +252,34 @@ def test_data_formats_give_the_same_prompts(tmp_path, fmt):
     assert p.target == "16" and p.meta["extra"] == [4, 5] and p.meta["task"] == "sq"
 
 
+def test_a_data_column_named_target_reaches_the_reward_and_a_collision_is_refused(tmp_path):
+    """A row's own 'target' column (no task.target_column) was replaced by "" in the reward's metadata,
+    so an exact-match reward scored 0 on the right answer and training went on without an error."""
+    import asyncio
+
+    from asyncrl.tasks import dataset_task
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "say:ab=", "target": "ab", "answer": "xy"}) + "\n")
+    seen: list[dict] = []
+
+    def reward(prompt, completion, metadata):
+        seen.append(metadata)
+        return float(completion == metadata["target"])
+
+    task = dataset_task(TaskConfig(data_path=str(data)), 0, reward, name="mine")
+    assert asyncio.run(task.score(task.prompts[0], "ab")) == 1.0 and seen[-1]["target"] == "ab"
+    task = dataset_task(TaskConfig(data_path=str(data), target_column="target"), 0, reward, name="mine")
+    assert asyncio.run(task.score(task.prompts[0], "ab")) == 1.0 and seen[-1]["answer"] == "xy"
+    # target_column names another column: metadata['target'] is its value, which would hide the row's own
+    with pytest.raises(TaskDataError, match="has a column 'target' and task.target_column is 'answer'"):
+        dataset_task(TaskConfig(data_path=str(data), target_column="answer"), 0, reward, name="mine")
+    plain = tmp_path / "p.jsonl"
+    plain.write_text(json.dumps({"prompt": "q", "answer": "xy"}) + "\n")
+    task = dataset_task(TaskConfig(data_path=str(plain)), 0, reward, name="mine")
+    assert asyncio.run(task.score(task.prompts[0], "")) == 1.0 and seen[-1]["target"] == ""  # none: ""
+
+
 def test_eval_data_path_and_size_cap(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
