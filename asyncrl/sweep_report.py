@@ -118,6 +118,8 @@ def comparisons(
 ) -> list[dict[str, Any]]:
     """Paired (by seed) differences of the compared columns, with their mean and bootstrap interval:
 
+    Compared: :data:`COMPARE`, every step mark some finished run reached, and the last wall-clock mark.
+
     * per staleness level, every objective other than ``baseline`` minus ``baseline``;
     * every ``<X>-adaptive`` cell (the adaptive controller on objective X, ``max_staleness`` its
       ceiling) minus the X cell at its ceiling (does the controller beat the fixed bound it may go up
@@ -126,7 +128,9 @@ def comparisons(
       maximum at most bounds, so ranking by it would pick among ties by noise); ties go to the lower
       bound. When the best fixed bound is the ceiling, the pair is listed once, as the best.
     """
-    metrics = [*COMPARE[:2], *(step_column(n) for n in marks.steps[-1:]), *COMPARE[2:],
+    reached = [n for n in marks.steps if any(r[step_column(n)] is not None for rs in runs.values() for r in rs
+                                             if r["status"] == "ok")]  # fmt: skip
+    metrics = [*COMPARE[:2], *(step_column(n) for n in reached), *COMPARE[2:],
                *(mark_column(m) for m in marks.seconds[-1:])]  # fmt: skip
     by_key = {(c.max_staleness, c.objective): c for c in cells}
 

@@ -330,7 +330,13 @@ def load_spec(path: str | Path | None, overrides: list[str] | None = None) -> Sw
 
     for cell in spec.cells():  # the seed changes nothing a config check looks at: one run per cell
         try:
-            _check_model_path(load_config(spec.base_config, spec.run_overrides(SeedRun(cell, spec.seeds[0]))))
+            cfg = load_config(spec.base_config, spec.run_overrides(SeedRun(cell, spec.seeds[0])))
+            _check_model_path(cfg)
         except (ConfigError, TaskDataError, TaskNotFound) as e:  # every user error names its cell
             raise ConfigError(f"sweep cell {cell.name}: {e}") from None
+        limit = cfg.run.max_steps  # 0: no limit
+        if limit and (past := [m for m in spec.step_marks if m > limit]):
+            # No run of the cell reaches it: an empty column, and (before) the only mark compared.
+            raise _fail("sweep.step_marks", f"{past[0]} is past run.max_steps={limit} of cell {cell.name}: "
+                        "no run of it reaches that step")  # fmt: skip
     return spec
