@@ -35,6 +35,7 @@ from typing import Any
 
 from asyncrl.config import ConfigError
 from asyncrl.tasks import Prompt, Task, prompt_token_ids
+from asyncrl.tasks.render_check import check_prompt_rendering, render_failure
 
 __all__ = ["EvalResult", "evaluate_llm", "PeriodicEval", "eval_model_dir", "require_eval_prompts"]
 
@@ -53,7 +54,8 @@ class EvalResult:
     # Prompts whose reward failed (raised, non-finite, past task.reward_timeout_s): left out of
     # reward_mean and pass_at_k (NaN when none scored), logged; the eval itself goes on.
     reward_failures: int = 0
-    # Prompts the engine refused (vLLM's client errors: a prompt longer than model.max_model_len, ...):
+    # Prompts the engine refused (vLLM's client errors: a prompt longer than model.max_model_len, ...)
+    # or the chat template could not render (asyncrl.tasks.render_check):
     # left out of every mean (length_mean included, NaN when nothing was generated), logged with the
     # engine's reason; the eval goes on, as training dead-letters such a prompt's group.
     prompts_refused: int = 0
@@ -84,7 +86,11 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
 
     async def one(i: int, p: Prompt) -> tuple[list[float] | None, list[int]] | None:
         """The prompt's rewards (None: its reward failed) and completion lengths; None if refused."""
-        ids = prompt_token_ids(tokenizer, p.text, cfg.model.chat_template, cfg.task.system_prompt)
+        try:
+            ids = prompt_token_ids(tokenizer, p.text, cfg.model.chat_template, cfg.task.system_prompt)
+        except Exception as exc:  # the chat template refuses this prompt: as a refused prompt (below)
+            log.warning("eval of v%d: %s", version, render_failure(cfg, p.prompt_id, exc))
+            return None
         params = SamplingParams(n=k, temperature=e.temperature, top_p=1.0, seed=e.seed + i * k,
                                 max_tokens=e.max_tokens or cfg.actors.max_tokens,
                                 output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
@@ -180,6 +186,9 @@ def eval_model_dir(cfg: Any, model_dir: str, version: int = -1) -> EvalResult:
     from asyncrl.actors.engine import Engine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # Before the engine too: a chat template that refuses the config (a Gemma template and
+    # task.system_prompt) is a one-line ConfigError, not a Jinja traceback after the engine started.
+    check_prompt_rendering(cfg, task.eval_prompts[0], tokenizer, str(model_dir))
 
     async def main() -> EvalResult:
         engine = await asyncio.to_thread(Engine.from_config, cfg, model_dir)

@@ -18,6 +18,7 @@ import uuid
 from typing import Any
 
 from asyncrl.tasks import Prompt, prompt_token_ids
+from asyncrl.tasks.render_check import render_failure
 
 from .groups import build_group, swaps_seen, version_span
 from .put_batch import PutBatcher
@@ -225,7 +226,18 @@ class GroupProduction:
                 raise
             seed = request_seed(self.cfg.run.seed, 0, seq) if a.seeded_sampling else None
             prompt = self.source.at(seq)
-            prompt_ids = self._encode_prompt(prompt)
+            try:
+                prompt_ids = self._encode_prompt(prompt)
+            except Exception as e:
+                # The chat template refuses this prompt (one a start-up check of the first prompt could
+                # not see: asyncrl.tasks.render_check): poison for this prompt, as an engine-refused one
+                # below. Raised, it failed the loop, and every restart and replacement failed alike.
+                reason = render_failure(self.cfg, prompt.prompt_id, e)
+                log.warning("%s: group %s dropped: %s", self.actor_id, group_id, reason)
+                await self._write(
+                    self.buffer.abandon, group_id, self.actor_id, reason, count="groups_rejected"
+                )
+                continue
             v_start = self.engine.version
             rec["t_gen0"] = time.time()
             try:

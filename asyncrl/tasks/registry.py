@@ -32,6 +32,7 @@ from typing import Any
 
 from .base import Task, TaskDataError
 from .math import Gsm8kTask
+from .render_check import check_prompt_rendering
 from .tiny import AdditionTask, CopyTask, CountTask, EchoTask, ReverseTask, TinyTask
 
 __all__ = [
@@ -247,8 +248,9 @@ def check_task(cfg: Any, shard: bool = True) -> Task:
     retrying and printing each traceback), and left a run dir that the next run resumed from.
 
     Raises what :func:`make_task` raises for a bad config or data (ConfigError, TaskNotFound,
-    TaskDataError: each names its key or file); any other exception from the user's factory or prompt
-    source becomes a one-line TaskDataError naming ``task.name`` and where it was raised.
+    TaskDataError: each names its key or file), a ConfigError when the model's chat template refuses
+    the first prompt (:func:`asyncrl.tasks.render_check.check_prompt_rendering`); any other exception
+    from the user's factory or prompt source becomes a one-line TaskDataError naming ``task.name`` and where it was raised.
     """
     from asyncrl.config import ConfigError  # here, not at the top: asyncrl.config imports this module
 
@@ -262,11 +264,14 @@ def check_task(cfg: Any, shard: bool = True) -> Task:
     n = cfg.actors.num_actors if shard else 1  # `asyncrl eval` reads every eval prompt in one engine
     try:
         # What actor 0 does first: PromptSource refuses fewer prompts than shards.
-        task.source(cfg.run.seed, 0, n)
+        first = task.source(cfg.run.seed, 0, n).next()
     except Exception as e:
         raise TaskDataError(
             f"{key}: its prompt source for actors.num_actors={n} failed: {_described(e)}"
         ) from e
+    # Then what every actor does with each prompt: render it with the model's chat template, which may
+    # refuse the config (a Gemma template and task.system_prompt: asyncrl.tasks.render_check).
+    check_prompt_rendering(cfg, first)
     return task
 
 

@@ -1,0 +1,102 @@
+"""A chat template that refuses the config is a one-line ConfigError before any role or engine starts.
+
+Gemma's templates raise 'System role not supported' for a system turn: with task.system_prompt set,
+`asyncrl run` crash-looped its actors (6 loop restarts per incarnation, 3 replacements, 0 learner
+steps, never ending without run.max_wall_s) and `asyncrl eval` died with a Jinja traceback after its
+engine had started. The start-up check renders the first prompt with the model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.tasks import check_task
+
+CHATML = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+          "{% if add_generation_prompt %}a:{% endif %}")  # fmt: skip
+GEMMA = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    + CHATML
+)
+
+
+def _model_dir(root: Path, template: str) -> Path:
+    """A model directory as far as the checks read it: config.json and the tiny model's tokenizer."""
+    from asyncrl.tinymodel import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = template
+    tok.save_pretrained(root)
+    (root / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 4096}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory) -> Path:
+    return _model_dir(tmp_path_factory.mktemp("gemma"), GEMMA)
+
+
+def _cfg(model: Path, *overrides: str):
+    return load_config(overrides=[f"model.path={model}", *overrides])
+
+
+def test_a_template_refusing_the_system_turn_fails_the_task_check_with_the_keys(gemma: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        check_task(_cfg(gemma, "task.system_prompt=Be brief."))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"the chat template of {gemma} refuses the task's prompts: prompt 'copy-")
+    assert (
+        "(model.chat_template='auto', task.system_prompt='Be brief.'): TemplateError: System role not supported"
+        in msg
+    )
+    assert msg.endswith("remove task.system_prompt (or put its text into the prompts themselves), or set "
+                        "model.chat_template=off (plain text)")  # fmt: skip
+
+
+def test_what_the_template_accepts_passes(gemma: Path, tmp_path: Path) -> None:
+    check_task(_cfg(gemma))  # no system turn
+    check_task(_cfg(gemma, "task.system_prompt=Be brief.", "model.chat_template=off"))  # no template
+    check_task(_cfg(_model_dir(tmp_path, CHATML), "task.system_prompt=Be brief."))
+
+
+@pytest.mark.parametrize("cmd", ["run", "serve-actors", "eval"])
+def test_the_cli_stops_before_any_role_with_one_line(cmd: str, gemma: Path, tmp_path: Path, capsys) -> None:
+    from asyncrl.cli import main
+
+    overrides = [f"run.dir={tmp_path}", "task.system_prompt=Be brief."]
+    argv = [cmd, str(gemma), *overrides] if cmd == "eval" else [cmd, f"model.path={gemma}", *overrides]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and err[0].startswith("asyncrl: error: the chat template of ")
+        and ("System role not supported" in err[0])
+    )
+    assert not list(tmp_path.iterdir())  # nothing started, no run dir written
+
+
+def test_eval_checks_before_its_engine_starts(gemma: Path, monkeypatch) -> None:
+    """`asyncrl eval RUN_DIR` (an export in a temporary dir, no task check of the CLI's): the check
+    runs on the tokenizer eval loaded, before the engine."""
+    from asyncrl.evaluate import eval_model_dir
+
+    fake = ModuleType("asyncrl.actors.engine")
+
+    class Engine:
+        @classmethod
+        def from_config(cls, *a):
+            raise AssertionError("the engine was started")
+
+    fake.Engine = Engine
+    monkeypatch.setitem(sys.modules, "asyncrl.actors.engine", fake)
+    with pytest.raises(
+        ConfigError, match=r"task.system_prompt='Hi'\): TemplateError: System role not supported"
+    ):
+        eval_model_dir(_cfg(gemma, "task.system_prompt=Hi"), str(gemma))
