@@ -363,6 +363,7 @@ def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None
 
     Returns 0 iff every run succeeded (130 when interrupted).
     """
+    t_start = time.time()
     spec = load_spec(config_path, overrides)
     spec.dir.mkdir(parents=True, exist_ok=True)
     spec.out_dir.mkdir(parents=True, exist_ok=True)
@@ -392,7 +393,9 @@ def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None
     for run in runs:  # runs not reached (interrupt) still get a row, with whatever is on disk
         if run.name not in statuses:
             statuses[run.name] = (disk_status(run), read_marker(run).get("exit_code"))
-    write_report(spec.cells(), spec.seeds, statuses, spec.marks, spec.out_dir, spec.baseline)
+    write_report(
+        spec.cells(), spec.seeds, statuses, spec.marks, spec.out_dir, spec.baseline, time.time() - t_start
+    )
     failed = [n for n, (st, _) in statuses.items() if st != "ok"]
     print(
         f"results: {spec.out_dir / 'results.md'}  {spec.out_dir / 'results.csv'}  (+ runs.csv, comparison.csv, PNGs)"

@@ -123,6 +123,12 @@ def _errorbars(rows: Sequence[dict], keys: Sequence[tuple[str, str]], title: str
 def _paired(comps: Sequence[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
+    # Objective minus baseline only (the rows against a fixed bound or staleness 0 have their own x axis).
+    comps = [
+        c
+        for c in comps
+        if "fixed bound" not in c["baseline"] and not c["baseline"].endswith(" at staleness 0")
+    ]
     metrics = list(dict.fromkeys(c["metric"] for c in comps)) or ["final_reward"]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.8), squeeze=False)
     objs = list(dict.fromkeys(c["objective"] for c in comps))
@@ -131,14 +137,14 @@ def _paired(comps: Sequence[dict], path: Path) -> None:
         ax.axhline(0, color="k", linewidth=0.8)
         for j, obj in enumerate(objs):
             pts = sorted((c["max_staleness"], c["diff"], c["diff_lo"], c["diff_hi"]) for c in comps
-                         if c["metric"] == m and c["objective"] == obj and c["n"] and "fixed bound" not in c["baseline"])  # fmt: skip
+                         if c["metric"] == m and c["objective"] == obj and c["n"])  # fmt: skip
             if pts:
                 xs = np.array([stale.index(p[0]) for p in pts]) + (j - (len(objs) - 1) / 2) * 0.1
                 err = np.array([[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]])
                 ax.errorbar(xs, [p[1] for p in pts], yerr=err, marker=_MARK[j % 8], linestyle="", capsize=3,
                             label=f"{obj} - {next(c['baseline'] for c in comps if c['objective'] == obj)}")  # fmt: skip
         ax.set_xticks(range(len(stale)), [str(s) for s in stale])
-        ax.set_xlim(-0.5, len(stale) - 0.5)
+        ax.set_xlim(-0.5, max(len(stale), 1) - 0.5)
         ax.set(xlabel="max_staleness", ylabel=f"paired diff of {m}")
         ax.grid(alpha=0.3)
         if len(ax.lines) > 1:

@@ -111,6 +111,14 @@ def cell_row(cell: CellSpec, runs: Sequence[dict[str, Any]], marks: Marks) -> di
 COMPARE = ("final_reward", "reward_mean_steps", "reward_auc_time")
 #: What "the best fixed bound" of an objective is ranked by (see :func:`comparisons`).
 BEST_BY = "reward_mean_steps"
+#: Compared between a staleness level and staleness 0 of the same objective besides the reward columns:
+#: what asynchrony buys (trained samples/s over the training window).
+THROUGHPUT = "samples_per_s"
+
+
+def on_policy_label(objective: str) -> str:
+    """The ``baseline`` of a "staleness N vs 0, same objective" comparison row."""
+    return f"{objective} at staleness 0"
 
 
 def comparisons(
@@ -121,6 +129,8 @@ def comparisons(
     Compared: :data:`COMPARE`, every step mark some finished run reached, and the last wall-clock mark.
 
     * per staleness level, every objective other than ``baseline`` minus ``baseline``;
+    * every cell at a staleness level > 0 minus the same objective at staleness 0 (what the staleness
+      costs in reward, and buys in :data:`THROUGHPUT`, which these rows compare too);
     * every ``<X>-adaptive`` cell (the adaptive controller on objective X, ``max_staleness`` its
       ceiling) minus the X cell at its ceiling (does the controller beat the fixed bound it may go up
       to?) and minus the X cell at the best fixed bound: highest mean over seeds of
@@ -148,6 +158,9 @@ def comparisons(
         base = by_key.get((c.max_staleness, baseline)) if baseline else None
         if base is not None and c.objective != baseline:
             pairs.append((c, base, baseline))
+        on_policy = by_key.get((0, c.objective))
+        if on_policy is not None and c.max_staleness > 0:
+            pairs.append((c, on_policy, on_policy_label(c.objective)))
         fixed = c.objective.removesuffix("-adaptive")
         if not c.objective.endswith("-adaptive"):
             continue
@@ -159,7 +172,7 @@ def comparisons(
             pairs.append((c, ref, f"{fixed} at best fixed bound {ref.max_staleness}"))
     out = []
     for c, base, label in pairs:
-        for m in metrics:
+        for m in [*metrics, THROUGHPUT] if label == on_policy_label(c.objective) else metrics:
             ci: Interval = paired_ci(per_seed(c.name, m), per_seed(base.name, m))
             out.append({"max_staleness": c.max_staleness, "objective": c.objective, "baseline": label,
                         "metric": m, "diff": ci.mean, "diff_lo": ci.lo, "diff_hi": ci.hi, "n": ci.n,
@@ -195,7 +208,7 @@ def _num(v: Any) -> str:
 
 #: Columns of the markdown table (the csv has all of them).
 MD_COLUMNS = ("steps", "final_reward", "reward_mean_steps", "reward_auc_time", "samples_per_s",
-              "learner_wait_frac", "staleness_mean", "rollout_kl_mean", "dropped_groups")  # fmt: skip
+              "learner_wait_frac", "staleness_mean", "rollout_kl_mean", "dropped_groups", "wall_s")  # fmt: skip
 
 
 #: What a run status other than ok means, for the report's list of left-out runs.
@@ -208,12 +221,35 @@ STATUS_NOTES = {
 }
 
 
+def header(
+    cells: Sequence[CellSpec], seeds: Sequence[int], runs: Sequence[dict], sweep_wall_s: float | None
+) -> list[str]:
+    """results.md's first lines: the grid, the seeds and the wall time (the sum of the runs' wall_s, any
+    status: what the sweep cost, over every invocation that ran them)."""
+
+    def values(xs: Sequence) -> str:
+        return ", ".join(map(str, dict.fromkeys(xs)))
+
+    walls = [r["wall_s"] for r in runs if isinstance(r.get("wall_s"), int | float)]
+    total = (
+        f"{sum(walls):.0f} s over {len(walls)} runs (sum of their wall_s)"
+        if walls
+        else "no run has a wall_s yet"
+    )
+    lines = [f"Grid: max_staleness {{{values(c.max_staleness for c in cells)}}} x objective "
+             f"{{{values(c.objective for c in cells)}}}: {len(cells)} cells ({', '.join(c.name for c in cells)}), "
+             f"seeds {{{values(seeds)}}}.", "", f"Wall time: {total}"]  # fmt: skip
+    if sweep_wall_s is not None:
+        lines[-1] += f"; this sweep command {sweep_wall_s:.0f} s"
+    return [*lines, ""]
+
+
 def write_markdown(rows: Sequence[dict], marks: Marks, comps: Sequence[dict], path: Path,
-                   left_out: Sequence[tuple[str, str]] = ()) -> Path:  # fmt: skip
-    """results.md: 'mean [lo, hi]' of the main columns per cell, then the paired comparisons, then the
-    ``left_out`` runs ((name, status), status not ok) none of the numbers include."""
+                   left_out: Sequence[tuple[str, str]] = (), head: Sequence[str] = ()) -> Path:  # fmt: skip
+    """results.md: the ``head`` lines (:func:`header`), 'mean [lo, hi]' of the main columns per cell, then the
+    paired comparisons, then the ``left_out`` runs ((name, status), status not ok) none of the numbers include."""
     cols = [c for c in (*MD_COLUMNS[:3], *(step_column(n) for n in marks.steps), *MD_COLUMNS[3:])]
-    lines = ["| cell | seeds ok | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    lines = [*head, "| cell | seeds ok | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
     for r in rows:
         vals = []
         for c in cols:
@@ -225,7 +261,7 @@ def write_markdown(rows: Sequence[dict], marks: Marks, comps: Sequence[dict], pa
                 vals.append(f"{_num(r[c])} [{_num(r[c + '_lo'])}, {_num(r[c + '_hi'])}]")
         lines.append(f"| {r['cell']} | {r['seeds_ok']}/{r['seeds']} | " + " | ".join(vals) + " |")
     if comps:
-        lines += ["", "Paired difference (objective - baseline, same seeds), mean [95% bootstrap interval]:", "",
+        lines += ["", "Paired difference (cell - baseline, same seeds), mean [95% bootstrap interval]:", "",
                   "| max_staleness | objective | metric | diff | seeds | interval excludes 0 |", "|---|---|---|---|---|---|"]  # fmt: skip
         for c in comps:
             d = "-" if not c["n"] else f"{_num(c['diff'])} [{_num(c['diff_lo'])}, {_num(c['diff_hi'])}]"
@@ -251,6 +287,7 @@ def write_report(
     marks: Marks,
     out_dir: Path,
     baseline: str | None = None,
+    sweep_wall_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """runs.csv, results.csv, results.md, comparison.csv, staleness.csv and the plots; returns the cell rows.
 
@@ -282,7 +319,8 @@ def write_report(
     _write_csv(comps, comp_cols, out_dir / "comparison.csv")
     left_out = [(r.name, st) for c in cells for r in (SeedRun(c, s) for s in seeds)
                 if (st := statuses.get(r.name, ("missing", None))[0]) != "ok"]  # fmt: skip
-    write_markdown(rows, marks, comps, out_dir / "results.md", left_out)
+    head = header(cells, seeds, [r for c in cells for r in runs[c.name]], sweep_wall_s)
+    write_markdown(rows, marks, comps, out_dir / "results.md", left_out, head)
     dist = []
     for c in cells:  # pooled over the ok seeds
         hist: dict[int, int] = {}

@@ -159,7 +159,12 @@ def test_report_runs_cells_intervals_comparison_and_plots(tmp_path: Path):
     assert rows[0]["cell"] == "s0-naive"
 
     with (tmp_path / "comparison.csv").open() as f:
-        comp = list(csv.DictReader(f))
+        every = list(csv.DictReader(f))
+    comp = [c for c in every if c["baseline"] == "naive"]  # the others: s2-naive - s0-naive
+    assert {c["baseline"] for c in every} == {"naive", "naive at staleness 0"}
+    assert {(c["max_staleness"], c["objective"]) for c in every if c["baseline"] != "naive"} == {
+        ("2", "naive")
+    }
     assert {c["max_staleness"] for c in comp} == {"2"} and {c["objective"] for c in comp} == {"full"}
     fin = next(c for c in comp if c["metric"] == "final_reward")
     want = paired_ci({s: sum(rewards[("s2-full", s)][-3:]) / 3 for s in (0, 1, 2)},
@@ -525,7 +530,9 @@ def test_run_sweep_leaves_wall_budget_stops_out_and_redoes_them(tmp_path: Path, 
     assert table["s2-corrected"]["seeds_ok"] == "1" and table["s2-naive"]["seeds_ok"] == "2"
     with (tmp_path / "out" / "comparison.csv").open() as f:  # the truncated seed is in no pair
         assert {
-            r["n"] for r in csv.DictReader(f) if r["objective"] == "corrected" and r["max_staleness"] == "2"
+            r["n"]
+            for r in csv.DictReader(f)
+            if r["objective"] == "corrected" and r["max_staleness"] == "2" and r["baseline"] == "naive"
         } == {"1"}
     md = (tmp_path / "out" / "results.md").read_text()
     assert "- s2-corrected/seed0: incomplete (stopped before run.max_steps, e.g. by run.max_wall_s)" in md
@@ -579,7 +586,14 @@ def test_adaptive_cell_is_compared_with_its_ceiling_and_the_best_fixed_bound(tmp
             recs = [_record(i + 1, 10.0 * i, y + 0.01 * seed) for i, y in enumerate(ys)]
             _make_run(tmp_path, cell, seed, recs, {"wall_s": 50.0})
         runs[cell.name] = [run_row(SeedRun(cell, seed), marks, "ok", 0) for seed in (0, 1)]
-    rows = [c for c in comparisons(cells, runs, marks, None) if c["metric"] == "final_reward"]
+    every = [c for c in comparisons(cells, runs, marks, None) if c["metric"] == "final_reward"]
+    rows = [c for c in every if c["baseline"] != "full at staleness 0"]
+    # The fixed bounds against bound 0 (the adaptive cells have no bound-0 cell of their own).
+    assert [(c["max_staleness"], c["objective"]) for c in every if c not in rows] == [
+        (2, "full"),
+        (4, "full"),
+        (8, "full"),
+    ]
     got = {(r["max_staleness"], r["baseline"]): r for r in rows}
     # Ceiling 4: against full@4 and against the best fixed bound (2); ceiling 2 IS the best: once.
     assert sorted(got) == [(2, "full at best fixed bound 2"), (4, "full at best fixed bound 2"),
