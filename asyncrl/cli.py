@@ -12,7 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.actors.supervision import PoolLeaseLost, RayConnectError  # no torch, vllm or ray
+from asyncrl.actors.supervision import (  # no torch, vllm or ray
+    ActorSupervisionError,
+    PoolLeaseLost,
+    RayConnectError,
+)
 from asyncrl.config import (
     ConfigError,
     check_data_paths,
@@ -30,8 +34,8 @@ from asyncrl.tasks.registry import TaskNotFound, check_task
 #: What a user's mistake raises: printed as one `asyncrl: error:` line with exit status 2, no traceback.
 USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, TaskDataError, TaskNotFound, ExportError)
 #: What stops a role for a reason outside it (its message says what and why): one `asyncrl: error:` line,
-#: exit status 1, no traceback.
-ROLE_ERRORS = (PoolLeaseLost, RayConnectError)
+#: exit status 1, no traceback (serve-actors' supervision giving up names the slot and the actor's error).
+ROLE_ERRORS = (PoolLeaseLost, RayConnectError, ActorSupervisionError)
 
 
 def _add_config_args(

@@ -14,7 +14,8 @@ therefore restarts its own generation loop when it raises (a Redis outage past t
 engine error): in-flight groups are cancelled and credited, the engine is rebuilt if it died, slots the
 failed incarnation still held are reclaimed, and the loop starts again after an exponential backoff.
 ``actors.loop_restarts`` failures in a row without a group written in between give up (the error then
-reaches the pool and ``asyncrl run``'s supervision). Rewards run off the event loop with a time limit
+reaches the pool and ``asyncrl run``'s supervision); an ``ActorFatalError`` (a failure a restart would
+repeat: a reward that never worked, ``task.reward_failure_limit``) gives up at once. Rewards run off the event loop with a time limit
 (:mod:`asyncrl.actors.rewards`): a reward that raises or hangs costs its group (dead letter with the
 reason, credit returned, ``groups_reward_failed``), never the actor.
 
@@ -52,7 +53,7 @@ from .group_worker import GroupProduction
 from .nccl_receiver import NcclReceiver
 from .nccl_receiver import expected_names as nccl_expected_names
 from .rewards import RewardRunner
-from .supervision import slot_actor_id
+from .supervision import ActorFatalError, slot_actor_id
 from .timeline import Timeline
 from .version_watch import MANIFEST_POLL_S, VersionWatching
 
@@ -82,7 +83,9 @@ def initial_counters(actor_id: str) -> dict[str, Any]:
         "engine_errors": 0,
         "reconstructed": False,
         "groups_reward_failed": 0,
-        "groups_rejected": 0,  # requests the engine refused (group_worker: dead-lettered, slot credited)
+        # Prompts the engine refused or the chat template could not render (group_worker: dead-lettered,
+        # slot credited).
+        "groups_rejected": 0,
         # Slots taken for the version a swap was preparing (group_worker._await_swap), and those
         # given back because that swap did not serve it.
         "preadmissions": 0,
@@ -208,6 +211,9 @@ class RolloutActor(GroupProduction, VersionWatching):
                 try:
                     await self._run_once()
                     break
+                except ActorFatalError as e:  # a restart would fail the same way (a reward never working)
+                    log.error("%s: %s", self.actor_id, e)
+                    raise
                 except Exception as e:
                     if self._stop_requested:
                         raise

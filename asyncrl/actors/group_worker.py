@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any
 
+from asyncrl.log_throttle import throttle
 from asyncrl.tasks import Prompt, prompt_token_ids
 from asyncrl.tasks.render_check import render_failure
 
@@ -24,10 +25,21 @@ from .groups import build_group, swaps_seen, version_span
 from .put_batch import PutBatcher
 from .rewards import RewardFailure
 from .seeding import request_seed
+from .supervision import ActorFatalError
 
 __all__ = ["GroupProduction"]
 
-log = logging.getLogger(__name__)
+# Repeats rate-limited: one warning per dropped group is a flood when every group fails (log_throttle).
+log = throttle(logging.getLogger(__name__))
+
+
+def _reward_name(task: Any) -> str:
+    """The user's reward function as ``name (file:line)`` (a data task's ``reward_fn``, else its
+    ``reward`` method): what the breaker's message names."""
+    fn = getattr(task, "reward_fn", None) or getattr(task, "reward", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    code = getattr(fn, "__code__", None)
+    return f"{name} at {code.co_filename}:{code.co_firstlineno}" if code is not None else name
 
 
 class GroupProduction:
@@ -39,6 +51,9 @@ class GroupProduction:
     counters: dict[str, Any]
     timeline: Any
     _swap_hint: asyncio.Event | None
+    # The reward circuit breaker's state (_reward_failed): for the process's life, across loop restarts.
+    _reward_failures_in_a_row: int = 0
+    _reward_succeeded: bool = False
 
     async def _admit(self, info: dict[str, Any] | None = None) -> bool:
         """Take one admission slot, waiting while the staleness bound is reached; False on stop.
@@ -190,6 +205,23 @@ class GroupProduction:
         if self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
 
+    def _reward_failed(self, reason: str) -> None:
+        """The circuit breaker of a reward that never works (``task.reward_failure_limit``): after that
+        many groups in a row whose rewards failed, with no success since this actor started, raise
+        :class:`ActorFatalError` naming the reward and ``reason`` (the last failure). Without it a reward
+        returning a verl-style dict dead-lettered every group for ever (32,078 in 257 s, 0 learner
+        steps), the run never ending. Once a reward succeeded its failures only drop their groups: a
+        reward that fails sometimes (a flaky verifier, odd completions) is not a broken one."""
+        self._reward_failures_in_a_row += 1
+        limit = self.cfg.task.reward_failure_limit
+        if self._reward_succeeded or not limit or self._reward_failures_in_a_row < limit:
+            return
+        raise ActorFatalError(
+            f"{self.actor_id}: the reward of task {self.task.name!r} ({_reward_name(self.task)}) failed for "
+            f"{self._reward_failures_in_a_row} groups in a row and never once succeeded "
+            f"(task.reward_failure_limit={limit}); last failure: {reason}"
+        )
+
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
         ids = self._prompt_ids.get(prompt.prompt_id)
         if ids is None:
@@ -302,10 +334,12 @@ class GroupProduction:
                 await self._write(
                     self.buffer.abandon, group_id, self.actor_id, str(e), count="groups_reward_failed"
                 )
+                self._reward_failed(str(e))
                 continue
             except BaseException:
                 puts.unexpect()
                 raise
+            self._reward_failures_in_a_row, self._reward_succeeded = 0, True
             await self._write(puts.put, group, True, count="groups_written")
             self.timeline.record("group", **rec, t_written=time.time(), tokens=sum(len(s.token_ids) for s in seqs),
                                  v_start=first, v_end=last)  # fmt: skip

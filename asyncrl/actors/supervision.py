@@ -16,7 +16,9 @@ Such a slot is replaced: the actor is killed for good, the admission slots its i
 turned into credits (``reclaim_inflight``) once it can no longer write, and a new actor takes the slot
 (the same actor id, so it resumes the prompt cursor of the last heartbeat). Each slot may be replaced
 ``run.max_restarts`` times; one more failure raises :class:`ActorSupervisionError`, which stops the run
-with a non-zero exit instead of leaving the learner waiting for data that never comes.
+with a non-zero exit instead of leaving the learner waiting for data that never comes. An actor that
+failed with an :class:`ActorFatalError` (a failure every replacement would repeat) is not replaced:
+the run fails at once with its message.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from typing import Any
 
 __all__ = [
+    "ActorFatalError",
     "ActorSupervisor",
     "ActorSupervisionError",
     "LapsedPoolReclaimer",
@@ -110,7 +113,18 @@ class LapsedPoolReclaimer:
 
 
 class ActorSupervisionError(RuntimeError):
-    """An actor slot failed more often than ``run.max_restarts`` allows."""
+    """An actor slot failed more often than ``run.max_restarts`` allows, or failed with an
+    :class:`ActorFatalError`."""
+
+
+class ActorFatalError(RuntimeError):
+    """A failure that a restart would only repeat (user code wrong for every input: a reward function
+    that never once worked, ``task.reward_failure_limit``); ``str(exc)`` is the one line to show.
+
+    The actor's loop does not restart on it and :class:`ActorSupervisor` fails the run at once instead of
+    replacing the actor: each replacement costs an engine start (~45 s on CPU) and retried
+    ``actors.loop_restarts`` times per incarnation, ``run.max_restarts`` replacements ran for minutes
+    to fail the same way, with 0 learner steps."""
 
 
 class RayConnectError(RuntimeError):
@@ -120,6 +134,15 @@ class RayConnectError(RuntimeError):
 class PoolLeaseLost(RuntimeError):
     """Another process holds this pool's number (``asyncrl.actors.serve.PoolLease``): the two would run
     the same actor ids, so this pool stops. Defined here, free of Ray, so the CLI can report it."""
+
+
+def _fatal_cause(e: BaseException) -> ActorFatalError | None:
+    """The :class:`ActorFatalError` ``e`` is or wraps: Ray raises a RayTaskError that is also an instance
+    of the actor's exception type (``as_instanceof_cause``) and carries it as ``cause``."""
+    for x in (getattr(e, "cause", None), e):
+        if isinstance(x, ActorFatalError):
+            return x
+    return None
 
 
 class ActorSupervisor:
@@ -168,6 +191,11 @@ class ActorSupervisor:
         try:
             ray.get(done[0])
         except Exception as e:  # the actor's loop raised, or Ray gave up restarting it
+            fatal = _fatal_cause(e)
+            if fatal is not None:  # a replacement would fail the same way: the run fails now
+                lines = str(fatal).strip().splitlines()  # one line; a RayTaskError's own text ends with it
+                text = lines[-1] if lines else type(fatal).__name__
+                raise ActorSupervisionError(f"actor slot {i}: {text}") from None
             first = str(e).strip().splitlines()
             return f"{type(e).__name__}: {first[-1] if first else ''}"[:300]
         return "its loop returned although the run was not stopping"

@@ -18,10 +18,12 @@ from asyncrl.buffer.admission import DEDUP_TTL_S, TAKE_SLOT_LUA, wake_lua
 from asyncrl.buffer.consumer import DEAD_MAXLEN, _s
 from asyncrl.buffer.layout import ROLLOUT_FIELD
 from asyncrl.buffer.records import Group, RecordError, encode
+from asyncrl.log_throttle import throttle
 
 __all__ = ["StreamProducer", "PUT_MANY_LUA", "ABANDON_LUA"]
 
-log = logging.getLogger(__name__)
+# Repeats rate-limited: abandon() logs one warning per dropped group, a flood when every group fails.
+log = throttle(logging.getLogger(__name__))
 
 # KEYS: rollouts, inflight, credits, then one dedup key per group. ARGV: field, owner ('' = none), maxlen
 # (0 = none), dedup ttl, then one encoded group per dedup key. For each group in order: a repeat of its

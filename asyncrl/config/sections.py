@@ -184,6 +184,14 @@ class TaskConfig:
         "raises or times out is dropped with its reason (dead-letter stream, admission credit returned).",
         gt=0,
     )
+    reward_failure_limit: int = F(
+        64,
+        "An actor whose reward failed for this many groups in a row, with no success since it started (a "
+        "reward that can never work: a dict returned, an import that fails), stops the run with one line "
+        "naming the reward and its last failure, instead of dropping every group for ever. A reward that "
+        "succeeded once only ever drops its failing groups. 0 = never stop.",
+        ge=0,
+    )
     reward_fault: str = F(
         "none",
         "Fault injection for tests and chaos runs: make every reward_fault_every-th reward call of each "

@@ -1,13 +1,18 @@
 """A group worker on a real Redis buffer with a stand-in engine (no vLLM engine started): a prompt the
-chat template cannot render (a finding of the "bring your own task / model" review).
+chat template cannot render and a reward that never works (findings of the "bring your own task /
+model" review).
 
 * A chat template refusing a prompt (jinja's TemplateError) dead-letters that group with the reason and
   the worker goes on; it used to fail the generation loop (crash-loop: restarts, replacements).
+* A reward failing on every group stops the actor with ActorFatalError after task.reward_failure_limit
+  groups, naming the reward and the last reason; it used to dead-letter every group for ever. A reward
+  that succeeded once keeps dropping only its failing groups.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +21,7 @@ import pytest
 from asyncrl.actors.engine import SampledCompletion
 from asyncrl.actors.group_worker import GroupProduction
 from asyncrl.actors.rewards import RewardRunner
+from asyncrl.actors.supervision import ActorFatalError
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import load_config
 from asyncrl.tasks import FunctionTask, Prompt
@@ -108,3 +114,48 @@ def test_a_prompt_the_chat_template_refuses_is_dead_lettered_and_the_worker_goes
     assert all(r.startswith("prompt 'p-1'") or r.startswith("prompt 'p-4'") for r in reasons), reasons
     assert all("could not be rendered (model.chat_template='auto')" in r and
                "TemplateError: Conversation roles must alternate" in r for r in reasons)  # fmt: skip
+
+
+def _verl_reward(prompt, text, meta):
+    return {"score": 1.0, "acc": True}  # a verl-style dict: not a number
+
+
+def test_a_reward_that_never_works_stops_the_actor_at_the_limit(buf) -> None:
+    w = _Worker(buf, _verl_reward, ["task.reward_failure_limit=6"])
+    with pytest.raises(ActorFatalError) as e:
+        w.produce(100)
+    msg = str(e.value)
+    assert w.counters["groups_reward_failed"] == 6 and w.counters["groups_written"] == 0
+    assert "the reward of task 'mine' (_verl_reward at " in msg and "test_group_worker_failures.py:" in msg
+    assert "failed for 6 groups in a row and never once succeeded (task.reward_failure_limit=6)" in msg
+    assert "last failure: reward: ValueError: " in msg and "'score': 1.0" in msg
+    assert len(buf.dead_letters(count=100)) == 6 and _balanced(buf)["depth"] == 0
+
+
+def test_a_reward_that_worked_once_only_drops_its_failing_groups(buf) -> None:
+    calls = {"n": 0}
+
+    def flaky(prompt, text, meta):  # the first group's rewards work, then never again
+        calls["n"] += 1
+        return 1.0 if calls["n"] <= 2 else {"score": 0.0}
+
+    w = _Worker(buf, flaky, ["task.reward_failure_limit=6"])
+    w.produce(20)  # returns: 19 failed groups, far past the limit
+    assert w.counters["groups_written"] == 1 and w.counters["groups_reward_failed"] == 19
+    assert _balanced(buf)["dead"] == 19
+
+
+def test_reward_failure_limit_zero_never_stops_and_the_warnings_are_throttled(buf, caplog) -> None:
+    from asyncrl.log_throttle import RepeatThrottle
+
+    for name in ("asyncrl.actors.group_worker", "asyncrl.buffer.producer"):  # no earlier test's window
+        for f in logging.getLogger(name).filters:
+            if isinstance(f, RepeatThrottle):
+                f.reset()
+    w = _Worker(buf, _verl_reward, ["task.reward_failure_limit=0"])
+    with caplog.at_level(logging.WARNING):
+        w.produce(40)
+    assert w.counters["groups_reward_failed"] == 40 and len(buf.dead_letters(count=100)) == 40
+    # 2 warnings per dropped group before (80 lines): now the first 5 of each logger in the window.
+    dropped = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 10, [r.getMessage() for r in dropped]
