@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,10 +54,14 @@ def test_the_actor_loop_does_not_restart_on_a_fatal_error(
                                  "metrics.enabled=false"])  # fmt: skip
     mp = pytest.MonkeyPatch()
     mp.setattr(engine_start, "start_standby_for", lambda cfg: None)
+    cores = os.sched_getaffinity(0)
     try:
         actor = RolloutActor(cfg, tmp_path, 0, redis_url=redis_url, model_path=tmp_path)
     finally:
         mp.undo()
+        # An actor binds its process to its engine's cores as it starts: not this test process (the
+        # later tests of the suite that need two cores found one).
+        os.sched_setaffinity(0, cores)
     calls: list[int] = []
 
     async def run_once() -> None:
