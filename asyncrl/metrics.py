@@ -43,6 +43,12 @@ ACTOR_METRICS: tuple[Metric, ...] = (
     ),
     Metric("asyncrl_actor_inflight_requests", "gauge", "Groups being generated now.", "in_flight"),
     Metric(
+        "asyncrl_actor_group_workers",
+        "gauge",
+        "Group workers (actors.groups_in_flight): the admission wait counter sums their waits.",
+        "group_workers",
+    ),  # fmt: skip
+    Metric(
         "asyncrl_actor_admission_wait_seconds_total",
         "counter",
         "Time spent waiting for admission (the staleness bound).",

@@ -84,14 +84,19 @@ def write_targets(rdir: Path, run: str, learner_status: dict, actors: dict, num_
             isinstance(i, int) and 0 <= i < num_actors and hb.get("actor_id", actor_id) == slot_actor_id(0, i)
         )
 
+    # One group per endpoint, its `instance` label the role's name in the run, not the address: a
+    # restarted learner (or a replaced actor) serves on a new ephemeral port, and under an address label
+    # it began a new series whose first sample Prometheus never counts in rate()/increase(): what the new
+    # process did before its first scrape (the stale drops and steps of a resume) was lost to the
+    # dashboards and alerts. Under one series a restart is a counter reset, which rate() handles.
     groups = []
     if learner_status.get("metrics_addr"):
-        groups.append(
-            {"targets": [learner_status["metrics_addr"]], "labels": {"run": run, "role": "learner"}}
-        )
-    addrs = sorted(a["metrics_addr"] for k, a in actors.items() if a.get("metrics_addr") and started(k, a))
-    if addrs:
-        groups.append({"targets": addrs, "labels": {"run": run, "role": "actor"}})
+        labels = {"run": run, "role": "learner", "instance": f"{run}/learner"}
+        groups.append({"targets": [learner_status["metrics_addr"]], "labels": labels})
+    for actor_id, hb in sorted(actors.items()):
+        if hb.get("metrics_addr") and started(actor_id, hb):
+            labels = {"run": run, "role": "actor", "instance": f"{run}/{hb.get('actor_id', actor_id)}"}
+            groups.append({"targets": [hb["metrics_addr"]], "labels": labels})
     _replace_targets(rdir, groups)
     return groups
 

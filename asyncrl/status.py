@@ -38,7 +38,18 @@ def collect_status(cfg: Config, url: str) -> dict:
             return {"buffer": stats, "actors": buf.actors(), "learner": buf.learner_status()}
         finally:
             buf.close()
-    except (redis.ConnectionError, redis.TimeoutError) as e:
+    except redis.TimeoutError as e:
+        from asyncrl.launch import redact_url  # the URL may carry the Redis password
+
+        # Connected, then no reply: a server that exists but is frozen (SIGSTOP) or overloaded. The run's
+        # roles may well be alive and riding it out: starting the run again is the wrong advice here.
+        raise ConfigError(
+            f"Redis at {redact_url(url)} accepted the connection but did not answer within "
+            f"{STATUS_SOCKET_TIMEOUT_S:g} s ({e}): it is frozen or overloaded, and run {cfg.run.name}'s roles may "
+            f"still be running and retrying; check the redis-server process (a stopped one: kill -CONT) before "
+            f"starting anything again"
+        ) from None
+    except redis.ConnectionError as e:
         from asyncrl.launch import redact_url  # the URL may carry the Redis password
 
         raise ConfigError(

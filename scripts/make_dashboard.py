@@ -67,8 +67,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Dropped stale groups / min", "short", [
             ("dropped", "sum by (run) (rate(asyncrl_learner_dropped_stale_total[5m])) * 60"),
         ]),
+        # The counter sums the waits of the actor's group workers: a share of their time, not of the clock's.
         ("Admission wait fraction", "percentunit", [
-            ("{{actor}}", "rate(asyncrl_actor_admission_wait_seconds_total[1m])"),
+            ("{{actor}}", "rate(asyncrl_actor_admission_wait_seconds_total[1m]) / asyncrl_actor_group_workers"),
         ]),
     ]),
     ("Off-policy health", [

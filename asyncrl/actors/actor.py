@@ -166,6 +166,7 @@ class RolloutActor(GroupProduction, VersionWatching):
         out["swap_pause_s"] = list(self.counters["swap_pause_s"])
         out["swap_pause_hist"] = self.counters["swap_pause_hist"].to_dict()
         out["in_flight"] = self.engine.in_flight if self.engine else 0
+        out["group_workers"] = self.cfg.actors.groups_in_flight  # admission_wait_s sums over them
         # Tokens received so far by the groups in flight (progress inside long generations); 0 until a
         # group ends unless actors.stream_tokens (vLLM then hands the tokens over as they are sampled).
         out["in_flight_tokens"] = sum(self.engine.progress.values()) if self.engine else 0

@@ -89,7 +89,7 @@ def test_shipped_prometheus_config_discovers_every_run(tmp_path):
         if run == "done":
             clear_targets(runs / run)
         else:
-            want.add((run, "learner", f"127.0.0.1:{port}"))
+            want.add((run, "learner", f"{run}/learner"))  # the instance: its role in the run, not the port
     assert json.loads((runs / "_prometheus" / "done.json").read_text()) == []
     prom_port = free_port()
     prom = subprocess.Popen(

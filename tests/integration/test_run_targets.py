@@ -19,9 +19,21 @@ def test_targets_list_only_this_run_s_actor_slots(buffer, tmp_path) -> None:
         buffer.heartbeat(aid, {"actor_id": aid, "index": index, "metrics_addr": f"127.0.0.1:{port}"})
     buffer.set_learner_status({"metrics_addr": "127.0.0.1:9000"})
     groups = write_targets(tmp_path, "demo", buffer.learner_status(), buffer.actors(), num_actors=2)
+    # Each endpoint's instance is its role in the run, not its (ephemeral) address: a restarted process
+    # continues its series (a counter reset) instead of starting one whose first sample is never counted.
     assert groups == [
-        {"targets": ["127.0.0.1:9000"], "labels": {"run": "demo", "role": "learner"}},
-        {"targets": ["127.0.0.1:9100", "127.0.0.1:9101"], "labels": {"run": "demo", "role": "actor"}},
+        {
+            "targets": ["127.0.0.1:9000"],
+            "labels": {"run": "demo", "role": "learner", "instance": "demo/learner"},
+        },
+        {
+            "targets": ["127.0.0.1:9100"],
+            "labels": {"run": "demo", "role": "actor", "instance": "demo/actor-0"},
+        },
+        {
+            "targets": ["127.0.0.1:9101"],
+            "labels": {"run": "demo", "role": "actor", "instance": "demo/actor-1"},
+        },
     ]
     assert json.loads((tmp_path / TARGETS_FILE).read_text()) == groups
     # The supervisor calls this every second: unchanged targets are not rewritten (same inode, mtime).

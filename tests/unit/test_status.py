@@ -133,6 +133,30 @@ def test_status_of_a_run_whose_redis_is_gone_fails_fast_naming_it(cfg: Config):
     assert f"run {cfg.run.name} is not up" in msg and "redis.url" in msg
 
 
+def test_status_of_a_frozen_redis_says_so_and_does_not_advise_a_restart(cfg: Config, tmp_path):
+    """A SIGSTOPped redis-server accepts connections and never answers: status said the run "is not up"
+    and to start it again, while its roles were alive and riding the outage out."""
+    import os
+    import signal
+
+    from asyncrl.buffer.embedded import EmbeddedRedis
+    from asyncrl.config import ConfigError
+
+    server = EmbeddedRedis(tmp_path / "redis", password="hunter2").start()
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as e:
+            print_status(cfg, server.url)
+        assert time.monotonic() - t0 < 15.0
+        msg = str(e.value)
+        assert "did not answer within 5 s" in msg and "frozen or overloaded" in msg and "hunter2" not in msg
+        assert "not up" not in msg and "start it again" not in msg
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+
+
 def test_status_shows_the_learner_s_state_and_since_when(
     cfg: Config, redis_url: str, run_buffer: ReplayBuffer
 ):
