@@ -70,18 +70,23 @@ TARGETS_FILE = "prometheus_targets.json"
 DISCOVERY_DIR = "_prometheus"  # beside the run dirs: every run's targets, for dashboards/prometheus.yml
 
 
-def write_targets(rdir: Path, run: str, learner_status: dict, actors: dict, num_actors: int) -> list[dict]:
+def write_targets(
+    rdir: Path, run: str, learner_status: dict, actors: dict, num_actors: int, pool: int = 0
+) -> list[dict]:
     """Prometheus ``file_sd_configs`` targets of the endpoints this run started (atomic rewrite).
 
     Actors: the heartbeats of this run's slots 0 .. ``num_actors`` - 1 only. The registry keeps the
     slots a previous start with more actors left behind (their ports may serve another process now),
-    and other pools' actors, which this run did not start."""
+    and other pools' actors, which this run did not start. ``pool``: the number this run's own pool leased
+    (0 unless a serve-actors of an external Redis held it first)."""
     from asyncrl.actors.supervision import slot_actor_id
 
     def started(actor_id: str, hb: dict) -> bool:
         i = hb.get("index")
         return (
-            isinstance(i, int) and 0 <= i < num_actors and hb.get("actor_id", actor_id) == slot_actor_id(0, i)
+            isinstance(i, int)
+            and 0 <= i < num_actors
+            and hb.get("actor_id", actor_id) == slot_actor_id(pool, i)
         )
 
     # One group per endpoint, its `instance` label the role's name in the run, not the address: a
@@ -348,7 +353,8 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
             except Exception as e:  # supervision boundary: a display bug must not fail the run
                 _display_failed(sup, e)
             try:
-                write_targets(rdir, cfg.run.name, buf.learner_status(), buf.actors(), cfg.actors.num_actors)
+                write_targets(rdir, cfg.run.name, buf.learner_status(), buf.actors(), cfg.actors.num_actors,
+                              cfg.actors.pool_index)  # fmt: skip
             except Exception as e:  # Redis away (being restarted): the next pass catches up
                 log_once = f"metrics targets not updated: {type(e).__name__}"
                 if log_once not in sup.events:

@@ -46,6 +46,10 @@ def test_targets_list_only_this_run_s_actor_slots(buffer, tmp_path) -> None:
     write_targets(tmp_path, "demo", buffer.learner_status(), buffer.actors(), num_actors=2)
     for f in files:
         assert "127.0.0.1:9201" in f.read_text() and (f.stat().st_ino, f.stat().st_mtime_ns) not in before
+    # A run whose own pool leased number 1 (a serve-actors of its external Redis held 0): its actors are
+    # actor-1-<i>, and only those are its targets.
+    groups = write_targets(tmp_path, "demo", buffer.learner_status(), buffer.actors(), num_actors=2, pool=1)
+    assert [g["labels"]["instance"] for g in groups] == ["demo/learner", "demo/actor-1-0"]
 
 
 def test_teardown_empties_the_targets(tmp_path) -> None:
