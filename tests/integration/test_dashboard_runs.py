@@ -72,7 +72,7 @@ def test_shipped_prometheus_config_discovers_every_run(tmp_path):
     """dashboards/prometheus.yml as shipped, next to runs/ as in the repo: every run's targets, as `asyncrl
     run` writes them (write_targets: the run dir's file and its copy in runs/_prometheus/), are scraped
     as job asyncrl with their labels; a finished run's (clear_targets) are dropped."""
-    from asyncrl.orchestrator import clear_targets, write_targets
+    from asyncrl.run_targets import clear_targets, write_targets
 
     prom_bin = shutil.which("prometheus")
     assert prom_bin, "prometheus missing: run `bash scripts/setup.sh --test` (apt package prometheus)"

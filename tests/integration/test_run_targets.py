@@ -8,7 +8,8 @@ import json
 import time
 
 from asyncrl.config import Config
-from asyncrl.orchestrator import TARGETS_FILE, Supervisor, _teardown, write_targets
+from asyncrl.orchestrator import Supervisor, _teardown
+from asyncrl.run_targets import TARGETS_FILE, write_targets
 
 
 def test_targets_list_only_this_run_s_actor_slots(buffer, tmp_path) -> None:
