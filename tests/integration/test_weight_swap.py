@@ -860,6 +860,9 @@ def test_a_worker_cancelled_during_a_redis_freeze_gives_its_slot_back_without_ho
     seen: dict[str, float] = {}
 
     async def main() -> None:
+        # _await_swap's worker holds a slot (admitted for the version the swap prepares): its owner's
+        # tally has it, so its give-back is a credit (a slot the tally does not hold credits nothing).
+        assert buf.try_admit(1, 64, owner=actor.actor_id)
         before = buf.stats()["credits"]
         eng.swap_settled.clear()  # a swap in progress: the worker waits for it to settle
         task = asyncio.create_task(actor._await_swap((eng.version or 0) + 1))
