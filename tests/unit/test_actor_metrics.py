@@ -36,6 +36,7 @@ def _actor() -> RolloutActor:
     a.swap_mode = "in_flight"
     a.timeline = SimpleNamespace(record=lambda *args, **kw: None)
     a.rewards = SimpleNamespace(running=0)
+    a.cfg = SimpleNamespace(actors=SimpleNamespace(groups_in_flight=4))  # stats(): the group workers gauge
     a._waker = None
 
     async def _heartbeat() -> None:
