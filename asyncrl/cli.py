@@ -146,14 +146,15 @@ def _redis_url(cfg, rdir: Path) -> str:
     )
 
 
-def _check_model_path(cfg, data: bool = True, shard: bool = True) -> None:
+def _check_model_path(cfg, data: bool = True, shard: bool = True, eval_prompts: bool | None = None) -> None:
     """Fail before any role starts (and before minutes of engine start-up) when the model or, with
     ``data`` (roles that build the task), the task's data files are missing or do not fit the config:
-    the task is built here, its data read and checked, as each actor will build it."""
+    the task is built here, its data read and checked, as each actor will build it (``eval_prompts``:
+    whether it must have eval prompts, see :func:`asyncrl.tasks.registry.check_task`)."""
     check_model_dir(cfg)
     if data:
         check_data_paths(cfg)
-        check_task(cfg, shard=shard)
+        check_task(cfg, shard=shard, eval_prompts=eval_prompts)
 
 
 def _learner_metrics(cfg):
@@ -229,7 +230,8 @@ def _export_or_eval(args) -> int:
             # look at it rather than at the tiny model or the base model the config was written for.
             overrides = [f"model.path={target}", *args.overrides]
             cfg = load_config(args.config or (run_cfg if run_cfg.exists() else None), overrides)
-            _check_model_path(cfg, shard=False)  # no actors: the prompts are not split over them
+            # No actors: the prompts are not split over them; the eval prompts are what it scores.
+            _check_model_path(cfg, shard=False, eval_prompts=True)
             model_dir = target
         else:
             raise FileNotFoundError(

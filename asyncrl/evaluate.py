@@ -33,8 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from asyncrl.config import ConfigError
 from asyncrl.tasks import Prompt, Task, prompt_token_ids
+from asyncrl.tasks.registry import require_eval_prompts
 from asyncrl.tasks.render_check import check_prompt_rendering, render_failure
 
 __all__ = ["EvalResult", "evaluate_llm", "PeriodicEval", "eval_model_dir", "require_eval_prompts"]
@@ -128,17 +128,6 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
                       prompts_refused=len(answered) - len(results))  # fmt: skip
 
 
-def require_eval_prompts(task: Task) -> list[Prompt]:
-    """``task.eval_prompts``, or a :class:`ConfigError` (a ValueError; `asyncrl` prints it without a
-    traceback) naming the keys that give the task an eval split."""
-    if not task.eval_prompts:
-        raise ConfigError(
-            f"task {task.name!r} has no eval prompts: set task.eval_data_path, task.eval_split (a saved "
-            "DatasetDict) or task.eval_fraction > 0 (data tasks such as gsm8k), or task.eval_size > 0 (tiny tasks)"
-        )
-    return task.eval_prompts
-
-
 class PeriodicEval:
     """Actor 0's periodic evaluation (see the module doc for why actor 0)."""
 
@@ -152,10 +141,9 @@ class PeriodicEval:
     def for_actor(cls, cfg: Any, task: Task, actor_index: int) -> PeriodicEval | None:
         if actor_index != 0 or not cfg.eval.every:
             return None
-        if not task.eval_prompts:
-            log.warning("eval.every=%d but task %r has no eval prompts: periodic eval is off",
-                        cfg.eval.every, task.name)  # fmt: skip
-            return None
+        # A ConfigError, as the CLI's start-up check (asyncrl.tasks.registry.check_task) says it before
+        # any role starts; a warning here ran the whole run without the evaluation it was asked for.
+        require_eval_prompts(task, cfg.eval.every)
         return cls(cfg, task)
 
     def due(self, version: int | None) -> bool:

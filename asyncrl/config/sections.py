@@ -207,7 +207,9 @@ class EvalConfig:
     every: int = F(
         0,
         "Evaluate every N policy versions during a run, on the task's eval split (0 = off). Actor 0 runs it "
-        "on its engine at the version boundary; training continues (see asyncrl/evaluate.py). The learner "
+        "on its engine at the version boundary; training continues (see asyncrl/evaluate.py). A task without "
+        "eval prompts (task.eval_data_path / eval_split / eval_fraction, tiny: task.eval_size) fails at start "
+        "when N > 0. The learner "
         "copies the results into its step records only when its own config sets this too (split roles: "
         "give both the same value).",
         ge=0,

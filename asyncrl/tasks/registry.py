@@ -30,7 +30,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from .base import Task, TaskDataError
+from .base import Prompt, Task, TaskDataError
 from .math import Gsm8kTask
 from .render_check import check_prompt_rendering
 from .tiny import AdditionTask, CopyTask, CountTask, EchoTask, ReverseTask, TinyTask
@@ -47,6 +47,7 @@ __all__ = [
     "resolve_factory",
     "make_task",
     "check_task",
+    "require_eval_prompts",
 ]
 
 ENTRY_POINT_GROUP = "asyncrl.tasks"
@@ -240,16 +241,39 @@ def make_task(task_cfg: Any, seed: int) -> Task:
     return task
 
 
-def check_task(cfg: Any, shard: bool = True) -> Task:
+def require_eval_prompts(task: Task, every: int = 0) -> list[Prompt]:
+    """``task.eval_prompts``, or a :class:`ConfigError` (a ValueError; `asyncrl` prints it without a
+    traceback) naming the keys that give the task an eval split. ``every``: the run's ``eval.every``
+    when a periodic eval asks for them (named in the error, with its way out: 0), else 0 (``asyncrl eval``)."""
+    if task.eval_prompts:
+        return task.eval_prompts
+    from asyncrl.config import ConfigError  # here, not at the top: asyncrl.config imports this module
+
+    keys = ("set task.eval_data_path, task.eval_split (a saved DatasetDict) or task.eval_fraction > 0 (data "
+            "tasks such as gsm8k), or task.eval_size > 0 (tiny tasks)")  # fmt: skip
+    if not every:
+        raise ConfigError(f"task {task.name!r} has no eval prompts: {keys}")
+    raise ConfigError(
+        f"eval.every={every} asks for a periodic eval, but task {task.name!r} has no eval prompts: {keys}; "
+        "or set eval.every=0 (no periodic eval)"
+    )
+
+
+def check_task(cfg: Any, shard: bool = True, eval_prompts: bool | None = None) -> Task:
     """The run's task, built as each actor builds it (``make_task(cfg.task, cfg.run.seed)``: the data read,
     its columns and rows checked) and sharded over ``actors.num_actors`` (``shard=False``: one source, for
     a command without actors); called by the CLI before any role starts. Without it a bad data file or a
     plug-in bug surfaced inside the actors only after Redis, Ray and the learner had started (Ray
     retrying and printing each traceback), and left a run dir that the next run resumed from.
 
+    ``eval_prompts``: whether the command needs eval prompts (``asyncrl eval``: True); None = when
+    ``eval.every`` > 0 (the run's periodic eval, on actor 0). Without this check a run asked for a
+    periodic eval by a task without eval prompts only logged a warning in actor 0 and ran without any.
+
     Raises what :func:`make_task` raises for a bad config or data (ConfigError, TaskNotFound,
-    TaskDataError: each names its key or file), a ConfigError when the model's chat template refuses
-    the first prompt (:func:`asyncrl.tasks.render_check.check_prompt_rendering`); any other exception
+    TaskDataError: each names its key or file), a ConfigError when eval prompts are needed and the task
+    has none (:func:`require_eval_prompts`: before the chat-template check below, which loads the
+    tokenizer), a ConfigError when the model's chat template refuses the first prompt (:func:`asyncrl.tasks.render_check.check_prompt_rendering`); any other exception
     from the user's factory or prompt source becomes a one-line TaskDataError naming ``task.name`` and where it was raised.
     """
     from asyncrl.config import ConfigError  # here, not at the top: asyncrl.config imports this module
@@ -269,6 +293,8 @@ def check_task(cfg: Any, shard: bool = True) -> Task:
         raise TaskDataError(
             f"{key}: its prompt source for actors.num_actors={n} failed: {_described(e)}"
         ) from e
+    if eval_prompts or (eval_prompts is None and cfg.eval.every > 0):
+        require_eval_prompts(task, 0 if eval_prompts else cfg.eval.every)
     # Then what every actor does with each prompt: render it with the model's chat template, which may
     # refuse the config (a Gemma template and task.system_prompt: asyncrl.tasks.render_check).
     check_prompt_rendering(cfg, first)
