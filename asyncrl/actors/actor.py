@@ -15,7 +15,7 @@ engine error): in-flight groups are cancelled and credited, the engine is rebuil
 failed incarnation still held are reclaimed, and the loop starts again after an exponential backoff.
 ``actors.loop_restarts`` failures in a row without a group written in between give up (the error then
 reaches the pool and ``asyncrl run``'s supervision); an ``ActorFatalError`` (a failure a restart would
-repeat: a reward that never worked, ``task.reward_failure_limit``) gives up at once. Rewards run off the event loop with a time limit
+repeat: a reward failing for ``task.reward_failure_limit`` groups in a row) gives up at once. Rewards run off the event loop with a time limit
 (:mod:`asyncrl.actors.rewards`): a reward that raises or hangs costs its group (dead letter with the
 reason, credit returned, ``groups_reward_failed``), never the actor.
 

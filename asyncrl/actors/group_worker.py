@@ -53,7 +53,7 @@ class GroupProduction:
     _swap_hint: asyncio.Event | None
     # The reward circuit breaker's state (_reward_failed): for the process's life, across loop restarts.
     _reward_failures_in_a_row: int = 0
-    _reward_succeeded: bool = False
+    _reward_groups_scored: int = 0  # groups whose rewards succeeded (any: the count of failures restarts)
 
     async def _admit(self, info: dict[str, Any] | None = None) -> bool:
         """Take one admission slot, waiting while the staleness bound is reached; False on stop.
@@ -206,20 +206,27 @@ class GroupProduction:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
 
     def _reward_failed(self, reason: str) -> None:
-        """The circuit breaker of a reward that never works (``task.reward_failure_limit``): after that
-        many groups in a row whose rewards failed, with no success since this actor started, raise
-        :class:`ActorFatalError` naming the reward and ``reason`` (the last failure). Without it a reward
-        returning a verl-style dict dead-lettered every group for ever (32,078 in 257 s, 0 learner
-        steps), the run never ending. Once a reward succeeded its failures only drop their groups: a
-        reward that fails sometimes (a flaky verifier, odd completions) is not a broken one."""
+        """The reward circuit breaker (``task.reward_failure_limit``): after that many groups in a row
+        whose rewards failed (a group whose rewards succeed restarts the count), raise
+        :class:`ActorFatalError` naming the reward and ``reason`` (the last failure).
+
+        Why: a reward returning a verl-style dict dead-lettered every group for ever (32,078 in 257 s, 0
+        learner steps), the run never ending. So did one that worked and then broke for good (its
+        external verifier went away, a code path that always raises after some data): the breaker once
+        spared a reward that had succeeded at all, and such a run generated and dead-lettered every
+        group for as long as it was let run. A reward that fails sometimes (a flaky verifier, odd
+        completions) is not a broken one: a success between its failures restarts the count, so only
+        its failing groups are dropped."""
         self._reward_failures_in_a_row += 1
         limit = self.cfg.task.reward_failure_limit
-        if self._reward_succeeded or not limit or self._reward_failures_in_a_row < limit:
+        if not limit or self._reward_failures_in_a_row < limit:
             return
+        n, scored = self._reward_failures_in_a_row, self._reward_groups_scored
+        since = (f"since its last success ({scored} group{'s' * (scored != 1)} scored before)" if scored
+                 else "and never once succeeded")  # fmt: skip
         raise ActorFatalError(
             f"{self.actor_id}: the reward of task {self.task.name!r} ({_reward_name(self.task)}) failed for "
-            f"{self._reward_failures_in_a_row} groups in a row and never once succeeded "
-            f"(task.reward_failure_limit={limit}); last failure: {reason}"
+            f"{n} groups in a row {since} (task.reward_failure_limit={limit}); last failure: {reason}"
         )
 
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -339,7 +346,8 @@ class GroupProduction:
             except BaseException:
                 puts.unexpect()
                 raise
-            self._reward_failures_in_a_row, self._reward_succeeded = 0, True
+            self._reward_failures_in_a_row = 0
+            self._reward_groups_scored += 1
             await self._write(puts.put, group, True, count="groups_written")
             self.timeline.record("group", **rec, t_written=time.time(), tokens=sum(len(s.token_ids) for s in seqs),
                                  v_start=first, v_end=last)  # fmt: skip

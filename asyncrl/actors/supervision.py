@@ -119,7 +119,8 @@ class ActorSupervisionError(RuntimeError):
 
 class ActorFatalError(RuntimeError):
     """A failure that a restart would only repeat (user code wrong for every input: a reward function
-    that never once worked, ``task.reward_failure_limit``); ``str(exc)`` is the one line to show.
+    that failed for ``task.reward_failure_limit`` groups in a row, never working or broken for good);
+    ``str(exc)`` is the one line to show.
 
     The actor's loop does not restart on it and :class:`ActorSupervisor` fails the run at once instead of
     replacing the actor: each replacement costs an engine start (~45 s on CPU) and retried

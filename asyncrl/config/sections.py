@@ -186,10 +186,11 @@ class TaskConfig:
     )
     reward_failure_limit: int = F(
         64,
-        "An actor whose reward failed for this many groups in a row, with no success since it started (a "
-        "reward that can never work: a dict returned, an import that fails), stops the run with one line "
-        "naming the reward and its last failure, instead of dropping every group for ever. A reward that "
-        "succeeded once only ever drops its failing groups. 0 = never stop.",
+        "An actor whose reward failed for this many groups in a row stops the run with one line naming the "
+        "reward and its last failure, instead of dropping every group for ever: a reward that can never work "
+        "(a dict returned, an import that fails) or one that worked and then broke for good (its verifier "
+        "gone). Each group whose rewards succeed restarts the count, so a reward that fails only sometimes "
+        "just drops its failing groups (dead-letter stream). 0 = never stop.",
         ge=0,
     )
     reward_fault: str = F(

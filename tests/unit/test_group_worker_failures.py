@@ -4,9 +4,10 @@ model" review).
 
 * A chat template refusing a prompt (jinja's TemplateError) dead-letters that group with the reason and
   the worker goes on; it used to fail the generation loop (crash-loop: restarts, replacements).
-* A reward failing on every group stops the actor with ActorFatalError after task.reward_failure_limit
-  groups, naming the reward and the last reason; it used to dead-letter every group for ever. A reward
-  that succeeded once keeps dropping only its failing groups.
+* A reward failing for task.reward_failure_limit groups in a row stops the actor with ActorFatalError,
+  naming the reward and the last reason, whether it never worked or broke for good after working; it
+  used to dead-letter every group for ever. A reward whose failures come fewer than the limit in a row
+  keeps dropping only its failing groups.
 """
 
 from __future__ import annotations
@@ -132,17 +133,49 @@ def test_a_reward_that_never_works_stops_the_actor_at_the_limit(buf) -> None:
     assert len(buf.dead_letters(count=100)) == 6 and _balanced(buf)["depth"] == 0
 
 
-def test_a_reward_that_worked_once_only_drops_its_failing_groups(buf) -> None:
+def test_a_reward_that_worked_and_then_broke_for_good_stops_the_actor_at_the_limit(buf) -> None:
+    """Its verifier went away after the first group: before, having succeeded once, it dead-lettered
+    every group for as long as the run was let run (the actor generating all the while)."""
     calls = {"n": 0}
 
-    def flaky(prompt, text, meta):  # the first group's rewards work, then never again
+    def verified(prompt, text, meta):  # the first group's rewards work, then the verifier is gone
         calls["n"] += 1
-        return 1.0 if calls["n"] <= 2 else {"score": 0.0}
+        if calls["n"] > 2:
+            raise ConnectionError("verifier at 10.0.0.7:8080 refused the connection")
+        return 1.0
+
+    w = _Worker(buf, verified, ["task.reward_failure_limit=6"])
+    with pytest.raises(ActorFatalError) as e:
+        w.produce(100)
+    assert w.counters["groups_written"] == 1 and w.counters["groups_reward_failed"] == 6
+    msg = str(e.value)
+    assert msg.startswith("actor-0: the reward of task 'mine' (") and ".verified at " in msg, msg
+    assert (
+        "failed for 6 groups in a row since its last success (1 group scored before) "
+        "(task.reward_failure_limit=6); last failure: reward: ConnectionError: verifier at 10.0.0.7:8080 "
+        "refused the connection" in msg
+    )
+    s = _balanced(buf)
+    assert s["depth"] == 1 and s["dead"] == 6
+
+
+def test_intermittent_reward_failures_below_the_limit_in_a_row_only_drop_their_groups(buf) -> None:
+    """5 failed groups, 1 scored, over and over (limit 6): each success restarts the count, the worker
+    runs on, and exactly the failed groups are dead-lettered, with their reason."""
+    calls = {"n": 0}
+
+    def flaky(prompt, text, meta):  # two calls per group (a dict is refused after both ran)
+        calls["n"] += 1
+        group = (calls["n"] - 1) // 2
+        return 1.0 if group % 6 == 5 else {"score": 0.0}
 
     w = _Worker(buf, flaky, ["task.reward_failure_limit=6"])
-    w.produce(20)  # returns: 19 failed groups, far past the limit
-    assert w.counters["groups_written"] == 1 and w.counters["groups_reward_failed"] == 19
-    assert _balanced(buf)["dead"] == 19
+    w.produce(36)  # returns: 30 failed groups, never 6 in a row
+    assert w.counters["groups_written"] == 6 and w.counters["groups_reward_failed"] == 30
+    reasons = [d["reason"] for d in buf.dead_letters(count=100)]
+    assert len(reasons) == 30 and all(r.startswith("reward: ValueError: ") for r in reasons), reasons
+    s = _balanced(buf)
+    assert s["depth"] == 6 and s["dead"] == 30
 
 
 def test_reward_failure_limit_zero_never_stops_and_the_warnings_are_throttled(buf, caplog) -> None:
