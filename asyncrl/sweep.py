@@ -35,6 +35,7 @@ from asyncrl.config import Config, ConfigError, LearnerConfig, load_config
 from asyncrl.launch import stop_process
 from asyncrl.lifetime import die_with_parent
 from asyncrl.orchestrator import read_summary
+from asyncrl.proc_identity import start_time as _proc_start  # None for a zombie: it no longer runs
 from asyncrl.sweep_report import SeedRun, write_report
 from asyncrl.sweep_runs import config_value, step_problem
 from asyncrl.sweep_spec import SweepSpec, changed_config, config_hash, flat_config, load_spec
@@ -96,16 +97,6 @@ def is_finished(run: SeedRun) -> bool:
         and read_marker(run).get("status", "ok") == "ok"
         and bad_steps(run) is None
     )
-
-
-def _proc_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks after boot: /proc/<pid>/stat field 22), which tells it
-    from a later process given the same pid; None if there is none (or only its zombie), or no /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def live_child(run: SeedRun) -> int | None:

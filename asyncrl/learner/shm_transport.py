@@ -16,6 +16,7 @@ from typing import Any
 
 from asyncrl.learner.file_transport import WEIGHTS_FILE, FilesystemTransport
 from asyncrl.learner.safetensors_writer import safetensors_header, write_into
+from asyncrl.proc_identity import start_time
 
 __all__ = ["ShmTransport", "reap_orphaned_roots"]
 
@@ -207,12 +208,12 @@ class ShmTransport(FilesystemTransport):
 def _identity(pid: int) -> str | None:
     """``"<pid> <start time> <pid namespace>"`` of a live process (None: gone). The start time (field 22
     of /proc/<pid>/stat) tells a reused pid apart; the namespace, a process this one cannot see."""
+    start = start_time(pid, zombies=True)  # a zombie still holds its pid: not yet free for reuse
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
         ns = os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
         return None
-    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]} {ns}"
+    return None if start is None else f"{pid} {start} {ns}"
 
 
 def reap_orphaned_roots(own: Path) -> list[Path]:
