@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["SHAPES", "BATCHES", "LIMITS", "PEAK_BF16_TFLOPS", "Engine", "build_model", "make_groups", "config",
-           "compare", "fill_behaviour_logprobs", "logprob_precision", "guard_checks", "sync", "alloc_retries",
-           "free"]  # fmt: skip
+           "compare", "fill_behaviour_logprobs", "logprob_precision", "reference_checks", "guard_checks", "sync",
+           "alloc_retries", "free"]  # fmt: skip
 
 #: Qwen2-architecture shapes (untied embeddings, as the tiny demo model: one tensor per name).
 SHAPES: dict[str, dict[str, int]] = {
@@ -257,6 +257,46 @@ def logprob_precision(bf16: Engine, fp32: Engine, groups: list, micro_tokens: in
         k3 = (torch.exp(d) - 1 - d).mean()  # k3 of the log-ratio, as the learner's mismatch_kl
     return {"logp_bf16_vs_fp32_mean_abs": float(d.abs().mean()), "logp_bf16_vs_fp32_max_abs": float(d.abs().max()),
             "mismatch_kl_k3": float(k3), "logp_fp32_vs_fp64_max_abs": float((l32.double() - l64).abs().max())}  # fmt: skip
+
+
+def reference_checks(eng: Engine, model_path: Path, groups: list, micro_tokens: int) -> dict[str, Any]:
+    """The reference model on the policy's device and precision path (learn()'s ReferenceModel).
+
+    At equal weights (``eng`` has only taken lr-0 steps) the reference logprobs must equal the
+    policy's: same dtype, device and :func:`token_logprobs`, so any difference is a second precision
+    path. Then one Trainer step with the reference-KL term on (lr 0): finite, nothing skipped, and
+    its KL 0 up to the difference measured.
+    """
+    import torch
+
+    from asyncrl.learner.batching import LOSS_MASK, collate, plan_mini_batch
+    from asyncrl.learner.logprobs import ReferenceModel, token_logprobs
+    from asyncrl.learner.step import Trainer
+
+    ref = ReferenceModel(model_path, eng.le.dtype, eng.le.device)
+    samples, _ = eng.trainer.samples(groups)
+    plan = plan_mini_batch([s.length for s in samples], list(range(len(samples))), 1, micro_tokens)[0]
+    diff, tokens = 0.0, 0
+    with torch.no_grad():
+        for ix in plan:
+            mb = {k: v.to(eng.trainer.device) for k, v in collate(samples, ix, 0).items()}
+            mask = mb[LOSS_MASK].bool()
+            lp, _ = token_logprobs(eng.le.engine, mb, entropy=False)
+            lr = ref.logprobs(mb)
+            diff = max(diff, float((lp - lr)[mask].abs().max()))
+            tokens += int(mask.sum())
+    lc = eng.cfg.learner
+    cfg = dataclasses.replace(eng.cfg, learner=dataclasses.replace(
+        lc, lr=0.0, loss=dataclasses.replace(lc.loss, ref_kl_coef=0.1)))  # fmt: skip
+    r = Trainer(cfg, eng.le, ref, 0).train(groups, 0)
+    out = {"device": str(next(ref.module.parameters()).device), "policy_device": str(eng.le.device),
+           "dtype": str(ref.dtype), "logp_max_abs_vs_policy": diff, "tokens": tokens, "skipped": r.skipped,
+           "applied": r.optimizer_steps, "ref_kl": r.metrics.get("ref_kl"), "loss": r.metrics.get("loss")}  # fmt: skip
+    out["ok"] = (out["device"] == out["policy_device"] and diff == 0.0 and r.skipped == 0 and r.optimizer_steps == 1
+                 and out["ref_kl"] is not None and abs(out["ref_kl"]) <= 1e-6 and math.isfinite(out["loss"]))  # fmt: skip
+    del ref
+    free()
+    return out
 
 
 def guard_checks(eng: Engine, groups: list) -> dict[str, Any]:

@@ -15,6 +15,8 @@ reference and the bf16 engine compute from identical values. What it measures, o
   bf16 micro-batch gradients autograd handed DeepSpeed (hooks): DeepSpeed must accumulate them in
   fp32 (asyncrl.learner.engine.ds_config). The same gradients summed in bf16 (what ZeRO-0 bf16 does)
   are the control that shows the check can fail;
+* **reference model**: learn()'s ``ReferenceModel`` on the policy's device, its logprobs bitwise the
+  policy's at equal weights (one precision path), and a step with the reference-KL term finite;
 * **non-finite guard**: a NaN loss (NaN behaviour logprobs) and an inf gradient under a finite loss
   (a hook on one parameter) each skip the step, leaving the fp32 master weights and the bf16 module
   weights bitwise unchanged; the next clean step applies;
@@ -24,7 +26,9 @@ reference and the bf16 engine compute from identical values. What it measures, o
 * **ZeRO-1 / 2 / 3**: step time, and the full-weight gather + publish (file and shm transports,
   bf16) against the device-to-host and host-copy floors; the gather as a publish makes it (a CUDA
   policy's host stage, :mod:`asyncrl.learner.host_stage`) beside a pageable ``.to("cpu")`` per
-  tensor, and each published file checked bitwise against the policy's weights.
+  tensor, and each published file checked bitwise against the policy's weights; what the NCCL
+  transport broadcasts from (``named_weights(None)``): on the policy's device, bitwise those weights,
+  the live parameters at ZeRO 1-2 and a gathered copy at ZeRO-3, and how long iterating it takes.
 
 The models, engines and checks live in :mod:`asyncrl.bench.gpu_checks`, the timings in
 :mod:`asyncrl.bench.gpu_timings`; this module runs the sections. Every check's verdict is in the JSON
@@ -55,6 +59,7 @@ from asyncrl.bench.gpu_checks import (
     guard_checks,
     logprob_precision,
     make_groups,
+    reference_checks,
 )
 from asyncrl.bench.gpu_timings import floors, throughput, zero_row
 
@@ -142,6 +147,9 @@ def run(
                 "behaviour", lambda: fill_behaviour_logprobs(bf16_engine(), groups, batch["micro_tokens"])
             )
             res["behaviour_filled"] = "bf16"
+        res["reference"] = section(
+            "reference", lambda: reference_checks(bf16_engine(), model_path, groups, batch["micro_tokens"])
+        )
         res["guard"] = section("guard", lambda: guard_checks(bf16_engine(), groups))
 
         def tp() -> dict:
@@ -182,6 +190,8 @@ def run(
         "publish_bitwise": all(
             z and z["publish_file_bitwise"] and z["publish_shm_bitwise"] for z in res["zero"].values()
         ),
+        "reference_same_path": bool(res["reference"]) and res["reference"]["ok"],
+        "nccl_source": all(z and z["nccl_source_ok"] for z in res["zero"].values()),
         "no_errors": not res["errors"],
     }
     out.write_text(json.dumps(res, indent=1) + "\n")
@@ -195,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     ap.add_argument("--steps", type=int, default=9, help="timed steps per throughput variant (3 rounds)")
     ap.add_argument("--out", required=True, help="JSON results")
-    ap.add_argument("--skip", default="", help="comma-separated sections to leave out (gradient, guard, "
-                    "throughput, zero1, zero2, zero3, floors): the checks of a skipped section read failed")  # fmt: skip
+    ap.add_argument("--skip", default="", help="comma-separated sections to leave out (gradient, reference, "
+                    "guard, throughput, zero1, zero2, zero3, floors): the checks of a skipped section read failed")  # fmt: skip
     args = ap.parse_args(argv)
     from asyncrl.learner.engine import shutdown_distributed
 

@@ -191,11 +191,40 @@ def zero_row(cfg: Any, model_path: Path, groups: list, steps: int, root: Path) -
             if isinstance(tr, ShmTransport):
                 tr.cleanup()
     row.update(publish_breakdown(eng, root))
+    row.update(nccl_source(eng))
     row["tokens"] = sum(len(c.token_ids) + len(g.prompt_token_ids) for g in groups for c in g.completions)
     eng.close()
     del eng
     free()
     return row
+
+
+def nccl_source(eng: Engine) -> dict[str, Any]:
+    """What the NCCL transport broadcasts from (``named_weights(None)``, ``weights_device = None``): every
+    tensor on the policy's own device, bitwise the weights a host publish writes, and at ZeRO 0-2 the
+    live parameters themselves (no copy), at ZeRO-3 a copy of each gathered parameter."""
+    import torch
+
+    host = {k: v.clone() for k, v in eng.le.named_weights()}  # the host stage's views: valid until reused
+    live = {n: p.data_ptr() for n, p in eng.le.module.named_parameters()}
+    sync()
+    t = time.perf_counter()
+    for _n, _v in eng.le.named_weights(None):  # what a broadcast iterates (ZeRO-3: gather + copy each)
+        pass
+    sync()
+    out: dict[str, Any] = {"nccl_source_s": time.perf_counter() - t}
+    devices, equal, shared, n = set(), True, 0, 0
+    for k, v in eng.le.named_weights(None):
+        devices.add(str(v.device))
+        equal = equal and k in host and v.dtype == host[k].dtype and torch.equal(v.to("cpu"), host[k])
+        shared += int(v.data_ptr() == live.get(k))
+        n += 1
+    zero = eng.le.zero_stage
+    out.update(nccl_source_devices=sorted(devices), nccl_source_bitwise=equal and n == len(host),
+               nccl_source_shared=shared, nccl_source_tensors=n)  # fmt: skip
+    out["nccl_source_ok"] = (devices == {str(eng.le.device)} and out["nccl_source_bitwise"]
+                             and shared == (n if zero < 3 else 0))  # fmt: skip
+    return out
 
 
 def publish_breakdown(eng: Engine, root: Path) -> dict[str, float]:

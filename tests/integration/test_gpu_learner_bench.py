@@ -48,6 +48,12 @@ def test_tiny_bf16_learner_path_checks_hold_on_cpu(tmp_path: Path) -> None:
     assert guard["nan_loss"] == {"skipped": 1, "applied": 0, "unchanged": True}
     assert guard["inf_grad"]["skipped"] == 1 and guard["inf_grad"]["unchanged"]
     assert guard["clean"] == {"skipped": 0, "applied": 1, "changed": True, "finite": True}
+    ref = res["reference"]
+    # learn()'s reference model: the policy's device and precision path, so at equal weights its
+    # logprobs are bitwise the policy's and the reference KL of a step is exactly 0.
+    assert ref["device"] == ref["policy_device"] == "cpu" and ref["dtype"] == "torch.bfloat16"
+    assert ref["tokens"] > 0 and ref["logp_max_abs_vs_policy"] == 0.0 and ref["ref_kl"] == 0.0
+    assert ref["skipped"] == 0 and ref["applied"] == 1
     tp = res["throughput"]
     assert tp["alone_micro_batches"] == tp["micro_batches"] == 4  # the sides did the same work
     assert (
@@ -65,6 +71,14 @@ def test_tiny_bf16_learner_path_checks_hold_on_cpu(tmp_path: Path) -> None:
         assert z["finite"] and z["tensors"] == 27
         # bf16 bytes of every parameter plus the safetensors header
         assert 2 * res["params"] < z["bytes"] < 2 * res["params"] + 64 * 1024
+        # The NCCL transport's source: the live parameters at ZeRO 1-2, gathered copies at ZeRO-3, and
+        # bitwise what a host publish writes either way.
+        assert (
+            z["nccl_source_devices"] == ["cpu"]
+            and z["nccl_source_bitwise"]
+            and z["nccl_source_tensors"] == 27
+        )
+        assert z["nccl_source_shared"] == (27 if stage != "3" else 0)
 
 
 @pytest.mark.gpu
