@@ -7,7 +7,6 @@ run.max_restarts replacements (~45 s of engine start each) before the run failed
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,28 +19,23 @@ from asyncrl.config import load_config
 LINE = "actor-0: the reward of task 'verl' (reward at /x/verl_task.py:3) failed for 64 groups in a row"
 
 
-def test_the_supervisor_fails_the_run_on_a_fatal_actor_error_without_replacing_it(buffer) -> None:
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    try:
+def test_the_supervisor_fails_the_run_on_a_fatal_actor_error_without_replacing_it(
+    buffer, ray_one_cpu
+) -> None:
+    ray = ray_one_cpu
 
-        @ray.remote
-        def run() -> None:
-            raise ActorFatalError(LINE)
+    @ray.remote
+    def run() -> None:
+        raise ActorFatalError(LINE)
 
-        replaced: list[int] = []
-        pool = SimpleNamespace(cfg=SimpleNamespace(actors=SimpleNamespace(pool_index=0)), actors=[None],
-                               run_refs=[run.remote()], replace_actor=lambda i, before_spawn: replaced.append(i))  # fmt: skip
-        ray.wait(pool.run_refs)
-        sup = ActorSupervisor(pool, buffer, heartbeat_timeout_s=600, max_restarts=3)
-        with pytest.raises(ActorSupervisionError) as e:
-            sup.poll()
-        assert str(e.value) == f"actor slot 0: {LINE}" and replaced == [] and sup.restarts == [0]
-    finally:
-        if started:
-            ray.shutdown()
+    replaced: list[int] = []
+    pool = SimpleNamespace(cfg=SimpleNamespace(actors=SimpleNamespace(pool_index=0)), actors=[None],
+                           run_refs=[run.remote()], replace_actor=lambda i, before_spawn: replaced.append(i))  # fmt: skip
+    ray.wait(pool.run_refs)
+    sup = ActorSupervisor(pool, buffer, heartbeat_timeout_s=600, max_restarts=3)
+    with pytest.raises(ActorSupervisionError) as e:
+        sup.poll()
+    assert str(e.value) == f"actor slot 0: {LINE}" and replaced == [] and sup.restarts == [0]
 
 
 def test_the_actor_loop_does_not_restart_on_a_fatal_error(

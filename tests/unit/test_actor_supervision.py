@@ -5,7 +5,6 @@ slot 0 of pool 1 must not vouch for a dead slot 0 of pool 0 (or the other way ro
 
 from __future__ import annotations
 
-import logging
 import time
 from types import SimpleNamespace
 
@@ -43,38 +42,31 @@ class _Replacing(SimpleNamespace):
         return True
 
 
-def test_a_slot_without_heartbeat_reclaims_its_own_pools_id(buffer) -> None:
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    try:
-        # Pool 0's live actor-1 holds two admission slots; pool 2's slot 1 held one and died during
-        # engine start-up, before any heartbeat (so the registry has no actor id for it).
-        for owner in ("actor-1", "actor-1", "actor-2-1"):
-            assert buffer.try_admit(max_staleness=1, groups_per_step=4, owner=owner)
-        cfg = SimpleNamespace(actors=SimpleNamespace(pool_index=2))
-        # A ready ref whose value is None: each slot's run call "returned although the run was not stopping".
-        pool = _Replacing(cfg=cfg, actors=[None, None], run_refs=[ray.put(None), ray.put(None)])
-        sup = ActorSupervisor(pool, buffer, heartbeat_timeout_s=60, max_restarts=1)
-        done = sup.poll()
-        assert len(done) == 2 and "(actor-2-0)" in done[0] and "(actor-2-1)" in done[1]
-        assert "1 admission slots reclaimed" in done[1]
-        # Pool 0's actor-1 still holds both of its slots: nothing of it became a credit.
-        assert buffer.reclaim_inflight("actor-1") == 2
-    finally:
-        if started:
-            ray.shutdown()
+def test_a_slot_without_heartbeat_reclaims_its_own_pools_id(buffer, ray_one_cpu) -> None:
+    ray = ray_one_cpu
+    # Pool 0's live actor-1 holds two admission slots; pool 2's slot 1 held one and died during
+    # engine start-up, before any heartbeat (so the registry has no actor id for it).
+    for owner in ("actor-1", "actor-1", "actor-2-1"):
+        assert buffer.try_admit(max_staleness=1, groups_per_step=4, owner=owner)
+    cfg = SimpleNamespace(actors=SimpleNamespace(pool_index=2))
+    # A ready ref whose value is None: each slot's run call "returned although the run was not stopping".
+    pool = _Replacing(cfg=cfg, actors=[None, None], run_refs=[ray.put(None), ray.put(None)])
+    sup = ActorSupervisor(pool, buffer, heartbeat_timeout_s=60, max_restarts=1)
+    done = sup.poll()
+    assert len(done) == 2 and "(actor-2-0)" in done[0] and "(actor-2-1)" in done[1]
+    assert "1 admission slots reclaimed" in done[1]
+    # Pool 0's actor-1 still holds both of its slots: nothing of it became a credit.
+    assert buffer.reclaim_inflight("actor-1") == 2
 
 
-def test_replace_actor_replaces_only_a_confirmed_death() -> None:
+def test_replace_actor_replaces_only_a_confirmed_death(ray_one_cpu) -> None:
     """ActorPool.replace_actor on real Ray actors: the reclaim hook runs and a new incarnation starts
     once the killed actor's run call has failed (it can no longer write). While that call is not
     resolved at the timeout neither happens, since the new incarnation would reclaim the slot's
     in-flight slots itself as it starts; a later call, once the death is confirmed, replaces it.
     (Unconfirmed is made deterministic by handing the pool a run call of another, live actor: a kill
     itself is confirmed within milliseconds here, even at timeout 0.)"""
-    ray = pytest.importorskip("ray")
+    ray = ray_one_cpu
     from asyncrl.actors.pool import ActorPool
 
     @ray.remote(num_cpus=0)
@@ -83,9 +75,6 @@ def test_replace_actor_replaces_only_a_confirmed_death() -> None:
             while True:
                 time.sleep(0.05)
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     bystander = Looping.remote()
     try:
         pool = ActorPool.__new__(ActorPool)
@@ -113,5 +102,3 @@ def test_replace_actor_replaces_only_a_confirmed_death() -> None:
         assert ray.wait([pool.run_refs[0]], timeout=0.5)[0] == []  # the new incarnation runs
     finally:
         ray.kill(bystander)
-        if started:
-            ray.shutdown()
