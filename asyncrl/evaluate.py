@@ -35,7 +35,7 @@ from typing import Any
 
 from asyncrl.tasks import Prompt, Task, prompt_token_ids
 from asyncrl.tasks.registry import require_eval_prompts
-from asyncrl.tasks.render_check import check_prompt_rendering, render_failure
+from asyncrl.tasks.render_check import check_prompt_rendering, load_tokenizer, render_failure
 
 __all__ = ["EvalResult", "evaluate_llm", "PeriodicEval", "eval_model_dir", "require_eval_prompts"]
 
@@ -169,11 +169,9 @@ def eval_model_dir(cfg: Any, model_dir: str, version: int = -1) -> EvalResult:
     # Before the tokenizer and the engine: a vLLM start costs from ~30 s (tiny model, CPU) to minutes,
     # all of it wasted when there is nothing to score (gsm8k's defaults hold no eval split).
     require_eval_prompts(task)
-    from transformers import AutoTokenizer
-
     from asyncrl.actors.engine import Engine
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(cfg, str(model_dir))  # a ConfigError naming the dir when it cannot load
     # Before the engine too: a chat template that refuses the config (a Gemma template and
     # task.system_prompt) is a one-line ConfigError, not a Jinja traceback after the engine started.
     check_prompt_rendering(cfg, task.eval_prompts[0], tokenizer, str(model_dir))

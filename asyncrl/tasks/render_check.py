@@ -14,18 +14,33 @@ generation loop, whose restarts and replacements crash-looped for minutes with 0
 * :func:`render_failure` is the reason a prompt that still fails at run time (a template that refuses
   only some prompts) is dead-lettered with, as an engine-refused prompt is.
 
+The tokenizer itself must load (:func:`load_tokenizer`), whether or not it has a chat template: every
+actor loads it before its engine starts. A tokenizer that could not load (a corrupt ``tokenizer.json``)
+used to skip this check without a word; each actor then failed on it, its loop restarts and
+replacements printing transformers' traceback for minutes (``JSONDecodeError: Unterminated string
+... (char 1719)``, naming no file), and the run ended 0 steps later with that line. Now it is one
+ConfigError naming ``model.path`` and why (the tokenizer file that is not valid JSON, when one is not);
+so is a directory without any tokenizer file, of which transformers silently makes an empty tokenizer.
+
 Imports neither torch, vllm nor ray at module level: ``transformers`` (which loads torch, ~3 s) only
-when a chat template will actually be applied.
+when a model directory's tokenizer is loaded (``model.path`` set; the tiny model has none to check).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from .chat import prompt_token_ids
 
-__all__ = ["check_prompt_rendering", "render_failure"]
+__all__ = ["check_prompt_rendering", "load_tokenizer", "render_failure"]
+
+#: Files a saved tokenizer has at least one of (save_pretrained always writes tokenizer_config.json).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+#: The tokenizer files of a Hugging Face model directory that are JSON (named when one does not parse).
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                  "vocab.json", "chat_template.json")  # fmt: skip
 
 
 def render_failure(cfg: Any, prompt_id: str, e: BaseException) -> str:
@@ -36,29 +51,63 @@ def render_failure(cfg: Any, prompt_id: str, e: BaseException) -> str:
     return f"prompt {prompt_id!r} could not be rendered ({keys}): {type(e).__name__}: {e}"
 
 
+def load_tokenizer(cfg: Any, model_dir: str) -> Any:
+    """The tokenizer of ``model_dir`` as the actors load it, or a :class:`ConfigError` (one line) naming
+    the key that points there (``model.path``, else the model dir given) and why it cannot load."""
+    from asyncrl.config import ConfigError  # here, not at the top: asyncrl.config imports asyncrl.tasks
+
+    where = f"model.path={model_dir!r}" if model_dir == cfg.model.path else f"model dir {model_dir!r}"
+    p = Path(model_dir).expanduser()
+    if not any((p / name).exists() for name in TOKENIZER_FILES):
+        # transformers builds an empty tokenizer (a vocabulary of 1) from config.json alone, without a word.
+        raise ConfigError(
+            f"{where}: no tokenizer files there (none of {', '.join(TOKENIZER_FILES)}); every actor loads the "
+            "tokenizer from the model directory: copy the model's tokenizer files into it"
+        )
+    from transformers import AutoTokenizer  # the actor's loader (asyncrl.actors.actor._start_engine)
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:
+        # transformers' own error names no file (a JSONDecodeError says where in which file it is not)
+        bad = _unparsable_json(p)
+        why = "; ".join(bad) if bad else f"{type(e).__name__}: {e}".splitlines()[0]
+        fix = ("restore those files (copy them again from the model's source)" if bad else
+               "fix the model directory so that transformers.AutoTokenizer.from_pretrained loads it")  # fmt: skip
+        raise ConfigError(
+            f"{where}: its tokenizer cannot be loaded ({why}); every actor loads it before its engine starts: {fix}"
+        ) from None
+
+
+def _unparsable_json(p: Path) -> list[str]:
+    """The :data:`TOKENIZER_JSON` files of ``p`` that are not valid JSON (transformers' error names none)."""
+    bad = []
+    for name in TOKENIZER_JSON:
+        try:
+            json.loads((p / name).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            bad.append(f"{p / name} is not valid JSON ({e})")
+    return bad
+
+
 def check_prompt_rendering(
     cfg: Any, prompt: Any, tokenizer: Any = None, model_dir: str | None = None
 ) -> None:
     """Render ``prompt`` as the actors will; a :class:`ConfigError` (one line) if that fails.
 
     ``tokenizer``: the one the caller loaded already (``asyncrl eval``); else the tokenizer of
-    ``model_dir`` (default ``model.path``) is loaded, but only when a chat template applies: plain text
-    is never refused, and the tiny model (``model.path`` empty) has no template.
+    ``model_dir`` (default ``model.path``) is loaded (:func:`load_tokenizer`: a ConfigError when it
+    cannot be); the tiny model (``model.path`` empty) is built by asyncrl and has no template.
     """
     from asyncrl.config import ConfigError  # here, not at the top: asyncrl.config imports asyncrl.tasks
-    from asyncrl.config.checks import _has_chat_template  # the model-dir check's own notion of "has one"
 
     model_dir = str(model_dir or cfg.model.path or "")
     if tokenizer is None:
-        path = Path(model_dir).expanduser()
-        if not model_dir or cfg.model.chat_template == "off" or not _has_chat_template(path):
+        if not model_dir:
             return
-        from transformers import AutoTokenizer  # the actor's loader (asyncrl.actors.actor._start_engine)
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
-        except Exception:  # not this check's question (what the template makes of the config): no verdict
-            return
+        tokenizer = load_tokenizer(cfg, model_dir)
     try:
         prompt_token_ids(tokenizer, prompt.text, cfg.model.chat_template, cfg.task.system_prompt)
     except Exception as e:

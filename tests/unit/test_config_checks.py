@@ -175,10 +175,16 @@ def test_the_reviewers_command_now_fails(capsys):
 
 
 def _model_dir(tmp_path, max_pos=1024, template=False, **extra):
+    """A model dir as far as the start-up checks read it: config.json and a tokenizer that loads (the
+    tiny model's; the checks load it as every actor does), with a chat template when ``template``."""
+    from asyncrl.tinymodel import build_tokenizer
+
     d = tmp_path / "model"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps({"max_position_embeddings": max_pos, **extra}))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"} if template else {}))
+    tok = build_tokenizer()
+    tok.chat_template = "{{ messages[0]['content'] }}" if template else None
+    tok.save_pretrained(d)
     return d
 
 
@@ -189,7 +195,11 @@ def test_model_dir_checks(tmp_path):
         cli._check_model_path(load_config(overrides=[f"model.path={d}", "model.max_model_len=2048"]))
     with pytest.raises(ConfigError, match="model.chat_template='on' but the tokenizer"):
         cli._check_model_path(load_config(overrides=[f"model.path={d}", "model.chat_template=on"]))
-    d = _model_dir(tmp_path, template=True, rope_scaling={"type": "yarn", "factor": 4.0})
+    d = _model_dir(
+        tmp_path,
+        template=True,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    )
     cli._check_model_path(load_config(overrides=[f"model.path={d}", "model.chat_template=on",
                                                  "model.max_model_len=4096"]))  # fmt: skip
 

@@ -100,3 +100,84 @@ def test_eval_checks_before_its_engine_starts(gemma: Path, monkeypatch) -> None:
         ConfigError, match=r"task.system_prompt='Hi'\): TemplateError: System role not supported"
     ):
         eval_model_dir(_cfg(gemma, "task.system_prompt=Hi"), str(gemma))
+
+
+def _corrupt(model: Path) -> Path:
+    """``model`` with its tokenizer.json cut in half (a copy interrupted, a disk filled up)."""
+    text = (model / "tokenizer.json").read_text()
+    (model / "tokenizer.json").write_text(text[: len(text) // 2])
+    return model
+
+
+@pytest.mark.parametrize(
+    "template, overrides",
+    [(CHATML, []), (CHATML, ["model.chat_template=off"]), ("", [])],
+    ids=["chat-template", "template-off", "no-template"],
+)
+def test_a_tokenizer_that_cannot_load_fails_the_task_check_naming_model_path(
+    tmp_path: Path, template: str, overrides: list[str]
+) -> None:
+    """Before, the check gave no verdict (or, without a template, never loaded it) and every actor then
+    failed loading it: loop restarts and replacements for minutes, ending with transformers'
+    'JSONDecodeError: Unterminated string ...', which names no file."""
+    model = _corrupt(_model_dir(tmp_path / "m", template) if template else _plain_model_dir(tmp_path / "m"))
+    with pytest.raises(ConfigError) as e:
+        check_task(_cfg(model, *overrides))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(
+        f"model.path={str(model)!r}: its tokenizer cannot be loaded ({model / 'tokenizer.json'} is not valid "
+        "JSON (Unterminated string starting at: line "
+    ), msg
+    assert msg.endswith("every actor loads it before its engine starts: restore those files (copy them again "
+                        "from the model's source)")  # fmt: skip
+
+
+def _plain_model_dir(root: Path) -> Path:
+    """A model directory whose tokenizer has no chat template (a base model)."""
+    d = _model_dir(root, CHATML)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    return d
+
+
+def test_a_model_dir_without_tokenizer_files_fails_the_task_check(tmp_path: Path) -> None:
+    """transformers makes an empty tokenizer (a vocabulary of 1) of a dir with config.json alone."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "max_position_embeddings": 4096})
+    )
+    with pytest.raises(
+        ConfigError, match=r"^model\.path='.*': no tokenizer files there \(none of tokenizer_config"
+    ):
+        check_task(_cfg(tmp_path))
+
+
+@pytest.mark.parametrize("cmd", ["run", "serve-actors", "eval"])
+def test_the_cli_stops_on_a_tokenizer_that_cannot_load_with_one_line(
+    cmd: str, tmp_path: Path, capsys
+) -> None:
+    from asyncrl.cli import main
+
+    model = _corrupt(_model_dir(tmp_path / "m", CHATML))
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    argv = [cmd, str(model)] if cmd == "eval" else [cmd, f"model.path={model}"]
+    assert main([*argv, f"run.dir={runs}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"asyncrl: error: model.path={str(model)!r}: its tokenizer cannot"
+    ), err
+    assert not list(runs.iterdir())  # nothing started, no run dir written
+
+
+def test_eval_of_an_export_names_the_model_dir_whose_tokenizer_cannot_load(tmp_path: Path) -> None:
+    """`asyncrl eval RUN_DIR` loads the exported dir's tokenizer itself (no CLI task check there)."""
+    from asyncrl.evaluate import eval_model_dir
+
+    model = _corrupt(_model_dir(tmp_path / "m", CHATML))
+    with pytest.raises(
+        ConfigError, match=rf"^model dir '{model}': its tokenizer cannot be loaded \({model}/tok"
+    ):
+        eval_model_dir(load_config(), str(model))
