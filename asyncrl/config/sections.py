@@ -171,7 +171,11 @@ class TaskConfig:
         ge=0,
     )
     prompt_column: str = F("prompt", "Data column holding the prompt text (user turn).")
-    target_column: str = F("", "Data column holding the reference answer (Prompt.target; empty = none).")
+    target_column: str = F(
+        "",
+        "Data column holding the reference answer (Prompt.target, as text: a JSON number as the file writes "
+        "it, 3 -> '3', also in a column mixing ints and floats; empty = none).",
+    )
     system_prompt: str = F("", "System message put before every prompt when a chat template is used.")
     params: dict[str, Any] = F({}, "Free-form options for a plug-in task factory (task_cfg.params).")
     num_prompts: int = F(4096, "Size of the generated prompt set for the tiny tasks.", ge=1)

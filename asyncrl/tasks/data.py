@@ -22,6 +22,11 @@ line (not UTF-8, not JSON, not an object) or that the file is empty.
 Each row becomes a :class:`Prompt`: ``text`` = the ``task.prompt_column`` value, ``target`` = the
 ``task.target_column`` value as a string (empty when that option is empty), ``meta`` = every other
 column (the reward function's ``metadata``). ``datasets`` is imported only when a file is read.
+
+A JSON (Lines) number reaches the task as the file writes it: ``3`` as the int 3 (target ``"3"``) and
+``2.5`` as 2.5, also where one column mixes them (``datasets`` reads such a column as floats:
+:func:`_json_ints` puts the file's ints back). Parquet and saved datasets have typed columns: a float
+column's ``3.0`` is ``"3.0"``.
 """
 
 from __future__ import annotations
@@ -68,7 +73,38 @@ def load_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
         )
     if split != "train":
         raise TaskDataError(f"{p}: a file has no splits (it is read whole); split {split!r} cannot be read")
-    return _read(reader, p)
+    rows = _read(reader, p)
+    return _json_ints(p, rows) if reader is datasets.Dataset.from_json else rows
+
+
+def _json_ints(p: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` of JSON (Lines) file ``p`` with each top-level number an int where the file writes an int.
+
+    Why: Arrow gives a column one type, so ``datasets`` reads a column holding ``3`` and ``2.5`` as
+    floats: row one's target reached the reward as ``"3.0"`` (an exact-match reward then refused the
+    model's ``3``), and an int past 2**53 lost digits. Such a column holds integral floats, so only
+    then is the file parsed again (the standard ``json`` module keeps each number's own type) and the
+    file's ints put back, row by row, in every top-level column (the reward's metadata too); a float
+    the file writes (``3.0``) stays one. Rows that cannot be matched to the file's (the same count)
+    are left as ``datasets`` read them."""
+    if not any(isinstance(v, float) and v.is_integer() for row in rows for v in row.values()):
+        return rows
+    text = p.read_text(encoding="utf-8-sig")  # read by datasets already: valid UTF-8 JSON
+    try:
+        if text.lstrip().startswith("["):  # one JSON document: a list of rows
+            raw = json.loads(text)
+        else:
+            raw = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except ValueError:
+        return rows
+    if len(raw) != len(rows) or not all(isinstance(r, dict) for r in raw):
+        return rows
+    for row, src in zip(rows, raw, strict=True):
+        for key, value in row.items():
+            own = src.get(key)
+            if isinstance(value, float) and type(own) is int and float(own) == value:
+                row[key] = own
+    return rows
 
 
 def _read(reader: Any, p: Path) -> list[dict[str, Any]]:

@@ -280,6 +280,40 @@ def test_a_data_column_named_target_reaches_the_reward_and_a_collision_is_refuse
     assert asyncio.run(task.score(task.prompts[0], "")) == 1.0 and seen[-1]["target"] == ""  # none: ""
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_numbers_of_a_mixed_int_float_json_column_reach_the_reward_as_the_file_writes_them(tmp_path, fmt):
+    """Arrow reads a column holding 3 and 2.5 as floats: the target of the row written 3 was "3.0", so an
+    exact-match reward scored 0 on the model's right answer "3" (and an int past 2**53 lost digits)."""
+    import asyncio
+
+    from asyncrl.tasks import dataset_task
+
+    rows = [{"prompt": "1+2", "answer": 3, "level": 1}, {"prompt": "5/2", "answer": 2.5, "level": 1.5},
+            {"prompt": "big", "answer": 12345678901234567, "level": 2}, {"prompt": "neg", "answer": -7, "level": 2},
+            {"prompt": "float", "answer": 3.0, "level": 3}]  # fmt: skip
+    data = tmp_path / f"d.{fmt}"
+    if fmt == "jsonl":
+        data.write_text("".join(json.dumps(r) + "\n" + ("\n" if i == 1 else "") for i, r in enumerate(rows)))
+    else:
+        data.write_text(json.dumps(rows, indent=1))
+    seen: list[dict] = []
+
+    def exact(prompt, completion, metadata):
+        seen.append(metadata)
+        return float(completion.strip() == metadata["target"])
+
+    task = dataset_task(TaskConfig(data_path=str(data), target_column="answer"), 0, exact, name="arith")
+    by_text = {p.text: p for p in task.prompts}
+    assert {t: p.target for t, p in by_text.items()} == {
+        "1+2": "3", "5/2": "2.5", "big": "12345678901234567", "neg": "-7", "float": "3.0",
+    }  # fmt: skip
+    assert asyncio.run(task.score(by_text["1+2"], " 3")) == 1.0 and seen[-1]["target"] == "3"
+    assert asyncio.run(task.score(by_text["float"], "3.0")) == 1.0  # a float the file writes stays one
+    levels = {t: p.meta["level"] for t, p in by_text.items()}  # the other columns too (the reward's metadata)
+    assert levels == {"1+2": 1, "5/2": 1.5, "big": 2, "neg": 2, "float": 3}
+    assert all(type(v) is int for t, v in levels.items() if t != "5/2")
+
+
 def test_eval_data_path_and_size_cap(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
