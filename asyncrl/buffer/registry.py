@@ -36,12 +36,28 @@ LEARNER_HEARTBEAT_S = 5.0
 #: ``asyncrl status`` calls a learner silent this long (and not stopped) gone or frozen.
 LEARNER_SILENT_S = 3 * LEARNER_HEARTBEAT_S
 
-# KEYS: weights, version. ARGV: version (decimal), manifest bytes, versions channel, notification.
-# Stores the manifest, sets V and notifies, in that order, in one call; returns the receivers.
+# KEYS: weights, version. ARGV: version (decimal), manifest bytes, versions channel, notification, keep.
+# Stores the manifest, sets V, deletes the manifests of all but the newest `keep` versions (keep 0:
+# none), then notifies, in that order, in one call; returns {receivers, dropped version, ...}. Only
+# decimal keys are versions (what publishers write); any other key of the hash is left alone.
 PUBLISH_WEIGHTS_LUA = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('SET', KEYS[2], ARGV[1])
-return redis.call('PUBLISH', ARGV[3], ARGV[4])
+local keep = tonumber(ARGV[5]) or 0
+local out = {0}
+if keep > 0 then
+  local held = {}
+  for _, key in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.match(key, '^%d+$') then table.insert(held, {tonumber(key), key}) end
+  end
+  table.sort(held, function(a, b) return a[1] < b[1] end)
+  for i = 1, #held - keep do
+    redis.call('HDEL', KEYS[1], held[i][2])
+    table.insert(out, held[i][2])
+  end
+end
+out[1] = redis.call('PUBLISH', ARGV[3], ARGV[4])
+return out
 """
 
 
@@ -72,6 +88,19 @@ class RunRegistry:
         Returns the number of subscribers that received the notification. Subscribers can
         miss notifications while disconnected, so they should also poll :meth:`version`.
         """
+        return self.publish_weights_pruned(manifest, 0)[0]
+
+    def publish_weights_pruned(self, manifest: WeightManifest, keep_versions: int) -> tuple[int, list[int]]:
+        """:meth:`publish_weights` that also deletes the manifests of all but the newest
+        ``keep_versions`` versions (0: none) before it notifies, in the same script call.
+
+        Returns ``(receivers, dropped versions ascending)``; the caller frees the dropped versions'
+        storage. One round trip: the learner's publish made three (register, HKEYS, HDEL), the last two
+        after the notification had woken the actors, whose swap then shared the cores with them. A
+        retried call drops nothing more and so returns no version the first call dropped.
+        """
+        if keep_versions < 0:
+            raise ValueError("keep_versions must be >= 0")
         k = self.keys
         data = manifest.to_bytes()
         note = {
@@ -81,8 +110,10 @@ class RunRegistry:
             "sha256": manifest.sha256,
             "manifest": data,  # the registered bytes
         }
-        args = [str(manifest.version), data, k.versions_channel, msgpack.packb(note, use_bin_type=True)]
-        return int(self._publish_weights_script(keys=[k.weights, k.version], args=args))
+        args = [str(manifest.version), data, k.versions_channel, msgpack.packb(note, use_bin_type=True),
+                str(int(keep_versions))]  # fmt: skip
+        out = self._publish_weights_script(keys=[k.weights, k.version], args=args)
+        return int(out[0]), [int(v) for v in out[1:]]
 
     def manifest(self, version: int) -> WeightManifest | None:
         data = self._client.hget(self.keys.weights, str(version))
