@@ -215,6 +215,9 @@ def learn(
         while not (max_steps and state.step >= max_steps):
             t_step = time.monotonic()
             if r0 is not None:
+                # The storage of the versions the last publish unregistered, freed while the actors
+                # generate (not in the next publish, which a synchronous run's actors wait for).
+                r0.publisher.free_unregistered()
                 # The state and since when (unix s), written once as it begins: asyncrl status tells a
                 # learner waiting for data from one stuck in a step (a frozen one).
                 now = time.time()
@@ -227,8 +230,11 @@ def learn(
                     cb(0.0)
                 if batch is not None:
                     r0.buffer.set_learner_status({"state": "training", "since": time.time()})
+                # Other ranks get the groups encoded; a single rank trains on its own (encoding the
+                # step's groups cost ~0.5 ms between a synchronous run's batch and its step).
+                groups_out = [encode(g) for g in batch.groups] if batch is not None and world > 1 else []
                 msg = {"kind": "stop"} if batch is None else {
-                    "kind": "batch", "version": state.version, "groups": [encode(g) for g in batch.groups]}  # fmt: skip
+                    "kind": "batch", "version": state.version, "groups": groups_out}  # fmt: skip
             else:
                 msg = None
             while True:

@@ -364,3 +364,41 @@ def test_publish_policy_taken_publishes_every_step_at_max_staleness_0(tmp_path) 
     assert all(_publish_due(cfg, None, step, 0, 1, 1) for step in range(1, 5))  # r0=None: no Redis read
     cfg.learner.publish_policy, cfg.learner.publish_every = "steps", 3
     assert [_publish_due(cfg, None, s, 0, 1, 1) for s in range(1, 7)] == [False, False, True] * 2
+
+
+def test_unregistered_weights_are_freed_before_the_learner_waits(
+    redis_url, redis_client, run_name, sampler, tmp_path
+) -> None:
+    """A publish unregisters the oldest version and frees its storage at the top of the next step,
+    while the actors generate (asyncrl.learner.publisher): by the time the learner waits for a batch,
+    the weights on disk are exactly the registered ones. A single rank never encodes its batch."""
+    from asyncrl.learner import loop
+
+    rdir = tmp_path / "run"
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=100, keep_versions=2)
+    cfg.run.max_steps = 4
+    buf = ReplayBuffer(redis_client, run_name)
+    for g in sample_groups(sampler, 8, seed=31):
+        buf.put(g)
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def on_wait(now: float) -> None:
+        if now:
+            on_disk = sorted(int(d.name[1:]) for d in (rdir / "weights").glob("v*") if d.is_dir())
+            seen.append((on_disk, buf.manifest_versions()))
+
+    def no_encode(group):  # a one-rank learner trains on the groups it read: nothing to send
+        raise AssertionError("a single rank encoded its batch")
+
+    dist_env()
+    real = loop.encode
+    loop.encode = no_encode
+    try:
+        state = learn(cfg, rdir, on_wait=[on_wait])
+    finally:
+        loop.encode = real
+    assert state.step == 4 and state.version == 4
+    assert [r for _d, r in seen] == [[0], [0, 1], [1, 2], [2, 3]]
+    assert all(d == r for d, r in seen), seen
+    assert buf.manifest_versions() == [3, 4]
+    assert sorted(d.name for d in (rdir / "weights").glob("v*")) == ["v3", "v4"]  # close freed v2
