@@ -332,7 +332,11 @@ class WeightTransport(abc.ABC):
         """
 
     def delete(self, version: int) -> None:  # noqa: B027 - optional hook, no-op by default
-        """Free the storage of an old version (called after ``prune_manifests``)."""
+        """Free the storage of an old version (called once the registry no longer lists it)."""
+
+    def stored_versions(self) -> list[int]:
+        """The versions whose storage this transport holds (a transport that stores nothing: none)."""
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """The learner is done publishing: release what only lives while it runs (shared memory)."""

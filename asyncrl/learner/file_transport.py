@@ -176,6 +176,14 @@ class FilesystemTransport(WeightTransport):
     def delete(self, version: int) -> None:
         shutil.rmtree(self.version_dir(version), ignore_errors=True)
 
+    def stored_versions(self) -> list[int]:
+        """The ``v<N>`` directories under the root (a publish's temporary directories are not versions)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            int(d.name[1:]) for d in self.root.iterdir() if d.name[1:].isdigit() and d.name[0] == "v"
+        )
+
     def _write(self, path: Path, tensors: dict[str, Any], metadata: dict[str, str]) -> tuple[str, int]:
         """Write the version's file at ``path`` (inside its temporary directory): (sha256 or "", size)."""
         return write_safetensors(

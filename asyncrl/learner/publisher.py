@@ -86,10 +86,15 @@ class Publisher:
 
     Nothing follows the notification: it wakes the actors, whose swap is the critical path of a
     synchronous run and shared the learner's cores with what came after it (two more round trips to
-    prune, then the deletes: 2-5 ms of a ~65 ms demo step). A version's storage is freed at the next
-    publish (or :meth:`close`), so one unregistered version outlives its manifest by a step: no reader
-    finds it through the registry, and a reader that took its manifest earlier can still finish. The
-    shm transport recycles that file for the next version just the same.
+    prune, then the deletes: 2-5 ms of a ~65 ms demo step). The storage of the versions a publish
+    unregistered is freed by :meth:`free_unregistered`, which the learner calls at the top of its next
+    step while the actors generate (else the next publish, or :meth:`close`, does): no reader finds such a
+    version through the registry any more. The shm transport recycles that file for the next version
+    just the same.
+
+    A learner killed before that (or a retried script call whose first reply was lost, naming versions a
+    previous process wrote) would leave them stored for good: the first publish of a publisher also
+    frees every stored version the registry does not list and that is older than the one it registered.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class Publisher:
         self.dtype = dtype
         self._written: list[int] = []  # versions this publisher wrote and has not freed, ascending
         self._unregistered: set[int] = set()  # dropped from the registry, storage not freed yet
+        self._swept = False  # the first publish looked for stored versions nobody will free
 
     def publish(self, version: int, weights: Mapping[str, Any] | Callable[[], Iterable]) -> WeightManifest:
         self.free_unregistered()
@@ -110,6 +116,12 @@ class Publisher:
         # Also this publisher's own versions beyond the newest kept: a retried script call (a lost
         # reply) reports nothing it dropped the first time.
         self._unregistered.update(dropped, self._written[: -self.keep_versions])
+        if not self._swept:  # once, after the notification: one HKEYS and a directory listing
+            registered = set(self.buffer.manifest_versions())
+            self._unregistered.update(
+                v for v in self.transport.stored_versions() if v not in registered and v < version
+            )
+            self._swept = True
         return manifest
 
     def free_unregistered(self) -> None:

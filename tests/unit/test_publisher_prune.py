@@ -54,7 +54,9 @@ def test_publish_prunes_like_prune_manifests_in_the_same_call(buffer, tmp_path) 
     assert buffer.publish_weights(_manifest(tmp_path, 1000)) == 0 and len(buffer.manifest_versions()) == n + 1
 
 
-def test_the_notification_finds_the_registry_already_pruned(buffer, tmp_path) -> None:
+def test_a_notified_subscriber_finds_the_registry_pruned(buffer, tmp_path) -> None:
+    """What a woken actor reads: the new version and the kept ones only (the script is atomic, so
+    this checks the prune happened in the call that notified, not its order inside the script)."""
     sub = buffer.subscribe_versions()
     try:
         for v in range(1, 6):
@@ -92,8 +94,10 @@ def test_a_publish_is_one_round_trip_and_frees_storage_at_the_next(
         for v in range(3):
             client.sent.clear()
             pub.publish(v, _weights(v))
-            # One script call (redis-py's EVALSHA, or SCRIPT LOAD + EVALSHA the first time) and nothing else.
-            assert [c for c in client.sent if c != "script load"] == ["evalsha"], client.sent
+            # One script call (redis-py's EVALSHA, or SCRIPT LOAD + EVALSHA the first time) and nothing
+            # else; the publisher's first publish then reads the registry once (its sweep), after it.
+            want = ["evalsha", "hkeys"] if v == 0 else ["evalsha"]
+            assert [c for c in client.sent if c != "script load"] == want, client.sent
         # v0 left the registry at the publish of v2; its storage waits for the next publish.
         assert buffer.manifest_versions() == [1, 2] and exists(0) and exists(1) and exists(2)
         pub.publish(3, _weights(3))
@@ -113,3 +117,31 @@ def test_a_publish_is_one_round_trip_and_frees_storage_at_the_next(
         assert not exists(3) and exists(4) and exists(5)
     else:
         assert not transport.root.exists()
+
+
+def test_the_first_publish_frees_what_a_killed_learner_left_unregistered(buffer, tmp_path) -> None:
+    """A learner killed between a publish and the free of what it unregistered (or a retried script
+    whose first reply was lost) leaves versions stored that no registry lists and no process remembers:
+    the next learner's first publish frees those older than the version it registers, and only those."""
+    root = tmp_path / "weights"
+    old = Publisher(buffer, FilesystemTransport(root), keep_versions=2, dtype="float32")
+    for v in range(4):
+        old.publish(v, _weights(v))
+    # kill -9 here: v1 is unregistered with its storage pending; v0 was freed at the publish of v3.
+    assert buffer.manifest_versions() == [2, 3] and sorted(d.name for d in root.iterdir()) == [
+        "v1",
+        "v2",
+        "v3",
+    ]
+    (root / "v9").mkdir()  # an unregistered version newer than any registered one: not ours to judge
+    (root / ".tmp-v4-1-abc").mkdir()  # a publish's temporary directory is no version
+    transport = FilesystemTransport(root)
+    assert transport.stored_versions() == [1, 2, 3, 9]
+    new = Publisher(buffer, transport, keep_versions=2, dtype="float32")
+    new.publish(4, _weights(4))
+    assert buffer.manifest_versions() == [3, 4]
+    new.free_unregistered()
+    assert transport.stored_versions() == [3, 4, 9]
+    new.publish(5, _weights(5))  # the sweep ran once: later publishes free only what they drop
+    new.free_unregistered()
+    assert transport.stored_versions() == [4, 5, 9]
