@@ -94,7 +94,8 @@ def _json_ints(p: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if text.lstrip().startswith("["):  # one JSON document: a list of rows
             raw = json.loads(text)
         else:
-            raw = [json.loads(line) for line in text.splitlines() if line.strip()]
+            # "\n" only: splitlines() also cuts at U+2028/U+2029/\x85, legal unescaped inside JSON strings.
+            raw = [json.loads(line) for line in text.split("\n") if line.strip()]
     except ValueError:
         return rows
     if len(raw) != len(rows) or not all(isinstance(r, dict) for r in raw):
@@ -148,7 +149,7 @@ def _json_problem(p: Path) -> str | None:
     except json.JSONDecodeError as e:
         if text.lstrip().startswith("["):  # one document, not one object per line: its own position
             return f"{p}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):  # as JSON Lines: \n only
         if not line.strip():
             continue
         try:

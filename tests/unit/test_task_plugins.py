@@ -290,10 +290,12 @@ def test_numbers_of_a_mixed_int_float_json_column_reach_the_reward_as_the_file_w
 
     rows = [{"prompt": "1+2", "answer": 3, "level": 1}, {"prompt": "5/2", "answer": 2.5, "level": 1.5},
             {"prompt": "big", "answer": 12345678901234567, "level": 2}, {"prompt": "neg", "answer": -7, "level": 2},
-            {"prompt": "float", "answer": 3.0, "level": 3}]  # fmt: skip
+            {"prompt": "float", "answer": 3.0, "level": 3},
+            {"prompt": "para\u2028sep", "answer": 4, "level": 4}]  # fmt: skip
     data = tmp_path / f"d.{fmt}"
-    if fmt == "jsonl":
-        data.write_text("".join(json.dumps(r) + "\n" + ("\n" if i == 1 else "") for i, r in enumerate(rows)))
+    if fmt == "jsonl":  # unescaped U+2028 (legal inside a JSON string; str.splitlines() cuts there)
+        data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" + ("\n" if i == 1 else "")
+                                for i, r in enumerate(rows)), encoding="utf-8")  # fmt: skip
     else:
         data.write_text(json.dumps(rows, indent=1))
     seen: list[dict] = []
@@ -305,12 +307,12 @@ def test_numbers_of_a_mixed_int_float_json_column_reach_the_reward_as_the_file_w
     task = dataset_task(TaskConfig(data_path=str(data), target_column="answer"), 0, exact, name="arith")
     by_text = {p.text: p for p in task.prompts}
     assert {t: p.target for t, p in by_text.items()} == {
-        "1+2": "3", "5/2": "2.5", "big": "12345678901234567", "neg": "-7", "float": "3.0",
+        "1+2": "3", "5/2": "2.5", "big": "12345678901234567", "neg": "-7", "float": "3.0", "para\u2028sep": "4",
     }  # fmt: skip
     assert asyncio.run(task.score(by_text["1+2"], " 3")) == 1.0 and seen[-1]["target"] == "3"
     assert asyncio.run(task.score(by_text["float"], "3.0")) == 1.0  # a float the file writes stays one
     levels = {t: p.meta["level"] for t, p in by_text.items()}  # the other columns too (the reward's metadata)
-    assert levels == {"1+2": 1, "5/2": 1.5, "big": 2, "neg": 2, "float": 3}
+    assert levels == {"1+2": 1, "5/2": 1.5, "big": 2, "neg": 2, "float": 3, "para\u2028sep": 4}
     assert all(type(v) is int for t, v in levels.items() if t != "5/2")
 
 
