@@ -54,6 +54,7 @@ class GroupProduction:
     # The reward circuit breaker's state (_reward_failed): for the process's life, across loop restarts.
     _reward_failures_in_a_row: int = 0
     _reward_groups_scored: int = 0  # groups whose rewards succeeded (any: the count of failures restarts)
+    _reward_failing_since: float = 0.0  # time.monotonic() of the streak's first failure
 
     async def _admit(self, info: dict[str, Any] | None = None) -> bool:
         """Take one admission slot, waiting while the staleness bound is reached; False on stop.
@@ -216,17 +217,25 @@ class GroupProduction:
         spared a reward that had succeeded at all, and such a run generated and dead-lettered every
         group for as long as it was let run. A reward that fails sometimes (a flaky verifier, odd
         completions) is not a broken one: a success between its failures restarts the count, so only
-        its failing groups are dropped."""
+        its failing groups are dropped. One that has worked must also have failed for
+        ``task.reward_failure_window_s``: at ~100 groups/s, 64 groups are under a second of a verifier's
+        restart, and a group fails when any of its completions' rewards does."""
+        now = time.monotonic()
+        if self._reward_failures_in_a_row == 0:
+            self._reward_failing_since = now
         self._reward_failures_in_a_row += 1
-        limit = self.cfg.task.reward_failure_limit
-        if not limit or self._reward_failures_in_a_row < limit:
+        limit, window = self.cfg.task.reward_failure_limit, self.cfg.task.reward_failure_window_s
+        scored, span = self._reward_groups_scored, now - self._reward_failing_since
+        if not limit or self._reward_failures_in_a_row < limit or (scored and span < window):
             return
-        n, scored = self._reward_failures_in_a_row, self._reward_groups_scored
-        since = (f"since its last success ({scored} group{'s' * (scored != 1)} scored before)" if scored
-                 else "and never once succeeded")  # fmt: skip
+        n = self._reward_failures_in_a_row
+        since = (f"over {span:.0f} s since its last success ({scored} group{'s' * (scored != 1)} scored before)"
+                 if scored else "and never once succeeded")  # fmt: skip
         raise ActorFatalError(
             f"{self.actor_id}: the reward of task {self.task.name!r} ({_reward_name(self.task)}) failed for "
-            f"{n} groups in a row {since} (task.reward_failure_limit={limit}); last failure: {reason}"
+            f"{n} groups in a row {since} (task.reward_failure_limit={limit}"
+            + (f", task.reward_failure_window_s={window:g}" if scored else "")
+            + f"); last failure: {reason}"
         )
 
     def _encode_prompt(self, prompt: Prompt) -> list[int]:

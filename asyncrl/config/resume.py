@@ -56,6 +56,7 @@ RULES: dict[str, str] = {
     "task.eval_size": FREE,
     "task.reward_timeout_s": FREE,
     "task.reward_failure_limit": FREE,  # when an actor gives up on a reward failing group after group
+    "task.reward_failure_window_s": FREE,  # how long a reward that worked must fail before the actor gives up
     "task.reward_fault": FREE,  # fault injection of tests and chaos runs
     "task.reward_fault_every": FREE,
     "task.reward_fault_hang_s": FREE,

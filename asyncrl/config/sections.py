@@ -197,6 +197,14 @@ class TaskConfig:
         "just drops its failing groups (dead-letter stream). 0 = never stop.",
         ge=0,
     )
+    reward_failure_window_s: float = F(
+        300.0,
+        "A reward that has worked in this actor stops the run only once its groups in a row that failed "
+        "(task.reward_failure_limit) also span this many seconds: a verifier outage shorter than this, or a "
+        "reward failing on some completions of most groups, only drops groups. A reward that never worked "
+        "stops at the limit alone. 0 = the limit alone.",
+        ge=0,
+    )
     reward_fault: str = F(
         "none",
         "Fault injection for tests and chaos runs: make every reward_fault_every-th reward call of each "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -144,19 +145,44 @@ def test_a_reward_that_worked_and_then_broke_for_good_stops_the_actor_at_the_lim
             raise ConnectionError("verifier at 10.0.0.7:8080 refused the connection")
         return 1.0
 
-    w = _Worker(buf, verified, ["task.reward_failure_limit=6"])
+    w = _Worker(buf, verified, ["task.reward_failure_limit=6", "task.reward_failure_window_s=0"])
     with pytest.raises(ActorFatalError) as e:
         w.produce(100)
     assert w.counters["groups_written"] == 1 and w.counters["groups_reward_failed"] == 6
     msg = str(e.value)
     assert msg.startswith("actor-0: the reward of task 'mine' (") and ".verified at " in msg, msg
     assert (
-        "failed for 6 groups in a row since its last success (1 group scored before) "
-        "(task.reward_failure_limit=6); last failure: reward: ConnectionError: verifier at 10.0.0.7:8080 "
-        "refused the connection" in msg
+        "failed for 6 groups in a row over 0 s since its last success (1 group scored before) "
+        "(task.reward_failure_limit=6, task.reward_failure_window_s=0); last failure: reward: ConnectionError: "
+        "verifier at 10.0.0.7:8080 refused the connection" in msg
     )
     s = _balanced(buf)
     assert s["depth"] == 1 and s["dead"] == 6
+
+
+def test_a_reward_that_worked_stops_only_once_its_failures_span_the_window(buf) -> None:
+    """A verifier outage shorter than task.reward_failure_window_s only drops groups, however many in a row
+    (at ~100 groups/s the limit of 64 is under a second); past the window the actor stops."""
+    calls = {"n": 0}
+
+    def verified(prompt, text, meta):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            time.sleep(0.005)  # a refused connection still takes a moment: ~10 ms a group
+            raise ConnectionError("verifier restarting")
+        return 1.0
+
+    w = _Worker(buf, verified, ["task.reward_failure_limit=6", "task.reward_failure_window_s=1.0"])
+    t0 = time.monotonic()
+    with pytest.raises(ActorFatalError) as e:
+        w.produce(1000)
+    assert time.monotonic() - t0 >= 1.0
+    failed = w.counters["groups_reward_failed"]
+    assert failed > 6 and w.counters["groups_written"] == 1, failed  # the limit alone did not stop it
+    assert f"failed for {failed} groups in a row over 1 s since its last success" in str(e.value), str(
+        e.value
+    )
+    assert "task.reward_failure_window_s=1" in str(e.value)
 
 
 def test_intermittent_reward_failures_below_the_limit_in_a_row_only_drop_their_groups(buf) -> None:
