@@ -54,7 +54,7 @@ import glob, json, os
 for f in sorted(glob.glob(os.environ["OUT"] + "/gpu-learner-*.json")):
     d = json.load(open(f))
     print(f.rsplit("/", 1)[1], {k: round(v) for k, v in d["marks_s"].items()})
-    print("  failed checks", [k for k, v in d["checks"].items() if not v], "errors", list(d["errors"]))
+    print("  failed checks", [k for k, v in d.get("checks", {}).items() if not v], "errors", list(d["errors"]))
     print("  reference", d.get("reference"))
     tp = d.get("throughput") or {}
     print("  throughput", {k: round(v, 4) for k, v in tp.items() if isinstance(v, float)})

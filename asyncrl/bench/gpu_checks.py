@@ -126,6 +126,9 @@ def config(dtype: str, zero: int, micro_tokens: int, batch: dict[str, int], **le
     over = [f"model.dtype={dtype}", f"learner.zero_stage={zero}", f"learner.micro_batch_tokens={micro_tokens}",
             "learner.epochs=1", "learner.mini_batches=1", f"buffer.groups_per_step={batch['groups']}",
             f"actors.group_size={batch['group_size']}", f"actors.max_tokens={batch['completion']}",
+            # the bench's model comes from its own path; the tiny model's limits only gate the length check
+            f"model.max_model_len={batch['prompt'] + batch['completion']}",
+            f"model.tiny.max_position_embeddings={max(256, batch['prompt'] + batch['completion'])}",
             "learner.warmup_steps=0", "learner.entropy_metric=false"]  # fmt: skip
     over += [f"learner.{k}={v}" for k, v in learner.items()]
     return load_config(None, over)
