@@ -88,3 +88,15 @@ def test_half_billion_bf16_learner_path_checks_hold_on_cuda(tmp_path: Path) -> N
     assert res["device"] != "cpu" and all(res["checks"].values()), res["checks"]
     tp = res["throughput"]
     assert tp["ratio_alone_vs_deepspeed"] <= 1.05 * 1.1  # the target, with room for one noisy sitting
+
+
+@pytest.mark.parametrize("name", ["tiny", "real"])
+def test_every_bench_batch_loads_as_a_config(name: str) -> None:
+    # The GPU shapes' batch (896-token completions) is checked against model.max_model_len at load; it
+    # ran only on lent GPUs, so a length check added for users stopped the whole GPU bench unseen.
+    from asyncrl.bench.gpu_checks import BATCHES, config
+
+    batch = BATCHES[name]
+    cfg = config("bfloat16", 3, batch["micro_tokens"], batch)
+    assert cfg.actors.max_tokens == batch["completion"]
+    assert cfg.model.max_model_len >= batch["prompt"] + batch["completion"]
