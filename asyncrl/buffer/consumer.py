@@ -89,6 +89,35 @@ return n
 """
 
 
+# KEYS: rollouts. ARGV: consumer group, consumer, then per entry the two values id, delivery count.
+# Claims (XCLAIM with RETRYCOUNT = that count) every entry still in the stream and returns {claimed
+# entries (as XCLAIM returns them), the ids deleted from the stream while still pending to the consumer}.
+# Why the check and the claim are one script: XCLAIM drops an entry deleted from the stream (a maxlen trim)
+# from the pending list and returns nothing for it, after which no XACK can find it: its dead letter or
+# drop credits nothing and its admission slot is lost for the run. With the check and the claim in two
+# calls, a trim landing between them lost the entry that way. Invariant: this consumer's code never
+# XCLAIMs a deleted entry, so a deleted entry stays pending until the XACK of whoever settles it.
+# An id in neither list was no longer pending to the consumer (acknowledged meanwhile by another path:
+# XCLAIM claims only pending entries); that path did or did not credit it, this one must not.
+CLAIM_LUA = """
+local claimed, gone = {}, {}
+for i = 3, #ARGV, 2 do
+  local id = ARGV[i]
+  if #redis.call('XRANGE', KEYS[1], id, id, 'COUNT', 1) == 0 then
+    if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) > 0 then
+      gone[#gone + 1] = id
+    end
+  else
+    local rows = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'RETRYCOUNT', ARGV[i + 1])
+    if #rows > 0 then
+      claimed[#claimed + 1] = rows[1]
+    end
+  end
+end
+return {claimed, gone}
+"""
+
+
 @dataclass(frozen=True)
 class Entry:
     """One delivered group and the stream id to acknowledge it with."""
@@ -178,8 +207,8 @@ class StreamConsumer:
                     break
                 cursor = _s(entries[-1][0])
                 if before:  # a lost reply found again: its re-read is no delivery to the learner
-                    # (only entries still in the stream: XCLAIM drops a deleted one from the pending
-                    # list, and its dead letter below must still acknowledge and credit it)
+                    # (one deleted meanwhile is left pending, unclaimed, see CLAIM_LUA: its dead letter
+                    # below, or the learner's drop, must still acknowledge and credit it)
                     self._restore_counts(
                         consumer, {_s(i): before[_s(i)] for i, f in entries if f and _s(i) in before}
                     )
@@ -247,23 +276,13 @@ class StreamConsumer:
         log.warning("run %s: %d rollouts delivered to %s during a Redis failure were never returned; "
                     "claiming them back", self.run, len(lost), consumer)  # fmt: skip
         times = {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
-        # XCLAIM drops an entry deleted from the stream (trimmed) from the pending list and returns
-        # nothing for it, so its dead letter could no longer acknowledge it and its admission slot
-        # would never be credited: those go to ``_accept`` as deleted entries, unclaimed.
-        gone = self._deleted(lost)
-        claimed = dict(
-            (_s(i), (i, f))
-            for i, f in self._restore_counts(consumer, {i: times[i] for i in lost if i not in gone})
-        )
+        # A lost entry deleted from the stream (trimmed) goes to ``_accept`` as a deleted entry, unclaimed
+        # and still pending, so its dead letter acknowledges and credits it (once: DROP_LUA credits only
+        # what its XACK acknowledged). The check and the claim are atomic (CLAIM_LUA): a trim cannot land
+        # between them. One acknowledged meanwhile by another path is in neither result and is left alone.
+        claimed, gone = self._restore_counts(consumer, {i: times[i] for i in lost})
         entries = [claimed[i] if i in claimed else (i, None) for i in lost if i in claimed or i in gone]
         return self._accept(entries, consumer, redelivered=True), complete
-
-    def _deleted(self, entry_ids: list[str]) -> set[str]:
-        """The ``entry_ids`` no longer in the rollout stream (one pipelined XRANGE each)."""
-        pipe = self._client.pipeline(transaction=False)
-        for i in entry_ids:
-            pipe.xrange(self.keys.rollouts, min=i, max=i, count=1)
-        return {i for i, rows in zip(entry_ids, pipe.execute(), strict=True) if not rows}
 
     def _pending_counts(self, consumer: str, after: str, n: int) -> dict[str, int]:
         """Delivery counts of ``consumer``'s first ``n`` pending entries above ``after`` (an inclusive
@@ -275,22 +294,26 @@ class StreamConsumer:
         counts.pop(after, None)
         return dict(list(counts.items())[:n])
 
-    def _restore_counts(self, consumer: str, counts: dict[str, int]) -> list:
-        """Set the delivery counts of ``consumer``'s pending entries back to ``counts`` (XCLAIM with
-        RETRYCOUNT, one call per distinct count); returns the claimed entries in ``counts``' order.
+    def _restore_counts(self, consumer: str, counts: dict[str, int]) -> tuple[dict[str, tuple], set[str]]:
+        """Set the delivery counts of ``consumer``'s pending entries back to ``counts`` by claiming them
+        (XCLAIM with RETRYCOUNT, in CLAIM_LUA, one call); returns ({id: the claimed entry (id, fields)},
+        the ids deleted from the stream while pending, which are left pending and unclaimed).
 
         Why: the quarantine (``max_deliveries``) counts the learner's attempts at a group. Finding a
         delivery whose reply was lost again, by XCLAIM (which adds one) or by re-reading the pending
         entries (also one), is not an attempt: uncorrected, each lost reply brought a group one
         failure closer to quarantine although the learner had never seen it."""
-        by_count: dict[int, list[str]] = {}
+        if not counts:
+            return {}, set()
+        script = self.__dict__.get("_claim_script")
+        if script is None:
+            script = self.__dict__["_claim_script"] = self._client.register_script(CLAIM_LUA)
+        args: list[Any] = [self.group_name, consumer]
         for entry_id, c in counts.items():
-            by_count.setdefault(c, []).append(entry_id)
-        got: dict[str, Any] = {}
-        for c, ids in by_count.items():
-            rows = self._client.xclaim(self.keys.rollouts, self.group_name, consumer, 0, ids, retrycount=c)
-            got.update((_s(i), (i, f)) for i, f in rows)
-        return [got[i] for i in counts if i in got]
+            args += [entry_id, c]
+        rows, gone = script(keys=[self.keys.rollouts], args=args)
+        claimed = {_s(i): (i, dict(zip(flat[::2], flat[1::2], strict=True))) for i, flat in rows}
+        return claimed, {_s(i) for i in gone}
 
     def _delivery_counts(self, consumer: str, first: str, last: str, n: int) -> dict[str, int]:
         rows = self._client.xpending_range(

@@ -260,6 +260,19 @@ def test_lost_read_reply_below_a_later_cursor_is_claimed_back_after_an_outage(
     buffer.close()
 
 
+def _lose_replies_below_the_cursor(buffer: ReplayBuffer, client: redis.Redis, lost: int) -> list[str]:
+    """Put ``lost`` + 2 entries: the first read and in flight at the caller, the next ``lost`` delivered to
+    consumer "c" with the reply lost, the last delivered by the retried read (the cursor, returned)."""
+    ids = [buffer.put(small_group()) for _ in range(lost + 2)]
+    assert buf_entry_ids(buffer.read("c", 1, block_ms=0)) == ids[:1]
+    stream = {buffer.keys.rollouts: ">"}
+    client.xreadgroup(buffer.group_name, "c", stream, count=lost)  # served, reply lost
+    client.xreadgroup(buffer.group_name, "c", stream, count=1)  # the retry
+    buffer._cursor["c"] = ids[-1]
+    buffer._returned().add(ids[-1])
+    return ids
+
+
 def test_a_lost_reply_whose_entry_was_deleted_is_dead_lettered_and_credited(
     redis_url: str, run_name: str, redis_client: redis.Redis
 ) -> None:
@@ -270,13 +283,7 @@ def test_a_lost_reply_whose_entry_was_deleted_is_dead_lettered_and_credited(
     from asyncrl.buffer.cluster import connection_kwargs
 
     buffer = ReplayBuffer.connect(redis_url, run_name)
-    ids = [buffer.put(small_group()) for _ in range(4)]
-    assert buf_entry_ids(buffer.read("c", 1, block_ms=0)) == ids[:1]
-    stream = {buffer.keys.rollouts: ">"}
-    redis_client.xreadgroup(buffer.group_name, "c", stream, count=2)  # ids[1:3]: served, reply lost
-    redis_client.xreadgroup(buffer.group_name, "c", stream, count=1)  # the retry: ids[3]
-    buffer._cursor["c"] = ids[3]
-    buffer._returned().add(ids[3])
+    ids = _lose_replies_below_the_cursor(buffer, redis_client, 2)
     redis_client.xdel(buffer.keys.rollouts, ids[1])  # trimmed while pending
     connection_kwargs(buffer.client)["retry"].monitor.outages += 1
     credits = buffer.stats()["credits"]
@@ -288,6 +295,53 @@ def test_a_lost_reply_whose_entry_was_deleted_is_dead_lettered_and_credited(
     assert ids[1] not in _delivered(redis_client, buffer)
     buffer.ack([ids[0], ids[2], ids[3]])
     assert buffer.read("c", 10, block_ms=0) == [] and buffer.stats()["pending"] == 0
+    buffer.delete_run()
+    buffer.close()
+
+
+def test_a_lost_reply_trimmed_just_before_its_claim_is_credited_once(
+    redis_url: str, run_name: str, redis_client: redis.Redis
+) -> None:
+    """The race the deleted-entry test above misses: the lost entry is trimmed AFTER the claim-back has
+    checked the stream but before its XCLAIM. XCLAIM then dropped it from the pending list and returned
+    nothing, so it was neither claimed nor dead-lettered: never acknowledged by anyone, its admission
+    slot never credited. Made deterministic by deleting it (another real connection) right before the
+    claim command reaches Redis, whatever sends it. It must be dead-lettered and credited exactly once;
+    and a lost entry acknowledged meanwhile by another path (its drop credited it) is not credited again."""
+    from asyncrl.buffer.cluster import connection_kwargs
+
+    buffer = ReplayBuffer.connect(redis_url, run_name)
+    ids = _lose_replies_below_the_cursor(buffer, redis_client, 3)
+    other = ReplayBuffer.connect(redis_url, run_name)  # another path settling entries (same run, same group)
+    send = buffer.client.execute_command
+    hooked: list[str] = []
+
+    def trim_before_the_claim(*args, **kw):
+        if not hooked and str(args[0]).upper() in ("XCLAIM", "EVALSHA", "EVAL"):
+            hooked.append(str(args[0]))
+            redis_client.xdel(buffer.keys.rollouts, ids[1])  # trimmed while pending, after any check
+            assert other.drop([ids[3]]) == 1  # settled (and credited) by the other path
+        return send(*args, **kw)
+
+    buffer.client.execute_command = trim_before_the_claim
+    connection_kwargs(buffer.client)["retry"].monitor.outages += 1
+    credits = buffer.stats()["credits"]
+    try:
+        got = buf_entry_ids(buffer.read("c", 10, block_ms=0))
+    finally:
+        del buffer.client.execute_command
+    assert hooked and got == ids[2:3]
+    s = buffer.stats()
+    # ids[3]'s drop: 1; ids[1]'s dead letter: 1 (before: 0, the slot lost). Not 3: nothing twice.
+    assert s["credits"] == credits + 2 and s["dead"] == 1, s
+    (dead,) = buffer.dead_letters()
+    assert dead["original_id"] == ids[1] and "deleted from the stream" in dead["reason"]
+    assert set(_delivered(redis_client, buffer)) == {ids[0], ids[2], ids[4]}
+    buffer.ack([ids[0], ids[2], ids[4]])
+    connection_kwargs(buffer.client)["retry"].monitor.outages += 1  # another claim-back finds nothing
+    assert buffer.read("c", 10, block_ms=0) == [] and buffer.stats()["pending"] == 0
+    assert buffer.stats()["credits"] == credits + 2
+    other.close()
     buffer.delete_run()
     buffer.close()
 
