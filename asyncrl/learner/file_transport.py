@@ -36,6 +36,13 @@ and the loader checks the version tag in the file's metadata), see :mod:`asyncrl
 Invariant: a version number names one set of weights forever (the learner never re-publishes a
 version number with different weights; see asyncrl.learner.loop on resume), so a leftover
 ``v{N}`` directory can only be an unregistered crash leftover and is replaced.
+
+Freeing storage never raises (it is cleanup, run from the learner's step loop): a directory that cannot
+be removed (NFS, permissions) is logged with its error, counted (:attr:`FilesystemTransport.delete_failures`)
+and retried at the next free after a publish and at :meth:`~FilesystemTransport.close`; a learner that
+stops before it succeeds leaves it listed by ``stored_versions``, which its successor's first publish
+sweeps (``Publisher.publish``). Before, the removal ignored its errors: a version that failed to go kept
+a full model copy on the disk, silently, for good.
 """
 
 from __future__ import annotations
@@ -57,6 +64,19 @@ __all__ = ["FilesystemTransport", "WEIGHTS_FILE"]
 
 log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
+
+
+def _remove_tree(path: Path) -> list[OSError]:
+    """Remove ``path`` and everything under it, as far as possible; returns the errors (a path that is
+    already gone is no error: a version may be freed twice, a retry may find it removed by someone else)."""
+    errors: list[OSError] = []
+
+    def failed(_fn: Any, _path: str, exc_info: Any) -> None:  # Python 3.11: ``onerror``, not ``onexc``
+        if not isinstance(exc_info[1], FileNotFoundError):
+            errors.append(exc_info[1])
+
+    shutil.rmtree(path, onerror=failed)
+    return errors
 
 
 class _Durability:
@@ -100,8 +120,13 @@ class FilesystemTransport(WeightTransport):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.expected_names = expected_names or None
+        #: Failed attempts to remove storage (a version, a crashed write's leftover); each is logged
+        #: and retried (see the module doc).
+        self.delete_failures = 0
+        self._undeleted: dict[Path, int] = {}  # what could not be removed yet -> failed attempts
+        self._retry_due = False  # a publish since the last retry: the next delete retries _undeleted
         for leftover in self.root.glob(".tmp-v*"):  # a crash mid-write
-            shutil.rmtree(leftover, ignore_errors=True)
+            self._remove(leftover)
         self._durability: _Durability | None = None  # the newest version's fsync, while it runs
 
     def version_dir(self, version: int) -> Path:
@@ -154,8 +179,12 @@ class FilesystemTransport(WeightTransport):
                     os.close(fd)
                 raise
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._remove(tmp)  # never raises: the publish's own error is the one that propagates
             raise
+        # ``final`` is this version's storage now: a retry must never remove it (defensive: versions
+        # only grow within a process, so a failed delete of the same path cannot be pending).
+        self._undeleted.pop(final, None)
+        self._retry_due = True
         if fd is not None:
             self._durability = _Durability(fd, version)
         return manifest
@@ -167,14 +196,45 @@ class FilesystemTransport(WeightTransport):
             d.wait()
 
     def close(self) -> None:
-        self.wait_durable()
+        try:
+            self.wait_durable()
+        finally:
+            self._retry_undeleted()  # a last try; what remains is swept by the next learner's first publish
 
     def fetch(self, manifest: WeightManifest) -> str:
         verify(manifest)
         return manifest.path
 
     def delete(self, version: int) -> None:
-        shutil.rmtree(self.version_dir(version), ignore_errors=True)
+        """Free ``version``'s storage; never raises (see the module doc). Also retries, once per publish
+        (not once per version freed: a first publish's sweep may free many), what failed to go before."""
+        if self._retry_due:
+            self._retry_due = False
+            self._retry_undeleted()
+        self._remove(self.version_dir(version))
+
+    def undeleted(self) -> list[Path]:
+        """The directories whose removal failed and is still to be retried."""
+        return sorted(self._undeleted)
+
+    def _retry_undeleted(self) -> None:
+        for path in list(self._undeleted):
+            self._remove(path)
+
+    def _remove(self, path: Path) -> None:
+        """Remove ``path``'s tree; on failure log it (the first failure of a path, then at attempts 2, 4,
+        8, ...: a stuck mount is visible without a line per step), count it and keep it for a retry."""
+        errors = _remove_tree(path)
+        if not errors:
+            failed = self._undeleted.pop(path, 0)
+            if failed:
+                log.info("removed %s after %d failed attempt(s)", path, failed)
+            return
+        self.delete_failures += 1
+        attempts = self._undeleted[path] = self._undeleted.get(path, 0) + 1
+        if attempts & (attempts - 1) == 0:
+            log.warning("could not remove %s (attempt %d; %d error(s), first: %s): its storage stays in use "
+                        "until a retry succeeds", path, attempts, len(errors), errors[0])  # fmt: skip
 
     def stored_versions(self) -> list[int]:
         """The ``v<N>`` directories under the root (a publish's temporary directories are not versions)."""

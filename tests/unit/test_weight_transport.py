@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
+import shutil
 import stat
+import subprocess
 import threading
 from pathlib import Path
 
@@ -330,3 +333,55 @@ def test_shm_transport_copies_recycled_versions_into_the_mapping_it_keeps(tmp_pa
     finally:
         tr.cleanup()
     assert not tr._maps and not tr.root.exists()
+
+
+def _make_undeletable(version_dir: Path):
+    """Make the version's file impossible to remove, for real, and return the undo. A read-only
+    directory stops a normal user; root ignores permissions, so as root the file gets the immutable
+    attribute (chattr +i: EPERM for everyone, root included). Skipped where neither is possible."""
+    if os.geteuid() != 0:
+        version_dir.chmod(0o555)
+        return lambda: version_dir.chmod(0o755)
+    file = version_dir / "model.safetensors"
+    chattr = shutil.which("chattr")
+    r = subprocess.run([chattr, "+i", str(file)], capture_output=True, text=True) if chattr else None
+    if r is None or r.returncode != 0:
+        pytest.skip(
+            f"running as root and chattr +i is refused here: {r.stderr.strip() if r else 'no chattr'}"
+        )
+    return lambda: subprocess.run([chattr, "-i", str(file)], check=True)
+
+
+def test_a_version_that_cannot_be_removed_is_logged_counted_and_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Freeing a version is cleanup in the learner's step loop: it must not raise, but a failure must not
+    be silent either (before: ``rmtree(ignore_errors=True)``, and an undeletable version kept a full
+    model copy on the disk for good). It is logged naming the directory, counted, still listed by
+    stored_versions (a successor's first publish sweeps it), and retried after the next publish until
+    it goes."""
+    tr = FilesystemTransport(tmp_path / "w")
+    for v in (1, 2):
+        tr.publish(v, {"w": torch.ones(4)}, "float32")
+    v1 = tr.version_dir(1)
+    undo = _make_undeletable(v1)
+    try:
+        caplog.set_level(logging.INFO, logger="asyncrl.learner.file_transport")
+        tr.delete(1)  # returns: nothing raises into the step loop
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and str(v1) in r.getMessage()]
+        assert len(warned) == 1 and "could not remove" in warned[0].getMessage(), caplog.text
+        assert v1.is_dir() and tr.delete_failures == 1 and tr.undeleted() == [v1]
+        assert tr.stored_versions() == [1, 2]
+        tr.delete(99)  # a version already gone is no failure
+        assert tr.delete_failures == 1
+        # Still stuck: the free after the next publish retries it (once), and counts it again.
+        tr.publish(3, {"w": torch.ones(4)}, "float32")
+        tr.delete(2)
+        assert not tr.version_dir(2).exists() and v1.is_dir() and tr.delete_failures == 2
+    finally:
+        undo()
+    tr.publish(4, {"w": torch.ones(4)}, "float32")
+    tr.delete(3)
+    assert not v1.exists() and tr.undeleted() == [] and tr.stored_versions() == [4]
+    assert f"removed {v1} after 2 failed attempt(s)" in caplog.text
+    tr.close()
