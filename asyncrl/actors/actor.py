@@ -15,7 +15,8 @@ engine error): in-flight groups are cancelled and credited, the engine is rebuil
 failed incarnation still held are reclaimed, and the loop starts again after an exponential backoff.
 ``actors.loop_restarts`` failures in a row without a group written in between give up (the error then
 reaches the pool and ``asyncrl run``'s supervision); an ``ActorFatalError`` (a failure a restart would
-repeat: a reward failing for ``task.reward_failure_limit`` groups in a row) gives up at once. Rewards run off the event loop with a time limit
+repeat: a reward failing for ``task.reward_failure_limit`` groups in a row, or a config error found while
+the actor was built, see ``RolloutActor.__init__``) gives up at once. Rewards run off the event loop with a time limit
 (:mod:`asyncrl.actors.rewards`): a reward that raises or hangs costs its group (dead letter with the
 reason, credit returned, ``groups_reward_failed``), never the actor.
 
@@ -43,6 +44,7 @@ from typing import Any
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.buffer.broadcast import BroadcastSession
 from asyncrl.buffer.paths import weight_roots
+from asyncrl.config import ConfigError
 from asyncrl.evaluate import PeriodicEval
 from asyncrl.metrics_export import histogram_for
 from asyncrl.tasks import PromptSource, make_task
@@ -130,7 +132,19 @@ class RolloutActor(GroupProduction, VersionWatching):
         self.rewards = RewardRunner.from_config(self.task, cfg.task)
         # Weights are loaded only from this run's weight directories (manifest paths come from Redis).
         self.weight_roots = weight_roots(self.run_dir, cfg.run.name)
-        self.evaluator = PeriodicEval.for_actor(cfg, self.task, actor_index)
+        # A config error here (eval.every > 0 for a task without eval prompts: every CLI path refuses it
+        # at start, a pool built from Python does not) fails every incarnation the same way. Raised from
+        # the constructor, it failed the Ray actor's creation task, which Ray reports without the
+        # exception (an ActorDiedError carrying only text), so the supervisor could not tell it from a
+        # crash and replaced the actor run.max_restarts times. Kept and raised by run() as an
+        # ActorFatalError instead: the loop does not restart on it and the supervisor fails the run at
+        # once with its line (the key and the way out: asyncrl.tasks.registry.require_eval_prompts).
+        self._fatal: ActorFatalError | None = None
+        try:
+            self.evaluator = PeriodicEval.for_actor(cfg, self.task, actor_index)
+        except ConfigError as e:
+            self.evaluator = None
+            self._fatal = ActorFatalError(f"{self.actor_id}: {e}")
         self.source: PromptSource | None = None  # set by run(): the run's prompt order (positions from Redis)
         self.engine: Engine | None = None
         # learner.weight_transport=nccl: the engine's membership in the learner's broadcast group.
@@ -204,6 +218,9 @@ class RolloutActor(GroupProduction, VersionWatching):
         heartbeat: asyncio.Task | None = None
         failures = 0
         try:
+            if self._fatal is not None:  # a config error found while building the actor (see __init__)
+                log.error("%s", self._fatal)
+                raise self._fatal
             # The run's one prompt order; each group claims its position in Redis (group_worker).
             self.source = self.task.source(self.cfg.run.seed, 0, 1)
             heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
@@ -237,6 +254,11 @@ class RolloutActor(GroupProduction, VersionWatching):
                 await asyncio.gather(heartbeat, return_exceptions=True)
             if self.engine is not None:
                 self.engine.shutdown()
+            if self.standby is not None:  # ended before an engine adopted or discarded it (a fatal error)
+                from . import engine_standby
+
+                await asyncio.to_thread(engine_standby.discard)
+                self.standby = None
             self._set_state("stopped")
             try:
                 self._heartbeat_now()
