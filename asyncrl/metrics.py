@@ -265,6 +265,12 @@ LEARNER_METRICS: tuple[Metric, ...] = (
         "Steps this learner process skipped for a non-finite loss/grad.",
         "skipped_nonfinite",
     ),  # fmt: skip
+    Metric(
+        "asyncrl_learner_weights_delete_failures_total",
+        "counter",
+        "Failed attempts to remove stored weight versions (retried every step: storage that is not freed).",
+        "weights_delete_failures_total",
+    ),  # fmt: skip
     Metric("asyncrl_learner_policy_version", "gauge", "Latest published policy version.", "version"),
     Metric(
         "asyncrl_learner_max_staleness_steps", "gauge", "Configured staleness bound (eta).", "max_staleness"

@@ -197,6 +197,7 @@ PROCESS_COUNTERS: dict[str, str | None] = {
     "wait_s_total": "wait_s",
     "dropped_stale_total": "dropped_stale",
     "skipped_nonfinite": "skipped",
+    "weights_delete_failures_total": "weights_delete_failures",
 }
 
 

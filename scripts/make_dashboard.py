@@ -96,8 +96,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("grad norm", "asyncrl_learner_grad_norm"),
         ]),
         # a counter restarts at 0 with its process: panels show rate() or increase(), never the raw value
-        ("Non-finite skips", "short", [
+        ("Non-finite skips, weights not freed", "short", [
             ("skips in the last hour", "sum by (run) (increase(asyncrl_learner_nonfinite_skips_total[1h]))"),
+            ("failed weight removals in the last hour",
+             "sum by (run) (increase(asyncrl_learner_weights_delete_failures_total[1h]))"),
         ]),
     ]),
     ("Buffer", [

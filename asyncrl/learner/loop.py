@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 STARTUP_FILE = "learner_startup.json"
 #: Cumulative StepRecord fields carried in the checkpoint.
 COUNTERS = ("groups_total", "tokens_total", "wait_s_total", "dropped_stale_total", "dropped_filtered_total",
-            "skipped_nonfinite")  # fmt: skip
+            "skipped_nonfinite", "weights_delete_failures_total")  # fmt: skip
 
 
 def _install_signals(stop: threading.Event) -> Callable[[], None]:
@@ -209,6 +209,8 @@ def learn(
         # axis with it, and the taken policy counts publish_max_steps from it. Checkpointed.
         since_publish = 0 if action is not None else since
 
+        # Failed removals of stored weights counted so far (the transport's total; records carry the delta).
+        deletes_failed = _delete_failures(r0)
         pending_ids: list[str] = []  # consumed since the last checkpoint, acknowledged after the next
         pending_groups: list[str] = []
         max_steps = cfg.run.max_steps
@@ -276,6 +278,9 @@ def learn(
                 counters["dropped_stale_total"] += batch.dropped_stale
                 counters["dropped_filtered_total"] += batch.dropped_filtered
             counters["skipped_nonfinite"] += res.skipped
+            delete_failures = _delete_failures(r0) - deletes_failed  # this step's (the free, the publish)
+            deletes_failed += delete_failures
+            counters["weights_delete_failures_total"] += delete_failures
             due = state.step % cfg.learner.checkpoint_every == 0 or (max_steps and state.step >= max_steps)
             if due:
                 state.since_publish = since_publish
@@ -283,6 +288,8 @@ def learn(
             if r0 is not None:
                 rec = _record(cfg, state, res, groups, batch, counters, start_time, t_step, train_s,
                               publish_s, published, bool(due), trainer.lr_now())  # fmt: skip
+                rec.weights_delete_failures = delete_failures
+                rec.weights_delete_failures_total = int(counters["weights_delete_failures_total"])
                 if cfg.eval.every > 0:  # the newest periodic eval of actor 0 (a Redis read per step)
                     tracking.attach_eval(rec, r0.buffer)
                 r0.writer.write(rec)
@@ -314,6 +321,11 @@ def learn(
         restore_signals()
         if r0 is not None:
             r0.close()  # shm transport: frees the weights in /dev/shm (a restart re-publishes)
+
+
+def _delete_failures(r0: Rank0 | None) -> int:
+    """Failed attempts of rank 0's weight transport to remove stored weights (0: none, or no counter)."""
+    return int(getattr(r0.publisher.transport, "delete_failures", 0)) if r0 is not None else 0
 
 
 def _publish_due(cfg: Any, r0: Rank0 | None, step: int, version: int, steps_since: int, world: int) -> bool:

@@ -116,6 +116,10 @@ class StepRecord:
     padding_micro_batches: int = 0  # padding micro-batches run, summed over ranks (DP balancing)
     skipped: int = 0  # optimizer steps skipped this step for a non-finite loss or gradient
     skipped_nonfinite: int = 0  # cumulative skipped optimizer steps
+    # failed attempts this step to remove stored weights (file transport: each is logged and retried at
+    # the next step, so a path that stays undeletable counts every step; the disk fills meanwhile)
+    weights_delete_failures: int = 0
+    weights_delete_failures_total: int = 0  # cumulative (restored on resume)
     published: bool = False  # this step published weights (version bumped)
     checkpointed: bool = False  # a checkpoint including this step was written (and its groups acked)
     trained_group_ids: int = 0  # number of group ids trained this step (ids are in trained.jsonl)

@@ -402,3 +402,43 @@ def test_unregistered_weights_are_freed_before_the_learner_waits(
     assert all(d == r for d, r in seen), seen
     assert buf.manifest_versions() == [3, 4]
     assert sorted(d.name for d in (rdir / "weights").glob("v*")) == ["v3", "v4"]  # close freed v2
+
+
+def test_weights_that_cannot_be_freed_are_counted_in_the_records_and_on_metrics(
+    redis_url, redis_client, run_name, sampler, tmp_path
+) -> None:
+    """A version whose storage cannot be removed (NFS, permissions) keeps a full model copy on disk; the
+    transport logs and retries it, and the learner reports each failed attempt: per step and run-wide in
+    metrics.jsonl, and as asyncrl_learner_weights_delete_failures_total (AsyncrlWeightsNotFreed)."""
+    from asyncrl.metrics_export import LearnerExporter, learner_collectors
+    from tests.unit.test_weight_transport import _make_undeletable
+
+    rdir = tmp_path / "run"
+    cfg = tiny_config(rdir, redis_url, run_name, checkpoint_every=100, keep_versions=2)
+    cfg.run.max_steps = 4
+    buf = ReplayBuffer(redis_client, run_name)
+    for g in sample_groups(sampler, 8, seed=33):
+        buf.put(g)
+    undo: list = []
+
+    def on_wait(now: float) -> None:  # v0 published, before the first step: v0 can no longer be removed
+        if now and not undo:
+            undo.append(_make_undeletable(rdir / "weights" / "v0"))
+
+    exporter = LearnerExporter(cfg.buffer.max_staleness)
+    dist_env()
+    try:
+        state = learn(cfg, rdir, on_wait=[on_wait], on_step=[exporter])
+    finally:
+        for u in undo:
+            u()
+    assert state.step == 4
+    recs = read_jsonl(rdir / METRICS_FILE)
+    # v0 leaves the registry with step 2's publish; its free fails at step 3's top and again (the retry
+    # after a publish) at step 4's. v1, freed beside it at step 4, goes.
+    assert [r["weights_delete_failures"] for r in recs] == [0, 0, 1, 1]
+    assert [r["weights_delete_failures_total"] for r in recs] == [0, 0, 1, 2]
+    (col, _buf) = learner_collectors(exporter, dict)
+    got = {s.name: s.value for fam in col.collect() for s in fam.samples if not s.labels}
+    assert got["asyncrl_learner_weights_delete_failures_total"] == 2
+    assert sorted(d.name for d in (rdir / "weights").glob("v*")) == ["v0", "v3", "v4"]

@@ -33,29 +33,31 @@ def test_a_resumed_learner_exports_counts_of_its_own_process_from_zero() -> None
     1 non-finite skip) exports 0 for every counter until it steps, then only what it did: restored
     totals exported as counters made Prometheus count the whole run again as new increase."""
     restored = {"step": 40, "tokens_total": 3183, "groups_total": 80, "wait_s_total": 12.5,
-                "dropped_stale_total": 3, "skipped_nonfinite": 1}  # fmt: skip
+                "dropped_stale_total": 3, "skipped_nonfinite": 1, "weights_delete_failures_total": 5}  # fmt: skip
     exporter = LearnerExporter(max_staleness=1)
     first = _values(exporter)
     assert {name: first[name] for name in COUNTERS} == dict.fromkeys(COUNTERS, 0.0)
 
     totals = dict(restored)
-    steps = [  # (tokens, groups, wait_s, dropped_stale, skipped)
-        (120, 2, 0.25, 0, 0),
-        (96, 2, 1.5, 2, 1),
-        (130, 2, 0.0, 1, 0),
+    steps = [  # (tokens, groups, wait_s, dropped_stale, skipped, failed removals of stored weights)
+        (120, 2, 0.25, 0, 0, 0),
+        (96, 2, 1.5, 2, 1, 1),
+        (130, 2, 0.0, 1, 0, 1),
     ]
-    for tokens, groups, wait_s, dropped, skipped in steps:
+    for tokens, groups, wait_s, dropped, skipped, undeleted in steps:
         totals["step"] += 1
         totals["tokens_total"] += tokens
         totals["groups_total"] += groups
         totals["wait_s_total"] += wait_s
         totals["dropped_stale_total"] += dropped
         totals["skipped_nonfinite"] += skipped
+        totals["weights_delete_failures_total"] += undeleted
         exporter(StepRecord(step=totals["step"], tokens=tokens, groups=groups, wait_s=wait_s,
                             dropped_stale=dropped, skipped=skipped, tokens_total=totals["tokens_total"],
                             groups_total=totals["groups_total"], wait_s_total=totals["wait_s_total"],
                             dropped_stale_total=totals["dropped_stale_total"],
-                            skipped_nonfinite=totals["skipped_nonfinite"]))  # fmt: skip
+                            skipped_nonfinite=totals["skipped_nonfinite"], weights_delete_failures=undeleted,
+                            weights_delete_failures_total=totals["weights_delete_failures_total"]))  # fmt: skip
     got = _values(exporter)
     assert got["asyncrl_learner_steps_total"] == 3
     assert got["asyncrl_learner_trained_tokens_total"] == 346
@@ -63,6 +65,7 @@ def test_a_resumed_learner_exports_counts_of_its_own_process_from_zero() -> None
     assert got["asyncrl_learner_wait_seconds_total"] == 1.75
     assert got["asyncrl_learner_dropped_stale_total"] == 3
     assert got["asyncrl_learner_nonfinite_skips_total"] == 1
+    assert got["asyncrl_learner_weights_delete_failures_total"] == 2
     # Exactly the run-wide totals' increase since the restore, for every counter.
     for name, key in COUNTERS.items():
         assert got[name] == totals[key] - restored[key], name
