@@ -27,11 +27,14 @@ from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from asyncrl.actors import atomic_commit
+from asyncrl.actors.engine_logs import quiet_routine_lines
 
 __all__ = ["QuietMultiprocExecutor", "QUALNAME", "CONFIG_KEY", "set_reader_busy_loop"]
 
 # The engine core that loads this executor gets the one-call staged commit (asyncrl.actors.atomic_commit).
 atomic_commit.install()
+# ... and logs no "Successfully reset prefix cache" line per swap (asyncrl.actors.engine_logs).
+quiet_routine_lines()
 
 QUALNAME = "asyncrl.actors.quiet_executor.QuietMultiprocExecutor"
 CONFIG_KEY = "asyncrl_busy_loop_s"

@@ -161,8 +161,11 @@ class VersionWatching:
         waker = getattr(self, "_waker", None)
         if waker is not None:  # workers refused for stale weights (refuse_stale_weights) may start now
             waker.pulse()
-        log.info("%s: serving v%d (%s, pause %.3fs, prepare %.3fs)", self.actor_id, res.version, res.mode,
-                 res.pause_s, res.prepare_s)  # fmt: skip
+        # INFO once per engine (its first version); every later swap at DEBUG: one line per published
+        # version grew the actor's log with the steps (asyncrl.actors.engine_logs). The swaps are in
+        # the actor's metrics (swaps, swap pause) and its timeline.
+        (log.info if first else log.debug)("%s: serving v%d (%s, pause %.3fs, prepare %.3fs)", self.actor_id,
+                                           res.version, res.mode, res.pause_s, res.prepare_s)  # fmt: skip
         await self._heartbeat_async()
         return True
 

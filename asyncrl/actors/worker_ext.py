@@ -44,6 +44,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from . import eager_ranks, tensor_specs
 from .cpu_heap import KEPT  # ctypes only
+from .engine_logs import quiet_routine_lines
 
 __all__ = [
     "WeightReloadExtension",
@@ -60,6 +61,10 @@ FILE_BACKEND = "asyncrl_file"
 #: ``additional_config`` key: keep the memory a CPU swap frees (asyncrl.actors.cpu_heap) when the
 #: checkpoint has at least this value's bytes.
 KEEP_FREED_KEY = "asyncrl_keep_freed_memory"
+
+# No "Successfully reset prefix cache" line per swap in the actor's log (asyncrl.actors.engine_logs): this
+# import runs in the engine-core process when the worker runs there (CPU in-process engine, one GPU).
+quiet_routine_lines()
 
 
 def _mark_computed_buffers() -> None:
