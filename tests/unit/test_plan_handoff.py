@@ -477,3 +477,29 @@ def test_plan_predicts_an_eta_with_a_run_from_that_runs_components_and_projects_
     row = json.loads(capsys.readouterr().out)["results"][0]
     assert row["inputs_from"].startswith("fitted to all runs (") and "timeline" in row["inputs_from"]
     assert row["own_inputs"] is None
+
+
+def test_a_long_runs_timeline_is_bounded_and_the_planner_reads_its_recent_files(tmp_path: Path) -> None:
+    """Days of groups (~250 bytes each) must not fill the disk: past max_bytes the file becomes the
+    actor's .prev file (the one before it dropped), so at most ~2x max_bytes stay; the planner reads
+    both files as the same actor, newest records included. A reopened timeline (actor restart)
+    counts what its file already holds."""
+    tl = Timeline(tmp_path, "actor-0", max_bytes=2000)
+    for i in range(200):
+        tl.record("swap", t_start=float(i), pause_s=0.01, version=i)
+    tl.close()
+    files = sorted(p.name for p in tmp_path.glob(TIMELINE_GLOB))
+    assert files == ["actor-0.prev" + TIMELINE_SUFFIX, "actor-0" + TIMELINE_SUFFIX]
+    sizes = [p.stat().st_size for p in tmp_path.glob(TIMELINE_GLOB)]
+    line = len(json.dumps({"kind": "swap", "t_start": 199.0, "pause_s": 0.01, "version": 199})) + 1
+    assert all(s < 2000 + line for s in sizes) and sum(sizes) < 2 * (2000 + line)
+    _groups, swaps = read_timeline(tmp_path)
+    versions = [s["version"] for s in swaps]
+    assert versions == list(range(versions[0], 200)) and len(versions) > 2000 // line
+    assert {s["actor"] for s in swaps} == {"actor-0"}
+    again = Timeline(tmp_path, "actor-0", max_bytes=2000)  # a restarted actor appends, then rotates
+    before = (tmp_path / "logs" / ("actor-0" + TIMELINE_SUFFIX)).stat().st_size
+    for i in range(200, 200 + (2000 - before) // line + 2):
+        again.record("swap", t_start=float(i), pause_s=0.01, version=i)
+    again.close()
+    assert (tmp_path / "logs" / ("actor-0" + TIMELINE_SUFFIX)).stat().st_size < before
