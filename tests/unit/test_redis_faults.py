@@ -132,8 +132,12 @@ def test_sigstop_longer_than_default_budget(tmp_path: Path, caplog: pytest.LogCa
         )  # both groups, once each (the put may run after the read)
         assert buf.read("learner-0", 10, block_ms=0) == []  # nothing delivered twice
         s = buf.stats()
-        assert (s["depth"], s["pending"], s["admitted"], s["credits"]) == (2, 2, 3, 1)
-        assert _balance(buf) == (3, 2, 1, 0)  # admitted = written + credited + in flight
+        assert (s["depth"], s["pending"], s["admitted"]) == (2, 2, 3)
+        # The three calls reach the thawed server in any order: the credit returns actor-0's one slot in
+        # flight when the put ran first and the admit after it (credits 0, the new admission in flight),
+        # else the slot (credits 1). Either way each ran once and admission balances.
+        admitted, written, credited, inflight = _balance(buf)
+        assert (admitted, written) == (3, 2) and (credited, inflight) in ((1, 0), (0, 1))
         assert int(control.get("control")) >= 2, "the freeze did not re-run a plain INCR: test is vacuous"
         ours = [
             r.getMessage() for r in caplog.records if f"Redis at 127.0.0.1:{server.port}" in r.getMessage()
