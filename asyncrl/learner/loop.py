@@ -41,7 +41,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import signal
 import threading
 import time
@@ -57,10 +56,11 @@ from asyncrl.buffer import decode, encode
 from asyncrl.learner import adaptive, tracking
 from asyncrl.learner.checkpoint import LearnerState, Skipped, load_checkpoint, read_latest, save_checkpoint
 from asyncrl.learner.engine import LearnerEngine, build_engine, init_distributed, pad_id
-from asyncrl.learner.feed import Batch, Rank0, broadcast
+from asyncrl.learner.feed import Rank0, broadcast
 from asyncrl.learner.logprobs import ReferenceModel
-from asyncrl.learner.records import OBJECTIVE_FIELDS, StepRecord
-from asyncrl.learner.step import StepResult, Trainer
+from asyncrl.learner.records import StepRecord
+from asyncrl.learner.step import Trainer
+from asyncrl.learner.step_record import step_record
 from asyncrl.tinymodel import resolve_model_path
 
 __all__ = ["learn", "COUNTERS"]
@@ -286,10 +286,8 @@ def learn(
                 state.since_publish = since_publish
                 _checkpoint(le, r0, run_dir, state, counters, pending_ids, pending_groups, adapt)
             if r0 is not None:
-                rec = _record(cfg, state, res, groups, batch, counters, start_time, t_step, train_s,
-                              publish_s, published, bool(due), trainer.lr_now())  # fmt: skip
-                rec.weights_delete_failures = delete_failures
-                rec.weights_delete_failures_total = int(counters["weights_delete_failures_total"])
+                rec = step_record(cfg, state, res, groups, batch, counters, start_time, t_step, train_s,
+                                  publish_s, published, bool(due), trainer.lr_now(), delete_failures)  # fmt: skip
                 if cfg.eval.every > 0:  # the newest periodic eval of actor 0 (a Redis read per step)
                     tracking.attach_eval(rec, r0.buffer)
                 r0.writer.write(rec)
@@ -395,44 +393,3 @@ def _checkpoint(
         r0.buffer.ack(pending_ids)
     pending_ids.clear()
     pending_groups.clear()
-
-
-def _record(
-    cfg: Any, state: LearnerState, res: StepResult, groups: list[Any], batch: Batch, counters: dict[str, float],
-    start_time: float, t_step: float, train_s: float, publish_s: float, published: bool, checkpointed: bool,
-    lr: float,
-) -> StepRecord:  # fmt: skip
-    m = res.metrics
-    rewards = [float(c.reward) for g in groups for c in g.completions]
-    hist = {int(k): v for k, v in res.staleness_hist.items()}
-    n_hist = sum(hist.values())
-    finite = [x for x in res.grad_norms if math.isfinite(x)]
-    grad_norm = float(np.mean(finite)) if finite else (res.grad_norms[-1] if res.grad_norms else 0.0)
-    now = time.time()
-    return StepRecord(
-        step=state.step, version=state.version, time=now - start_time, step_time=now,
-        step_s=time.monotonic() - t_step, wait_s=batch.wait_s, train_s=train_s, publish_s=publish_s,
-        groups=len(groups), sequences=res.sequences, tokens=res.tokens,
-        reward_mean=float(np.mean(rewards)) if rewards else 0.0,
-        reward_std=float(np.std(rewards)) if rewards else 0.0,
-        dropped_stale=batch.dropped_stale, dropped_filtered=batch.dropped_filtered,
-        overlong_masked=res.overlong_masked,
-        staleness_mean=sum(k * v for k, v in hist.items()) / n_hist if n_hist else 0.0,
-        staleness_max=float(max(hist)) if hist else 0.0, staleness_hist=res.staleness_hist,
-        loss=m.get("loss", 0.0), loss_policy=m.get("loss_policy", 0.0),
-        loss_rollout_kl=m.get("loss_rollout_kl", 0.0), loss_entropy=m.get("loss_entropy", 0.0),
-        loss_ref_kl=m.get("loss_ref_kl", 0.0), ratio_mean=m.get("ratio_mean", 0.0),
-        mismatch_kl=m.get("mismatch_kl", 0.0), mismatch_tokens=int(m.get("mismatch_tokens", 0)),
-        rollout_kl=m.get("kl_mu_pi_k3", 0.0), drift_kl=res.drift_kl, drift_tokens=int(m.get("drift_tokens", 0)),
-        empty_mini_batches=int(m.get("empty_mini_batches", 0)), **{k: m.get(k, 0.0) for k in OBJECTIVE_FIELDS},
-        ref_kl=m.get("ref_kl", 0.0), dppo_masked_frac=m.get("dppo_masked_frac", 0.0),
-        is_weight_mean=m.get("is_weight_mean", 0.0), is_weight_max=m.get("is_weight_max", 0.0),
-        ess=m.get("ess", math.nan), entropy=m.get("entropy", 0.0), grad_norm=grad_norm, lr=lr,
-        optimizer_steps=res.optimizer_steps, micro_batches=res.micro_batches,
-        padding_micro_batches=res.padding_micro_batches, skipped=res.skipped,
-        skipped_nonfinite=int(counters["skipped_nonfinite"]), published=published, checkpointed=checkpointed,
-        trained_group_ids=len(groups), max_staleness=cfg.buffer.max_staleness,
-        groups_total=int(counters["groups_total"]), tokens_total=int(counters["tokens_total"]),
-        wait_s_total=counters["wait_s_total"], dropped_stale_total=int(counters["dropped_stale_total"]),
-        dropped_filtered_total=int(counters["dropped_filtered_total"]),
-    )  # fmt: skip
