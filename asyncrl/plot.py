@@ -21,14 +21,47 @@ def _num(r: dict, key: str) -> float:
     return float(r.get(key, "nan"))
 
 
-def eval_points(recs: list[dict]) -> list[tuple[float, float, int]]:
-    """(time, eval reward, evaluated version) at each record where a new periodic eval arrived."""
-    out, seen = [], -1
+#: Two records whose session start (step_time - time) differs by more than this came from different
+#: learner processes (a resume): each restarts ``time`` at 0.
+SESSION_GAP_S = 1.0
+
+
+def running_time(recs: list[dict]) -> list[float]:
+    """Seconds the run has been running at each record, summed over its sessions.
+
+    A record's ``time`` counts from its own ``asyncrl run``/``learn`` start, so after a resume it starts
+    again near 0 and a curve against it folds back over itself. Each session's times are shifted to
+    begin where the previous session's last record ended (the downtime between sessions is left out).
+    A session is told by its start, ``step_time - time``; records without ``step_time`` by ``time``
+    going backwards.
+    """
+    out: list[float] = []
+    offset, prev_start, prev_t = 0.0, None, None
     for r in recs:
+        t = _num(r, "time")
+        st = r.get("step_time")
+        start = float(st) - t if st is not None else None
+        if prev_t is not None:
+            new_session = (
+                abs(start - prev_start) > SESSION_GAP_S
+                if start is not None and prev_start is not None
+                else t < prev_t
+            )
+            if new_session:
+                offset = out[-1]
+        out.append(offset + t)
+        prev_start, prev_t = start, t
+    return out
+
+
+def eval_points(recs: list[dict]) -> list[tuple[float, float, int]]:
+    """(running time, eval reward, evaluated version) at each record where a new periodic eval arrived."""
+    out, seen = [], -1
+    for r, t in zip(recs, running_time(recs), strict=True):
         v = int(r.get("eval_version", -1))
         if v >= 0 and v != seen:
             seen = v
-            out.append((_num(r, "time"), _num(r, "eval_reward_mean"), v))
+            out.append((t, _num(r, "eval_reward_mean"), v))
     return out
 
 
@@ -39,7 +72,7 @@ def series(recs: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
     the learner writes mismatch_kl=0.0, mismatch_tokens=0 (learner/step.py _drift_split), which would
     draw as a (false) zero. Records from before mismatch_tokens existed keep every point.
     """
-    t = [_num(r, "time") for r in recs]
+    t = running_time(recs)
     steps = [_num(r, "step") for r in recs]
     measured = [r for r in recs if float(r.get("mismatch_tokens", 1)) > 0]
     return {
@@ -83,7 +116,7 @@ def figure(recs: list[dict], name: str):  # -> matplotlib Figure (not imported a
     if evals:
         axes[0].plot([e[0] for e in evals], [e[1] for e in evals], marker="o", label="eval (held out)")
         axes[0].legend()
-    axes[0].set(xlabel="wall time since start (s)", ylabel="mean reward", title="reward")
+    axes[0].set(xlabel="running time, summed over resumes (s)", ylabel="mean reward", title="reward")
     axes[1].plot(*s["staleness_mean"], label="mean")
     axes[1].plot(*s["staleness_max"], label="max")
     axes[1].set(xlabel="learner step", ylabel="V - v_t", title="staleness")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,11 @@ def _json_problem(p: Path) -> str | None:
     return None
 
 
+def _missing(value: Any) -> bool:
+    """A cell with no value: None (a JSON null, a key missing from some JSON Lines rows) or a float NaN."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def rows_to_prompts(rows: Sequence[dict[str, Any]], *, name: str, where: str, prompt_column: str,
                     target_column: str = "", id_prefix: str | None = None) -> list[Prompt]:  # fmt: skip
     """Prompts of ``rows``; a missing column or an empty prompt is a TaskDataError naming the row."""
@@ -184,8 +190,15 @@ def rows_to_prompts(rows: Sequence[dict[str, Any]], *, name: str, where: str, pr
                 f"{where}: row {i} has a column 'target' and task.target_column is {target_column!r}: the reward's "
                 f"metadata['target'] is task.target_column's value; rename that column or set task.target_column=target"
             )
+        if target_column and _missing(row[target_column]):
+            # Read as "" it scored against an empty target: an exact-match reward paid 1.0 for an empty
+            # completion, silently (JSON Lines rows without the key, null, a Parquet/pandas NaN).
+            raise TaskDataError(
+                f"{where}: row {i}: column {target_column!r} (task.target_column) is empty (null or NaN); every "
+                "row needs a target: fill or drop such rows, or leave task.target_column empty"
+            )
         meta = {k: v for k, v in row.items() if k not in (prompt_column, target_column)}
-        target = "" if not target_column or row[target_column] is None else str(row[target_column])
+        target = str(row[target_column]) if target_column else ""
         out.append(Prompt(f"{prefix}-{i}", text, target, {"task": name, **meta}))
     if not out:
         raise TaskDataError(f"{where}: no rows")

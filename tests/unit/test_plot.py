@@ -77,3 +77,23 @@ def test_a_run_without_steps_is_a_user_error(tmp_path: Path, text: str):
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr  # rc 1 and a traceback before
     assert r.stderr.strip() == f"asyncrl: error: {tmp_path}/metrics.jsonl has no steps yet"
+
+
+def test_a_resumed_runs_reward_is_drawn_against_running_time_not_folded_back():
+    """Each session's records count ``time`` from its own start: after a resume the reward curve went
+    back to the left over itself. Sessions (told by step_time - time) continue where the last ended."""
+    from asyncrl.plot import running_time, series
+
+    t0, t1 = 1_000_000.0, 1_000_500.0  # the second session starts 500 s later (downtime left out)
+    first = [{"step": s, "time": 5.0 + s, "step_time": t0 + 5.0 + s, "reward_mean": 0.1} for s in range(1, 4)]
+    second = [
+        {"step": s, "time": 4.0 + s, "step_time": t1 + 4.0 + s, "reward_mean": 0.2} for s in range(3, 6)
+    ]
+    recs = first + second
+    assert running_time(recs) == [6.0, 7.0, 8.0, 15.0, 16.0, 17.0]
+    assert series(recs)["reward"][0] == [6.0, 7.0, 8.0, 15.0, 16.0, 17.0]
+    # Without step_time (older records): a time that goes backwards starts a session.
+    old = [{k: v for k, v in r.items() if k != "step_time"} for r in recs]
+    assert running_time(old) == [6.0, 7.0, 8.0, 15.0, 16.0, 17.0]
+    # One session: the times as written.
+    assert running_time(first) == [6.0, 7.0, 8.0]

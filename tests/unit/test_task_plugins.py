@@ -506,3 +506,39 @@ def test_unreadable_json_data_names_the_file_and_line(tmp_path, capfd, name, con
     with pytest.raises(TaskDataError, match=f"^{re.escape(str(path))}{message}"):
         load_prompt_splits(TaskConfig(data_path=str(path)), 0, "t")
     assert "Failed to load JSON" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl-missing", "jsonl-null", "parquet-nan"])
+def test_a_row_without_a_target_is_refused_naming_the_row(tmp_path, fmt):
+    """With task.target_column set, a row whose target is absent (a JSON Lines row without the key),
+    null or a Parquet NaN was read as "": an exact-match reward then paid 1.0 for an empty completion,
+    silently. It is a TaskDataError naming the row, the column and the key."""
+    from asyncrl.tasks import dataset_task
+
+    rows = [
+        {"question": "q0", "answer": 1.5},
+        {"question": "q1", "answer": 2.5},
+        {"question": "q2", "answer": 3.5},
+    ]
+    if fmt == "jsonl-missing":
+        del rows[2]["answer"]
+    else:
+        rows[2]["answer"] = None if fmt == "jsonl-null" else float("nan")
+    if fmt.startswith("jsonl"):
+        path = tmp_path / "d.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "d.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = TaskConfig(data_path=str(path), prompt_column="question", target_column="answer")
+    with pytest.raises(TaskDataError, match=r"row 2: column 'answer' \(task.target_column\) is empty"):
+        dataset_task(cfg, 0, lambda p, c, m: 0.0, name="mine")
+    rows[2]["answer"] = 0.0  # a real value, even a falsy one, is a target
+    path = tmp_path / "ok.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = TaskConfig(data_path=str(path), prompt_column="question", target_column="answer")
+    task = dataset_task(cfg, 0, lambda p, c, m: 0.0, name="mine")
+    assert sorted(p.target for p in task.prompts + task.eval_prompts) == ["0.0", "1.5", "2.5"]
