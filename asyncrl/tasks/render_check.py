@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .chat import prompt_token_ids
+from .chat import prompt_token_ids, uses_chat_template
 
 __all__ = ["check_prompt_rendering", "load_tokenizer", "render_failure"]
 
@@ -106,17 +106,35 @@ def check_prompt_rendering(
     model_dir = str(model_dir or cfg.model.path or "")
     if tokenizer is None:
         if not model_dir:
+            _system_prompt_unused(cfg, "the built-in tiny model has no chat template")
             return
         tokenizer = load_tokenizer(cfg, model_dir)
     try:
         prompt_token_ids(tokenizer, prompt.text, cfg.model.chat_template, cfg.task.system_prompt)
     except Exception as e:
         if cfg.task.system_prompt:
-            fix = ("remove task.system_prompt (or put its text into the prompts themselves), or set "
-                   "model.chat_template=off (plain text)")  # fmt: skip
+            fix = "remove task.system_prompt (or put its text into the prompts themselves)"
         else:
             fix = "fix the model's chat template, or set model.chat_template=off (plain text)"
         where = f" of {model_dir}" if model_dir else ""
         raise ConfigError(
             f"the chat template{where} refuses the task's prompts: {render_failure(cfg, prompt.prompt_id, e)}; {fix}"
         ) from None
+    if not uses_chat_template(tokenizer, cfg.model.chat_template):
+        why = ("model.chat_template='off'" if cfg.model.chat_template == "off"
+               else f"the tokenizer of {model_dir or 'the model'} has no chat template")  # fmt: skip
+        _system_prompt_unused(cfg, why)
+
+
+def _system_prompt_unused(cfg: Any, why: str) -> None:
+    """A ConfigError when ``task.system_prompt`` is set but prompts are plain text (``why``): only a chat
+    template has a system turn, so the text would be dropped without a word (a user's config silently
+    ignored: the policy trains and is evaluated without the instruction the user wrote)."""
+    from asyncrl.config import ConfigError
+
+    if cfg.task.system_prompt:
+        raise ConfigError(
+            f"task.system_prompt={cfg.task.system_prompt!r} is set but the prompts are plain text ({why}): "
+            "a system prompt needs a chat template; remove task.system_prompt (or put its text into the "
+            "prompts themselves), or use a model whose tokenizer has a chat template"
+        )

@@ -56,14 +56,43 @@ def test_a_template_refusing_the_system_turn_fails_the_task_check_with_the_keys(
         "(model.chat_template='auto', task.system_prompt='Be brief.'): TemplateError: System role not supported"
         in msg
     )
-    assert msg.endswith("remove task.system_prompt (or put its text into the prompts themselves), or set "
-                        "model.chat_template=off (plain text)")  # fmt: skip
+    assert msg.endswith("remove task.system_prompt (or put its text into the prompts themselves)")
 
 
 def test_what_the_template_accepts_passes(gemma: Path, tmp_path: Path) -> None:
     check_task(_cfg(gemma))  # no system turn
-    check_task(_cfg(gemma, "task.system_prompt=Be brief.", "model.chat_template=off"))  # no template
+    check_task(_cfg(gemma, "model.chat_template=off"))  # no template
     check_task(_cfg(_model_dir(tmp_path, CHATML), "task.system_prompt=Be brief."))
+
+
+@pytest.mark.parametrize("how", ["off", "no template", "tiny"])
+def test_a_system_prompt_that_plain_text_would_drop_fails_at_start(
+    gemma: Path, tmp_path: Path, how: str
+) -> None:
+    """Only a chat template has a system turn: with plain-text prompts (model.chat_template=off, a
+    tokenizer without a template under auto, the built-in tiny model) task.system_prompt was dropped
+    without a word and the run trained and evaluated without it."""
+    if how == "off":
+        cfg, why = (
+            _cfg(gemma, "task.system_prompt=Be brief.", "model.chat_template=off"),
+            "model.chat_template='off'",
+        )
+    elif how == "no template":
+        plain = _model_dir(tmp_path, None)
+        cfg, why = (
+            _cfg(plain, "task.system_prompt=Be brief."),
+            f"the tokenizer of {plain} has no chat template",
+        )
+    else:
+        cfg, why = (
+            load_config(overrides=["task.system_prompt=Be brief."]),
+            "the built-in tiny model has no chat",
+        )
+    with pytest.raises(ConfigError) as e:
+        check_task(cfg)
+    msg = str(e.value)
+    assert msg.startswith("task.system_prompt='Be brief.' is set but the prompts are plain text (" + why), msg
+    assert "\n" not in msg and msg.endswith("or use a model whose tokenizer has a chat template")
 
 
 @pytest.mark.parametrize("cmd", ["run", "serve-actors", "eval"])
