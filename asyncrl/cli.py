@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             return print_status(cfg, _redis_url(cfg, rdir))
         # Both build model/ in the run dir (resolve_model_path): a resume under a changed config is refused
         # first, before redis.url is filled in (the saved config holds the one it was started with).
-        changes = check_resume(cfg, rdir, args.allow_changes)
+        changes = check_resume(cfg, rdir, args.allow_changes, data=args.cmd != "learn")
         for line in changes:
             print(f"asyncrl {args.cmd}: {line}", file=sys.stderr, flush=True)
         if args.cmd == "learn" and (changes or not (rdir / "config.yaml").exists()):

@@ -24,6 +24,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from .data_identity import DATA_KEYS, data_identity, read_identity, write_identity
 from .fields import ConfigError
 from .loading import Config
 
@@ -165,19 +166,25 @@ def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[tuple[str
     return out
 
 
-def check_resume(cfg: Config, rdir: Path, allow: Iterable[str] = ()) -> list[str]:
+def check_resume(cfg: Config, rdir: Path, allow: Iterable[str] = (), data: bool = True) -> list[str]:
     """Compare ``cfg`` with the config saved in ``rdir`` when ``rdir`` holds a run to resume.
 
     Returns one line per accepted change (for the caller to log; nothing when there is no saved config,
     no state of an earlier start, or no change). Raises ConfigError, in one line naming each refused key
     with its saved and new value, when a FIXED key changed, or an IDENTITY key not named (or under a
-    prefix named) in ``allow``. Reads only: the caller rewrites config.yaml once this returned."""
+    prefix named) in ``allow``, or when a data file's contents changed since the run's start
+    (:mod:`asyncrl.config.data_identity`). Writes only the data digests (``task_data.json``: at the
+    first start, or once a resume is accepted); the caller rewrites config.yaml once this returned.
+    ``data``: the caller's role reads the task's data (not the learner: its machine may have none)."""
     allow = tuple(allow)
     for a in allow:
         if not any(k == a or k.startswith(a + ".") for k in _defaults()):
             raise ConfigError(f"--allow-config-change {a!r}: not a config key or section")
     path = Path(rdir) / SAVED_CONFIG
+    identity = data_identity(cfg) if data else {}
     if not path.is_file() or not has_run_state(Path(rdir)):
+        if identity:  # the first start: what a resume compares the data files' contents with
+            write_identity(Path(rdir), identity)
         return []
     loaded = OmegaConf.to_container(OmegaConf.load(path))
     saved = flatten(loaded) if isinstance(loaded, dict) else {}
@@ -191,6 +198,21 @@ def check_resume(cfg: Config, rdir: Path, allow: Iterable[str] = ()) -> list[str
         else:
             overridable = overridable or kind == IDENTITY
             refused.append(f"{key} {old!r} -> {new!r}{' (cannot change)' if kind == FIXED else ''}")
+    recorded = read_identity(Path(rdir)) if data else None
+    for key in DATA_KEYS if recorded is not None else ():
+        if recorded.get(key) == identity.get(key):
+            continue
+        if any(key == a or key.startswith(a + ".") for a in allow):
+            accepted.append(
+                f"config change on resume: {key}: its contents changed (allowed by --allow-config-change)"
+            )
+        else:
+            overridable = True
+            refused.append(
+                f"{key}'s contents (the eval hold-out and the prompt order depend on them: "
+                f"{'not found' if key not in identity else 'digest ' + identity[key][:12]} against "
+                f"{'none' if key not in recorded else recorded[key][:12]} at the run's start)"
+            )
     if refused:
         hatch = "; --allow-config-change KEY accepts an identity change on purpose" if overridable else ""
         raise ConfigError(
@@ -198,4 +220,6 @@ def check_resume(cfg: Config, rdir: Path, allow: Iterable[str] = ()) -> list[str
             f"changed: {', '.join(refused)}. Put them back to resume it, or pass run.name=NEW for a new run"
             f"{hatch}"
         )
+    if data and identity != recorded and (identity or recorded is not None):
+        write_identity(Path(rdir), identity)  # recorded for a run from before the digests, or accepted
     return accepted

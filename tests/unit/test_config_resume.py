@@ -132,3 +132,46 @@ def test_cli_refuses_a_changed_group_size_before_touching_the_run_dir(tmp_path, 
     assert {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files} == before
     assert sorted(p.name for p in (rdir / "model").iterdir()) == ["spec.json"]
     assert sorted(p.name for p in rdir.iterdir()) == [CHECKPOINT_DIR, "config.yaml", "model"]
+
+
+def test_a_data_file_changed_between_stop_and_resume_is_refused(tmp_path) -> None:
+    """The eval hold-out (task.eval_fraction) and the prompt order depend on the data file's rows, not
+    its name: rows appended between a stop and its resume put trained prompts into the eval set, and
+    only the name was compared. The first start records a digest; a resume refuses another one."""
+    from asyncrl.config.data_identity import DATA_IDENTITY
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(40)))
+    over = (f"task.data_path={data}", "task.name=gsm8k")
+    rdir = tmp_path / "run"
+    assert check_resume(_cfg(*over), rdir) == []  # the first start: nothing to resume, the digest recorded
+    recorded = json.loads((rdir / DATA_IDENTITY).read_text())
+    assert set(recorded) == {"task.data_path"}
+    rdir = _run_dir(tmp_path, _cfg(*over))  # stopped with state; task_data.json kept
+    assert check_resume(_cfg(*over), rdir) == []  # the same rows: resumes
+    with data.open("a") as f:
+        f.write(json.dumps({"prompt": "q40", "answer": "40"}) + "\n")
+    with pytest.raises(ConfigError) as e:
+        check_resume(_cfg(*over), rdir)
+    msg = str(e.value)
+    assert "\n" not in msg and "task.data_path's contents" in msg and "--allow-config-change" in msg
+    assert json.loads((rdir / DATA_IDENTITY).read_text()) == recorded  # a refusal writes nothing
+    # The learner's role never reads the data (its machine may have none): no check, nothing written.
+    assert check_resume(_cfg(*over), rdir, data=False) == []
+    # On purpose: accepted, logged, and the new digest is the one the next resume compares with.
+    lines = check_resume(_cfg(*over), rdir, allow=("task.data_path",))
+    assert lines == [
+        "config change on resume: task.data_path: its contents changed (allowed by --allow-config-change)"
+    ]
+    assert check_resume(_cfg(*over), rdir) == []
+    # A run from before the digests (no task_data.json) resumes, and records the digest from now on.
+    (rdir / DATA_IDENTITY).unlink()
+    assert check_resume(_cfg(*over), rdir) == [] and (rdir / DATA_IDENTITY).is_file()
+    data.write_text("changed\n")
+    with pytest.raises(ConfigError, match="task.data_path's contents"):
+        check_resume(_cfg(*over), rdir)
+
+
+def test_the_tiny_task_records_no_data_digest(tmp_path) -> None:
+    rdir = tmp_path / "run"
+    assert check_resume(_cfg(), rdir) == [] and not rdir.exists()  # nothing written for the demo's task
