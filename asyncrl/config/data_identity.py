@@ -10,7 +10,8 @@ mid-epoch, silently. So the first start records a digest of each data path in
 identity key (``--allow-config-change task.data_path`` accepts it on purpose).
 
 A file is hashed whole (BLAKE2b, ~1 GB/s: a few seconds for a multi-GB dataset, at each start); a
-directory (``save_to_disk``) by its files' relative paths and contents. A path that does not exist has
+directory (``save_to_disk``) by its files' relative paths and contents (not the cache and lock files
+``datasets`` may add there). A path that does not exist has
 no digest (loading the task reports it). Imports neither torch, vllm nor ray.
 """
 
@@ -36,10 +37,15 @@ def _file_digest(path: Path, h: Any) -> None:
             h.update(chunk)
 
 
+def _derived(name: str) -> bool:
+    """Files ``datasets`` itself may add to a saved dataset's directory (a map/filter cache, a lock): not data."""
+    return (name.startswith("cache-") and name.endswith(".arrow")) or name.endswith(".lock")
+
+
 def _digest(path: Path) -> str:
     h = hashlib.blake2b(digest_size=20)
     if path.is_dir():
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        for f in sorted(p for p in path.rglob("*") if p.is_file() and not _derived(p.name)):
             h.update(str(f.relative_to(path)).encode() + b"\0")
             _file_digest(f, h)
             h.update(b"\0")

@@ -175,3 +175,20 @@ def test_a_data_file_changed_between_stop_and_resume_is_refused(tmp_path) -> Non
 def test_the_tiny_task_records_no_data_digest(tmp_path) -> None:
     rdir = tmp_path / "run"
     assert check_resume(_cfg(), rdir) == [] and not rdir.exists()  # nothing written for the demo's task
+
+
+def test_a_saved_dataset_directory_is_digested_by_its_data_not_its_caches(tmp_path) -> None:
+    from asyncrl.config.data_identity import data_identity
+
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "data-00000-of-00001.arrow").write_bytes(b"rows")
+    (d / "state.json").write_text("{}")
+    cfg = _cfg(f"task.data_path={d}", "task.name=gsm8k")
+    first = data_identity(cfg)
+    (d / "cache-0123abcd.arrow").write_bytes(b"a map's cache")  # written by datasets, not data
+    (d / "dataset.lock").write_text("")
+    assert data_identity(cfg) == first
+    (d / "data-00000-of-00001.arrow").write_bytes(b"other rows")
+    assert data_identity(cfg) != first
+    assert data_identity(_cfg(f"task.data_path={tmp_path / 'missing'}", "task.name=gsm8k")) == {}
