@@ -30,6 +30,10 @@ readable only by the user), ``asyncrl status``/``serve-actors``/``learn`` find i
 
 Invariant: whatever happens, the finally-block stops the pool (engines + Ray), the learner process
 and the embedded Redis in that order, so no redis-server, Ray or vLLM process outlives the command.
+A SIGTERM to the whole process group (``timeout``, ``kill -- -PGID``, systemd, scancel) also kills Ray's
+GCS and raylet: the pool's stop is then abandoned (ActorPool.stop_bounded), the rest torn down and the
+summary written as for any interrupted stop, and the process ends with os._exit (Ray's own atexit
+shutdown would wait on the dead GCS until Ray aborts the process, ~60 s, exit code 1).
 """
 
 from __future__ import annotations
@@ -326,12 +330,19 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
         summary = write_summary(rdir, iter_jsonl(rdir / "metrics.jsonl"), start, end, extra)
     print(f"run dir: {rdir}\nsteps {summary['steps']}  reward {summary['start_reward']} -> {summary['end_reward']}  "
           f"wall {summary['wall_s']:.0f}s  status {status}")  # fmt: skip
+    code = 0
     if status == "failed":
         print(f"asyncrl run: error: {error}", file=sys.stderr)
-        return 1
-    if not finished:
+        code = 1
+    elif not finished:
         print(f"the run is not finished ({status}): run the same command again to resume it", flush=True)
-    return 0
+    if pool is not None and pool.ray_lost:
+        # Ray's GCS is gone (a SIGTERM to the process group) and its core worker would abort this process
+        # (~60 s, exit code 1) from Ray's atexit shutdown: everything of ours is done, so leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _display_failed(sup: Supervisor, e: Exception) -> None:
@@ -378,8 +389,8 @@ def _teardown(pool: Any, sup: Supervisor, buf: Any, lease: Any = None) -> int:
             return None
 
     step("metrics targets clear", lambda: clear_targets(sup.rdir))
-    if pool is not None:
-        step("actor pool stop", pool.stop)
+    if pool is not None:  # bounded: a signal to the process group may have taken Ray's GCS down with it
+        step("actor pool stop", pool.stop_bounded)
     if lease is not None:  # after the pool: no actor of ours runs once another pool may take the number
         step("actor pool lease release", lease.release)
     learner, grace_s = sup.learner, sup.cfg.learner.stop_grace_s

@@ -106,6 +106,31 @@ def init_ray(cfg: Any) -> bool:
     return True
 
 
+def local_ray_lost() -> bool:
+    """True when this process started a local Ray whose GCS or raylet has exited."""
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        if node is None or not node.head:
+            return False
+        return any(kind in ("gcs_server", "raylet") for kind, _ in node.dead_processes())
+    except Exception:  # a Ray without these internals: assume alive (the plain stop path)
+        return False
+
+
+def kill_local_ray() -> None:
+    """SIGKILL what is left of the local Ray this process started (and reap it), without a Ray call."""
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        if node is not None:
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+    except Exception:  # best effort: the run's reaper (asyncrl.lifetime) takes the rest on exit
+        pass
+
+
 def ray_connect_message(address: str | None, e: BaseException) -> str:
     """One line for a Ray that refused or could not be reached, with the usual cause: a cluster started
     by ``ray start --head`` with ``~/.ray/auth_token`` present uses token authentication, and every
@@ -148,6 +173,11 @@ class ActorPool:
         self._started_ray = owns_ray  # the caller started Ray for this pool (init_ray): stop() shuts it down
         self._stopped = False
         self._pg: Any = None  # the actors' placement group: bundle i is actor slot i's reservation
+        #: stop_bounded() found the local Ray this pool started without its GCS or raylet and abandoned
+        #: the Ray calls: the caller must end its process with os._exit (Ray's atexit shutdown would wait
+        #: on the dead GCS until Ray's core worker aborts the process, ~60 s, exit code 1).
+        self.ray_lost = False
+        self._ray_shutdown_begun = False  # ray.shutdown kills Ray's processes itself: not a lost Ray
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -334,6 +364,35 @@ class ActorPool:
         """Make actor ``i`` exit its process from inside (``os._exit``), like a crash."""
         self.actors[i].crash.remote()
 
+    def stop_bounded(self, poll_s: float = 0.5) -> list[dict[str, Any]]:
+        """:meth:`stop`, abandoned as soon as the local Ray this pool started has lost its GCS or raylet.
+
+        A SIGTERM to the whole process group of `asyncrl run` (``timeout``, ``kill -- -PGID``, systemd,
+        scancel) reaches Ray's GCS and raylet, which are in that group too: every Ray call of the stop
+        would then wait on the dead GCS until Ray's core worker aborts this process (~60 s, exit code 1,
+        no summary). Here the stop runs in a daemon thread that is left behind once that is seen; the
+        rest of Ray's processes are killed, and :attr:`ray_lost` tells the caller to end with os._exit."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = self.stop()
+            except BaseException as e:  # re-raised in the caller's thread
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="pool-stop", daemon=True)
+        t.start()
+        while t.is_alive():
+            if self._started_ray and not self._ray_shutdown_begun and local_ray_lost():
+                self.ray_lost = True
+                kill_local_ray()
+                raise RuntimeError("the local Ray lost its GCS or raylet (a signal to the process group?): "
+                                   "its processes were killed without an orderly stop")  # fmt: skip
+            t.join(poll_s)
+        if "error" in box:
+            raise box["error"]
+        return box.get("result", [])
+
     def stop(self, abort: bool = True, timeout: float = 120.0) -> list[dict[str, Any]]:
         """Stop every actor: ``abort`` cancels in-flight groups (not written, admission credited),
         else they finish first. Engines shut down inside the actors; then the actors are killed and
@@ -359,6 +418,7 @@ class ActorPool:
                 ray.util.remove_placement_group(self._pg)
                 self._pg = None
             if self._started_ray:
+                self._ray_shutdown_begun = True
                 ray.shutdown()
         if errors:
             raise errors[0]
