@@ -333,7 +333,11 @@ class StreamConsumer:
         bad: list[tuple[str, str, bytes]] = []
         counts: dict[str, int] = {}
         if redelivered and self.max_deliveries is not None and entries:
-            counts = self._delivery_counts(consumer, _s(entries[0][0]), _s(entries[-1][0]), len(entries))
+            # The range also holds this consumer's other pending entries (those in flight at the caller,
+            # returned): a count of len(entries) alone cut it short and read later entries as delivered 0
+            # times, so a poison group could dodge the quarantine after an outage.
+            n = len(entries) + len(self._returned()) + 64
+            counts = self._delivery_counts(consumer, _s(entries[0][0]), _s(entries[-1][0]), n)
         for raw_id, fields in entries:
             entry_id = _s(raw_id)
             if not fields:

@@ -625,3 +625,32 @@ def test_settle_tombstones_what_has_not_run(buffer: ReplayBuffer) -> None:
     s = buffer.stats()
     assert (s["admitted"], s["credits"], int(buffer.client.hget(k.inflight, "a"))) == (1, 1, 0)
     assert adm.settle() == 0  # nothing left to settle
+
+
+def test_a_lost_entry_past_an_in_flight_one_is_still_quarantined(
+    redis_url: str, run_name: str, redis_client: redis.Redis
+) -> None:
+    """The claim-back reads the lost entries' delivery counts over their id range, which also holds this
+    consumer's entries in flight at the caller: asked for only as many rows as lost entries, it cut the
+    range short and a later lost entry read as delivered 0 times, dodging max_deliveries."""
+    from asyncrl.buffer.cluster import connection_kwargs
+
+    buffer = ReplayBuffer.connect(redis_url, run_name, max_deliveries=2)
+    ids = [buffer.put(small_group()) for _ in range(5)]
+    assert buf_entry_ids(buffer.read("c", 1, block_ms=0)) == ids[:1]
+    stream = {buffer.keys.rollouts: ">"}
+    redis_client.xreadgroup(buffer.group_name, "c", stream, count=1)  # ids[1]: served, reply lost
+    assert buf_entry_ids(buffer.read("c", 1, block_ms=0)) == ids[2:3]  # in flight at the caller
+    redis_client.xreadgroup(buffer.group_name, "c", stream, count=1)  # ids[3]: reply lost
+    # ids[3] had been delivered to this consumer's failing learner before: 5 > max_deliveries.
+    redis_client.xclaim(buffer.keys.rollouts, buffer.group_name, "c", 0, [ids[3]], retrycount=5)
+    retried = redis_client.xreadgroup(buffer.group_name, "c", stream, count=1)  # the retry: ids[4]
+    assert [x[0].decode() for x in retried[0][1]] == ids[4:5]
+    buffer._cursor["c"] = ids[4]
+    buffer._returned().add(ids[4])
+    connection_kwargs(buffer.client)["retry"].monitor.outages += 1
+    assert buf_entry_ids(buffer.read("c", 10, block_ms=0)) == ids[1:2]
+    (dead,) = buffer.dead_letters()
+    assert dead["original_id"] == ids[3] and dead["reason"].startswith("quarantined: delivered 5 times"), dead
+    buffer.delete_run()
+    buffer.close()
