@@ -268,7 +268,7 @@ LEARNER_METRICS: tuple[Metric, ...] = (
     Metric(
         "asyncrl_learner_weights_delete_failures_total",
         "counter",
-        "Failed attempts to remove stored weight versions (retried every step: storage that is not freed).",
+        "Failed attempts to remove stored weight versions (retried after each publish: storage that is not freed).",
         "weights_delete_failures_total",
     ),  # fmt: skip
     Metric("asyncrl_learner_policy_version", "gauge", "Latest published policy version.", "version"),

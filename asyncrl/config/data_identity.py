@@ -1,11 +1,11 @@
-"""The identity of a run's task data: a digest of ``task.data_path`` / ``task.eval_data_path``'s contents.
+"""The identity of a run's task data: a digest of ``task.data_path``'s contents.
 
 The config's resume check (:mod:`asyncrl.config.resume`) compares keys, i.e. the data files' *names*.
 But a run's prompts depend on the files' contents: the held-out eval prompts (``task.eval_fraction``)
 are drawn by a shuffle over the row count and the prompt order is one order per run, by position. A
 file with rows appended or edited between a stop and its resume moved prompts the policy had trained
 on into the eval set (measured: 27 of 44 eval prompts after 400 -> 440 rows) and reshuffled the order
-mid-epoch, silently. So the first start records a digest of each data path in
+mid-epoch, silently. So the first start records a digest of ``task.data_path`` in
 ``<run_dir>/task_data.json`` and a resume refuses a digest that changed, as it refuses a changed
 identity key (``--allow-config-change task.data_path`` accepts it on purpose).
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,9 @@ __all__ = ["DATA_IDENTITY", "DATA_KEYS", "data_identity", "read_identity", "writ
 
 #: Where the first start records the digests (in the run dir).
 DATA_IDENTITY = "task_data.json"
-#: The task keys whose files define the run's prompts.
-DATA_KEYS = ("task.data_path", "task.eval_data_path")
+#: The task keys whose files define the run's prompts. Not ``task.eval_data_path``: a separate eval file
+#: moves no training row and no prompt position, and that key may change on resume (eval only).
+DATA_KEYS = ("task.data_path",)
 _CHUNK = 4 << 20
 
 
@@ -77,6 +80,6 @@ def read_identity(rdir: Path) -> dict[str, str] | None:
 def write_identity(rdir: Path, identity: dict[str, str]) -> None:
     path = Path(rdir) / DATA_IDENTITY
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}")  # concurrent starts (serve-actors)
     tmp.write_text(json.dumps(identity, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)

@@ -116,8 +116,8 @@ class StepRecord:
     padding_micro_batches: int = 0  # padding micro-batches run, summed over ranks (DP balancing)
     skipped: int = 0  # optimizer steps skipped this step for a non-finite loss or gradient
     skipped_nonfinite: int = 0  # cumulative skipped optimizer steps
-    # failed attempts this step to remove stored weights (file transport: each is logged and retried at
-    # the next step, so a path that stays undeletable counts every step; the disk fills meanwhile)
+    # failed attempts this step to remove stored weights (file transport: each is logged and retried after
+    # the next publish, so a path that stays undeletable counts again each time; the disk fills meanwhile)
     weights_delete_failures: int = 0
     weights_delete_failures_total: int = 0  # cumulative (restored on resume)
     published: bool = False  # this step published weights (version bumped)

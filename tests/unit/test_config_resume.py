@@ -192,3 +192,17 @@ def test_a_saved_dataset_directory_is_digested_by_its_data_not_its_caches(tmp_pa
     (d / "data-00000-of-00001.arrow").write_bytes(b"other rows")
     assert data_identity(cfg) != first
     assert data_identity(_cfg(f"task.data_path={tmp_path / 'missing'}", "task.name=gsm8k")) == {}
+
+
+def test_a_separate_eval_file_may_change_on_resume(tmp_path) -> None:
+    """task.eval_data_path is FREE (eval only): a new or edited eval file moves no training row and no
+    prompt position, so its contents are not part of the run's identity (the review's false refusal)."""
+    data, ev = tmp_path / "data.jsonl", tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(10)))
+    ev.write_text(json.dumps({"prompt": "e0", "answer": "0"}) + "\n")
+    over = (f"task.data_path={data}", "task.name=gsm8k")
+    rdir = tmp_path / "run"
+    check_resume(_cfg(*over, f"task.eval_data_path={ev}"), rdir)
+    rdir = _run_dir(tmp_path, _cfg(*over, f"task.eval_data_path={ev}"))
+    ev.write_text(json.dumps({"prompt": "e1", "answer": "1"}) + "\n")
+    assert check_resume(_cfg(*over, f"task.eval_data_path={ev}"), rdir) == []
