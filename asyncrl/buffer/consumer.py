@@ -97,8 +97,10 @@ return n
 # drop credits nothing and its admission slot is lost for the run. With the check and the claim in two
 # calls, a trim landing between them lost the entry that way. Invariant: this consumer's code never
 # XCLAIMs a deleted entry, so a deleted entry stays pending until the XACK of whoever settles it.
-# An id in neither list was no longer pending to the consumer (acknowledged meanwhile by another path:
-# XCLAIM claims only pending entries); that path did or did not credit it, this one must not.
+# An id in neither list was no longer pending to the consumer: acknowledged meanwhile by another path, or
+# now pending to another consumer (XCLAIM would take an entry from whichever consumer holds it, so the
+# claim is guarded by XPENDING filtered to this consumer); that path did or did not credit it, this one
+# must not, and it must not steal what another consumer is working on.
 CLAIM_LUA = """
 local claimed, gone = {}, {}
 for i = 3, #ARGV, 2 do
@@ -107,7 +109,7 @@ for i = 3, #ARGV, 2 do
     if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) > 0 then
       gone[#gone + 1] = id
     end
-  else
+  elseif #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) > 0 then
     local rows = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'RETRYCOUNT', ARGV[i + 1])
     if #rows > 0 then
       claimed[#claimed + 1] = rows[1]

@@ -350,6 +350,42 @@ def test_a_lost_reply_trimmed_just_before_its_claim_is_credited_once(
     buffer.close()
 
 
+def test_a_lost_reply_taken_over_by_another_consumer_is_left_to_it(
+    redis_url: str, run_name: str, redis_client: redis.Redis
+) -> None:
+    """A lost entry that another consumer took over (XCLAIM, e.g. a reaper moving a dead consumer's
+    entries) between the claim-back's XPENDING read and its claim: XCLAIM takes an entry from whichever
+    consumer holds it, so the claim-back stole it (returned to "c", now pending to "c", while "d" works
+    on it too). It is left pending to "d"; the other lost entry comes back as before."""
+    from asyncrl.buffer.cluster import connection_kwargs
+
+    buffer = ReplayBuffer.connect(redis_url, run_name)
+    ids = _lose_replies_below_the_cursor(buffer, redis_client, 2)
+    send = buffer.client.execute_command
+    hooked: list[str] = []
+
+    def take_over_before_the_claim(*args, **kw):
+        if not hooked and str(args[0]).upper() in ("XCLAIM", "EVALSHA", "EVAL"):
+            hooked.append(str(args[0]))
+            redis_client.xclaim(buffer.keys.rollouts, buffer.group_name, "d", 0, [ids[1]])
+        return send(*args, **kw)
+
+    buffer.client.execute_command = take_over_before_the_claim
+    connection_kwargs(buffer.client)["retry"].monitor.outages += 1
+    try:
+        got = buf_entry_ids(buffer.read("c", 10, block_ms=0))
+    finally:
+        del buffer.client.execute_command
+    assert hooked and got == ids[2:3]
+    rows = redis_client.xpending_range(buffer.keys.rollouts, buffer.group_name, ids[1], ids[1], 1)
+    assert rows[0]["consumer"].decode() == "d"
+    s = buffer.stats()
+    assert s["dead"] == 0 and s["pending"] == 4, s  # all four still pending, none dead
+    buffer.ack(ids)
+    buffer.delete_run()
+    buffer.close()
+
+
 def _delivered(client: redis.Redis, buffer: ReplayBuffer) -> dict[str, int]:
     rows = client.xpending_range(buffer.keys.rollouts, buffer.group_name, "-", "+", 100)
     return {r["message_id"].decode(): int(r["times_delivered"]) for r in rows}
