@@ -71,7 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="restore the latest checkpoint of the run dir")
     _add_allow_change(p)
     _add_config_args(p)
-    p = sub.add_parser("status", help="one-screen summary of a run's buffer, actors and learner")
+    p = sub.add_parser(
+        "status",
+        help="one-screen summary of a run's buffer, actors and learner (an ended run: its summary.json)",
+    )
     _add_config_args(p)
     p = sub.add_parser("plot", help="reward/staleness curves of a run dir as a PNG")
     p.add_argument("run_dir")
@@ -293,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "status":
             from asyncrl.status import print_status
 
-            return print_status(cfg, _redis_url(cfg, rdir))
+            # A run that is not up (no URL: an `asyncrl run` removes its redis.url when it stops) is shown
+            # from its summary.json; before, this pointed the user at starting a Redis.
+            has_url = cfg.redis.url or os.environ.get("ASYNCRL_REDIS_URL") or (rdir / "redis.url").exists()
+            return print_status(cfg, _redis_url(cfg, rdir) if has_url else None, rdir)
         # Both build model/ in the run dir (resolve_model_path): a resume under a changed config is refused
         # first, before redis.url is filled in (the saved config holds the one it was started with).
         changes = check_resume(cfg, rdir, args.allow_changes, data=args.cmd != "learn")

@@ -1,8 +1,11 @@
-"""`asyncrl status`: a one-screen summary of a run, read from its Redis only."""
+"""`asyncrl status`: a one-screen summary of a run, read from its Redis while it is up; once it has
+ended (its embedded Redis gone with it), from the ``summary.json`` that `asyncrl run` left in its run dir."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from asyncrl.buffer.registry import LEARNER_HEARTBEAT_S, LEARNER_SILENT_S
 from asyncrl.config import Config, ConfigError
@@ -121,6 +124,117 @@ def learner_state(ln: dict, now: float) -> str:
     return ""
 
 
-def print_status(cfg: Config, url: str) -> int:
+def read_summary(rdir: Path) -> dict | None:
+    """The run dir's summary.json (`asyncrl run` writes it when it stops), None if there is none."""
+    try:
+        summary = json.loads((rdir / "summary.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{rdir / 'summary.json'} cannot be read ({e})") from None
+    if not isinstance(summary, dict):
+        raise ConfigError(f"{rdir / 'summary.json'} holds no summary (a JSON object)")
+    return summary
+
+
+def _run_config(cfg: Config, rdir: Path) -> Config:
+    """The run's own config.yaml (its name and run.max_steps; the command line may have set run.dir only)."""
+    from asyncrl.config import load_config
+
+    try:
+        return load_config(rdir / "config.yaml", validate=False)
+    except Exception:  # none, an old or a hand-edited one: the command line's config then
+        return cfg
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def _num(x: object, spec: str) -> str:
+    return format(x, spec) if isinstance(x, int | float) else "-"
+
+
+def format_summary(cfg: Config, rdir: Path, summary: dict, now: float | None = None) -> str:
+    """An ended run's summary.json as the status screen: how it ended, its steps, its last checkpoint,
+    its running time, and what to do next."""
+    from asyncrl.learner.records import CHECKPOINT_DIR, POINTER  # stdlib only
+
+    now = now or time.time()
+    status = summary.get("status") or ("finished" if summary.get("finished") else "?")
+    ended = (rdir / "summary.json").stat().st_mtime
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ended))
+    run = _run_config(cfg, rdir).run
+    of = f" / {run.max_steps} (run.max_steps)" if run.max_steps else ""
+    lines = [
+        f"run {run.name}   {status}: not running, ended {when} ({_ago(max(now - ended, 0))} ago)"
+        f"   (from {rdir / 'summary.json'})",
+        f"steps    {summary.get('steps', '?')}{of}   policy version v{summary.get('final_version', '?')}",
+        f"reward   {_num(summary.get('start_reward'), '.3f')} -> {_num(summary.get('end_reward'), '.3f')}"
+        f"   (mean of the first and the last 3 steps)",
+        f"running  {_num(summary.get('wall_s'), '.0f')} s (its last start)   trained tokens "
+        f"{summary.get('trained_tokens', '?')} ({_num(summary.get('trained_tokens_per_s'), '.0f')}/s)"
+        f"   staleness max {_num(summary.get('staleness_max'), 'g')}",
+    ]
+    try:
+        latest = json.loads((rdir / CHECKPOINT_DIR / POINTER).read_text())
+        lines.append(
+            f"checkpoint  step {latest['step']} (v{latest['version']})   {rdir / CHECKPOINT_DIR / latest['tag']}"
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        lines.append("checkpoint  none")
+    b = summary.get("buffer")
+    if isinstance(b, dict):
+        lines.append(
+            f"buffer   depth {b.get('depth', 0)}   pending {b.get('pending', 0)}   "
+            f"dead letters {b.get('dead', 0)} (at the end)"
+        )
+    r = summary.get("restarts")
+    if isinstance(r, dict) and (r.get("redis") or r.get("learner") or any(r.get("actors") or [])):
+        lines.append(
+            f"restarts redis {r.get('redis', 0)}   learner {r.get('learner', 0)}   "
+            f"actors {sum(r.get('actors') or [])}"
+        )
+    if summary.get("error"):
+        lines.append(f"error    {summary['error']}")
+    if summary.get("finished"):
+        lines.append(f"next     asyncrl export {rdir} OUT_DIR   or   asyncrl eval {rdir}")
+    else:
+        lines.append(
+            "next     run the same `asyncrl run` command again to resume it from its last checkpoint"
+        )
+    return "\n".join(lines)
+
+
+def ended_status(cfg: Config, rdir: Path) -> int:
+    """`asyncrl status` of a run that is not up (no Redis URL to reach it): its summary.json, exit code
+    as `asyncrl run` returned (0, 1 for a failed run); a ConfigError saying why there is nothing to show."""
+    if not rdir.is_dir():
+        raise ConfigError(
+            f"no run dir {rdir}: name the run with run.name=NAME (its dir runs/NAME) or run.dir=ITS_DIR, "
+            "or -c its config"
+        )
+    summary = read_summary(rdir)
+    if summary is None:
+        raise ConfigError(
+            f"the run in {rdir} is not up ({rdir / 'redis.url'} missing) and has left no summary.json "
+            "there: it is starting, it was killed before it could write one, or its roles run on their "
+            "own (asyncrl learn / serve-actors): pass their redis.url=... to see its status"
+        )
+    print(format_summary(cfg, rdir, summary))
+    return 1 if summary.get("status") == "failed" else 0
+
+
+def print_status(cfg: Config, url: str | None, rdir: Path | None = None) -> int:
+    """The live status from the run's Redis at ``url``; with no URL (the run is not up), its summary."""
+    if url is None:
+        assert rdir is not None
+        return ended_status(cfg, rdir)
     print(format_status(cfg, collect_status(cfg, url)))
     return 0

@@ -57,3 +57,63 @@ def test_plot_writes_a_png_from_metrics(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     missing = _cli("plot", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "metrics.jsonl" in missing.stderr
+
+
+def _ended_run(rdir, status: str, steps: int = 10, error: str = "") -> None:
+    """A run dir as `asyncrl run` leaves it when it stops: config.yaml, metrics.jsonl, a committed
+    checkpoint, summary.json (asyncrl.orchestrator.write_summary), no redis.url."""
+    from asyncrl.config import load_config, to_yaml
+    from asyncrl.orchestrator import write_summary
+
+    rdir.mkdir(parents=True)
+    (rdir / "config.yaml").write_text(
+        to_yaml(load_config(overrides=[f"run.name={rdir.name}", "run.max_steps=60"]))
+    )
+    recs = [{"step": s, "version": s, "time": float(s), "step_time": 100.0 + s, "reward_mean": s / 20,
+             "staleness_max": 1, "tokens": 100} for s in range(1, steps + 1)]  # fmt: skip
+    with open(rdir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    (rdir / "checkpoints").mkdir()
+    (rdir / "checkpoints" / "latest.json").write_text(json.dumps({"tag": f"step{steps:08d}", "step": steps,
+                                                                  "version": steps}))  # fmt: skip
+    extra = {"finished": status == "finished", "status": status, "error": error, "learner_exit_code": 0,
+             "buffer": {"depth": 8, "pending": 0, "dead": 2}, "restarts": {"redis": 0, "learner": 1, "actors": [0]}}  # fmt: skip
+    write_summary(rdir, recs, 100.0, 100.0 + 95.0, extra)
+
+
+def test_status_of_an_ended_run_shows_its_summary(tmp_path, capsys):
+    """A user's walkthrough: `asyncrl status` after the run ended told them to start a Redis (the run's
+    embedded one is gone with it). It now shows the run dir's summary.json, exit code as the run's."""
+    done = tmp_path / "done"
+    _ended_run(done, "finished")
+    r = _cli(
+        "status", f"run.dir={done}"
+    )  # the command line names the dir only: name and max_steps are the run's
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.startswith("run done   finished: not running, ended ") and "summary.json" in out, out
+    assert "steps    10 / 60 (run.max_steps)   policy version v10" in out
+    assert "reward   0.100 -> 0.450" in out and "running  95 s" in out and "trained tokens 1000" in out
+    assert f"checkpoint  step 10 (v10)   {done / 'checkpoints' / 'step00000010'}" in out
+    assert "dead letters 2 (at the end)" in out and "restarts redis 0   learner 1   actors 0" in out
+    assert f"asyncrl export {done}" in out and "redis-server" not in r.stdout + r.stderr
+
+    from asyncrl.cli import main
+
+    stopped = tmp_path / "stopped"
+    _ended_run(stopped, "interrupted", steps=4)
+    assert main(["status", f"run.name={stopped.name}", f"run.dir={stopped}"]) == 0
+    out = capsys.readouterr().out
+    assert "interrupted: not running" in out and "steps    4 / 60" in out
+    assert "again to resume it" in out and "error" not in out
+
+    failed = tmp_path / "failed"
+    _ended_run(failed, "failed", steps=3, error="learner failed 4 times")
+    assert main(["status", f"run.dir={failed}"]) == 1  # as `asyncrl run` exited
+    assert "error    learner failed 4 times" in capsys.readouterr().out
+
+    assert main(["status", f"run.dir={tmp_path / 'nope'}"]) == 2  # no such run: said so, not "start a Redis"
+    assert "no run dir" in capsys.readouterr().err
+    (tmp_path / "starting").mkdir()
+    assert main(["status", f"run.dir={tmp_path / 'starting'}"]) == 2
+    assert "has left no summary.json" in capsys.readouterr().err
