@@ -112,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run dir: the learner checkpoint of this step (e.g. vN+k steps)",
     )
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
+    p.add_argument("-v", "--verbose", action="store_true", help="show vLLM's INFO lines on the console too")
     _add_config_args(
         p,
         "model dir only: YAML config (default: the export's config, else configs/default.yaml); "
@@ -212,8 +213,9 @@ def _export_or_eval(args) -> int:
         step = f", learner step {info['step']}" if info["step"] >= 0 else ""
         print(f"{out}  (run {info['run']}, {info['label']}{step}, from the {info['source']} weights)")
         return 0
-    from asyncrl.evaluate import eval_model_dir
+    from asyncrl.evaluate import eval_model_dir, quiet_engine_console
 
+    quiet_engine_console(args.verbose)  # before anything starts vLLM
     target = Path(args.target)
     with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
         if (target / "config.yaml").exists() and not (target / "config.json").exists():  # a run dir

@@ -23,23 +23,37 @@ logits: ``asyncrl eval`` on the exported weights of version ``v`` reproduces the
 
 The results ride in actor 0's heartbeat (``eval``); the learner copies the newest into its step
 records (metrics.jsonl ``eval_*`` fields, TensorBoard, W&B, Prometheus ``asyncrl_learner_eval_*``).
+
+Console: a prompt whose reward fails or that the engine refuses is a warning, rate-limited like
+training's per-group ones (asyncrl.log_throttle: a reward failing on every prompt printed one line per
+prompt), and counted in the result and in one closing line. ``asyncrl eval`` says how many prompts it
+scores out of how many (``task.eval_size`` caps a data eval split; 64 by default) and keeps vLLM's INFO
+lines off the console (:func:`quiet_engine_console`; ``asyncrl eval -v`` shows them), its result alone on
+stdout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from asyncrl.log_throttle import throttle
 from asyncrl.tasks import Prompt, Task, prompt_token_ids
-from asyncrl.tasks.registry import require_eval_prompts
+from asyncrl.tasks.registry import TINY_TASKS, require_eval_prompts
 from asyncrl.tasks.render_check import check_prompt_rendering, load_tokenizer, render_failure
 
-__all__ = ["EvalResult", "evaluate_llm", "PeriodicEval", "eval_model_dir", "require_eval_prompts"]
+__all__ = ["EvalResult", "evaluate_llm", "PeriodicEval", "eval_model_dir", "eval_set_line",
+           "quiet_engine_console", "require_eval_prompts"]  # fmt: skip
 
-log = logging.getLogger(__name__)
+# Repeats rate-limited like training's per-group warnings: one line per failing prompt is a flood when the
+# reward fails on every call (asyncrl.log_throttle); the closing line of evaluate_llm has the counts.
+log = throttle(logging.getLogger(__name__))
 
 
 @dataclass
@@ -116,6 +130,10 @@ async def evaluate_llm(llm: Any, tokenizer: Any, task: Task, cfg: Any, version: 
     answered = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     results = [r for r in answered if r is not None]
     scored = [rs for rs, _ in results if rs is not None]
+    if len(scored) < len(prompts):  # the exact counts, whatever the rate limit let through above
+        log.warning("eval of v%d: %d of %d prompts not scored (%d rewards failed, %d prompts refused): "
+                    "left out of the means", version, len(prompts) - len(scored), len(prompts),
+                    len(results) - len(scored), len(answered) - len(results))  # fmt: skip
     rewards = [r for rs in scored for r in rs]
     lengths = [n for _, ns in results for n in ns]
     passed = sum(any(r >= e.pass_threshold for r in rs) for rs in scored)
@@ -161,6 +179,39 @@ class PeriodicEval:
         return res
 
 
+def quiet_engine_console(verbose: bool = False) -> None:
+    """``asyncrl eval``'s console as ``asyncrl run``'s keeps it: vLLM's INFO lines (engine config, model
+    loading, shutdown: ~40 lines) off it, its warnings and errors on it; on stderr, so that stdout holds
+    the result alone (vLLM logs to stdout by default). ``verbose`` (``-v``) keeps the INFO lines. Through
+    vLLM's environment variables, which every vLLM process reads when it configures its logging (the
+    engine core included) and which the user's own values override; set before the engine starts."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # as `asyncrl run` (asyncrl.cli)
+
+
+def eval_set_line(cfg: Any, task: Task) -> str:
+    """How many eval prompts ``asyncrl eval`` scores, out of how many, and the key that sets it: the
+    default cap (task.eval_size=64) was applied silently to an eval split of thousands."""
+    n, k, cap = len(task.eval_prompts), cfg.eval.samples, cfg.task.eval_size
+    what = f"asyncrl eval: {n} eval prompts x {k} samples (eval.samples)"
+    if cfg.task.name in TINY_TASKS:  # there task.eval_size is how many it draws, not a cap
+        return f"{what}; the tiny task draws task.eval_size={cap} of them"
+    total = n
+    if cap and n == cap:  # perhaps capped: the task without the cap says out of how many
+        from asyncrl.tasks import make_task
+
+        try:
+            total = len(make_task(dataclasses.replace(cfg.task, eval_size=0), cfg.run.seed).eval_prompts)
+        except Exception:  # a plug-in task that will not build uncapped: the count without the total
+            return f"{what}; task.eval_size={cap} may cap them (task.eval_size=0: all)"
+    if total > n:
+        return (f"asyncrl eval: {n} of {total} eval prompts x {k} samples (eval.samples): task.eval_size={cap} "
+                f"caps the eval set; task.eval_size=0 scores all {total}")  # fmt: skip
+    return what
+
+
 def eval_model_dir(cfg: Any, model_dir: str, version: int = -1) -> EvalResult:
     """``asyncrl eval`` on a Hugging Face model directory: a fresh engine, the task's eval split."""
     from asyncrl.tasks import make_task
@@ -169,6 +220,7 @@ def eval_model_dir(cfg: Any, model_dir: str, version: int = -1) -> EvalResult:
     # Before the tokenizer and the engine: a vLLM start costs from ~30 s (tiny model, CPU) to minutes,
     # all of it wasted when there is nothing to score (gsm8k's defaults hold no eval split).
     require_eval_prompts(task)
+    print(eval_set_line(cfg, task), file=sys.stderr, flush=True)
     from asyncrl.actors.engine import Engine
 
     tokenizer = load_tokenizer(cfg, str(model_dir))  # a ConfigError naming the dir when it cannot load
