@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.learner.engine import LearnerEngine
+from asyncrl.learner.file_transport import remove_tree
 from asyncrl.learner.records import CHECKPOINT_DIR, POINTER
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "read_latest",
     "CHECKPOINT_DIR",
     "Skipped",
+    "prune_checkpoints",
 ]
 
 log = logging.getLogger(__name__)
@@ -261,16 +263,34 @@ def save_checkpoint(
     _barrier(le)  # every rank's shards and RNG are durable on disk before the commit
     if le.rank == 0:
         _atomic_write(root / POINTER, json.dumps({"tag": tag, "step": state.step, "version": state.version}))
-        tags = sorted((p for p in root.iterdir() if p.is_dir() and _TAG.match(p.name)), key=lambda p: p.name)
-        # Tags newer than this one are uncommitted leftovers of a crashed save (a resume fell back past
-        # them): never candidates, so garbage; counted among the kept they would push out a good one.
-        committed = [p for p in tags if p.name <= tag]
-        doomed = [p for p in tags if p.name > tag] + (committed[:-keep] if keep > 0 else [])
-        for old in doomed:
-            if old.name != tag:
-                shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(root, tag, keep)
     _barrier(le)
     return tag_dir
+
+
+def prune_checkpoints(root: Path, tag: str, keep: int) -> list[Path]:
+    """Remove the tags older than the newest ``keep`` committed ones (``tag`` the newest) and the
+    uncommitted ones newer than ``tag``; returns the tags that could not be removed (fully).
+
+    A tag that cannot be removed (permissions, an immutable file, a busy mount) is logged with the
+    error and left: the next save lists the tags again and retries it, so nothing is lost and the
+    step loop never stops for it. It was ``rmtree(ignore_errors=True)``: such tags piled up
+    silently, a checkpoint's worth of disk each time, in a run meant to last days."""
+    tags = sorted((p for p in root.iterdir() if p.is_dir() and _TAG.match(p.name)), key=lambda p: p.name)
+    # Tags newer than this one are uncommitted leftovers of a crashed save (a resume fell back past
+    # them): never candidates, so garbage; counted among the kept they would push out a good one.
+    committed = [p for p in tags if p.name <= tag]
+    doomed = [p for p in tags if p.name > tag] + (committed[:-keep] if keep > 0 else [])
+    failed = []
+    for old in doomed:
+        if old.name == tag:
+            continue
+        errors = remove_tree(old)
+        if errors:
+            failed.append(old)
+            log.warning("old checkpoint %s could not be removed (%d error(s), first: %s); retried at the "
+                        "next checkpoint", old, len(errors), errors[0])  # fmt: skip
+    return failed
 
 
 def _all_ranks_ok(le: LearnerEngine, ok: bool) -> bool:

@@ -60,13 +60,13 @@ from asyncrl.buffer import WeightManifest, WeightTransport, verify
 from asyncrl.buffer.weights import MANIFEST_FILENAME
 from asyncrl.learner.safetensors_writer import write_safetensors
 
-__all__ = ["FilesystemTransport", "WEIGHTS_FILE"]
+__all__ = ["FilesystemTransport", "WEIGHTS_FILE", "remove_tree"]
 
 log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
 
 
-def _remove_tree(path: Path) -> list[OSError]:
+def remove_tree(path: Path) -> list[OSError]:
     """Remove ``path`` and everything under it, as far as possible; returns the errors (a path that is
     already gone is no error: a version may be freed twice, a retry may find it removed by someone else)."""
     errors: list[OSError] = []
@@ -224,7 +224,7 @@ class FilesystemTransport(WeightTransport):
     def _remove(self, path: Path) -> None:
         """Remove ``path``'s tree; on failure log it (the first failure of a path, then at attempts 2, 4,
         8, ...: a stuck mount is visible without a line per step), count it and keep it for a retry."""
-        errors = _remove_tree(path)
+        errors = remove_tree(path)
         if not errors:
             failed = self._undeleted.pop(path, 0)
             if failed:
