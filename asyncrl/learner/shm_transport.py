@@ -9,12 +9,11 @@ import fcntl
 import logging
 import mmap
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.learner.file_transport import WEIGHTS_FILE, FilesystemTransport
+from asyncrl.learner.file_transport import WEIGHTS_FILE, FilesystemTransport, remove_tree
 from asyncrl.learner.safetensors_writer import safetensors_header, write_into
 from asyncrl.proc_identity import start_time
 
@@ -200,7 +199,10 @@ class ShmTransport(FilesystemTransport):
         """Remove every version (the run is over; a resumed learner re-publishes its version)."""
         for ino in list(self._maps):
             self._drop(ino)
-        shutil.rmtree(self.root, ignore_errors=True)
+        errors = remove_tree(self.root)
+        if errors:  # shared memory held past the run: say where, so it can be freed by hand
+            log.warning("could not remove %s (%d error(s), first: %s): its weights stay in shared memory "
+                        "until removed", self.root, len(errors), errors[0])  # fmt: skip
 
     close = cleanup  # memory is not kept past the learner: a restarted learner re-publishes
 
@@ -239,7 +241,11 @@ def reap_orphaned_roots(own: Path) -> list[Path]:
         if own_ns is None or ns != own_ns or _identity(int(pid)) == f"{pid} {start} {ns}":
             continue
         size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
-        shutil.rmtree(root, ignore_errors=True)
+        errors = remove_tree(root)
+        if errors:
+            log.warning("could not remove %s of a learner (pid %s) that died without its clean-up (%d "
+                        "error(s), first: %s)", root, pid, len(errors), errors[0])  # fmt: skip
+            continue
         log.warning("removed %s (%.1f MiB): weights of a learner (pid %s) that died without its clean-up",
                     root, size / 2**20, pid)  # fmt: skip
         removed.append(root)

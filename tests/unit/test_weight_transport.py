@@ -212,6 +212,25 @@ def test_shm_transport_no_fsync_no_hash_sizes_checked(tmp_path: Path, monkeypatc
     assert not root.exists()
 
 
+def test_shm_root_that_cannot_be_removed_is_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The end of a run frees the shared memory; what cannot be removed is named in a warning (it was
+    rmtree(ignore_errors=True): the weights stayed in RAM unseen)."""
+    root = shm_root(tmp_path, "unremovable")
+    tr = ShmTransport(root)
+    m = tr.publish(1, {"w": torch.ones(4, 4)}, "float32")
+    undo = _make_undeletable(Path(m.path).parent)
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncrl.learner.shm_transport"):
+            tr.cleanup()
+        assert f"could not remove {root}" in caplog.text and "shared memory" in caplog.text
+        assert Path(m.path).exists()
+    finally:
+        undo()
+    shutil.rmtree(root)
+
+
 def test_manifest_digest_field_is_validated_and_defaults_to_sha256() -> None:
     d = WeightManifest(1, "/x", "ab", 3, "float32").to_dict()
     assert "digest" not in d  # older readers see the schema they know
