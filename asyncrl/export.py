@@ -20,9 +20,11 @@ The output is what ``transformers.AutoModelForCausalLM.from_pretrained`` and ``v
   truncation, unreadable DeepSpeed states) is passed over for the next with a warning, and when none is
   intact the export fails with one line naming each file (:class:`ExportError`);
 * ``generation_config.json``: the base model's, or one made from the run's sampling settings;
-* ``asyncrl_export.json`` (run, version, ``steps_past_version``, ``label``, learner ``step`` (-1 for a
-  published file), source and its digest, damaged copies passed over) and ``asyncrl_config.yaml`` (the
-  run's config, so ``asyncrl eval OUT_DIR`` scores the same task and eval split as the run).
+* ``asyncrl_export.json`` (run, version, ``steps_past_version``, ``label``, ``step``: the learner step
+  of the weights (a published version's: the step that published it, :func:`published_step`; -1 only
+  when no record of it is left), source and its digest, damaged copies passed over) and
+  ``asyncrl_config.yaml`` (the run's config with its paths absolute where they exist, so
+  ``asyncrl eval OUT_DIR`` scores the same task and eval split as the run, from any directory).
 
 Written into a temporary sibling directory and renamed, so OUT_DIR is complete or absent; an OUT_DIR
 that is a file or a non-empty directory is refused before anything is read.
@@ -45,6 +47,7 @@ __all__ = [
     "ExportError",
     "Source",
     "available_versions",
+    "published_step",
     "weight_sources",
     "load_run_config",
     "EXPORT_CONFIG",
@@ -64,16 +67,64 @@ class ExportError(ValueError):
     """A request export cannot serve (damaged weights with no intact copy): a one-line user error."""
 
 
-def load_run_config(run_dir: Path, overrides: list[str] | None = None, validate: bool = True) -> Any:
+#: The path keys whose files `asyncrl eval RUN_DIR` reads (the model's, the task's); an export reads only
+#: model.path.
+EVAL_PATHS = ("model.path", "task.name", "task.data_path", "task.eval_data_path")
+
+
+def load_run_config(
+    run_dir: Path,
+    overrides: list[str] | None = None,
+    validate: bool = True,
+    need: tuple[str, ...] = EVAL_PATHS,
+) -> Any:
     """The run's saved config.yaml (+ overrides). ``validate=False`` (export): read as saved, without the
     value checks, which were passed when the run started; a later, stricter check must not make a
-    finished run's weights unexportable."""
+    finished run's weights unexportable.
+
+    config.yaml holds its paths absolute (asyncrl.launch.redacted); one saved by an older asyncrl holds
+    them as typed, relative to the directory the run was started in. Such a relative path is made
+    absolute when it exists from the working directory (as the run read it); one of the keys in
+    ``need`` that does not is a :class:`ConfigError` naming the key, the path tried and what to pass
+    (never another directory's file, silently). A key given in ``overrides`` is the caller's."""
     from asyncrl.config import ConfigError, load_config
+    from asyncrl.config.loading import PATH_KEYS, path_text, validate_config, with_path
 
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         raise ConfigError(f"{run_dir}: not a run directory (config.yaml missing)")
-    return load_config(path, overrides, validate=validate)
+    cfg = load_config(path, overrides, validate=False)  # validated once its paths are (a task file's)
+    given = {o.partition("=")[0].strip() for o in overrides or []}
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        rel = path_text(key, value)
+        if not rel or rel.startswith("~") or os.path.isabs(rel):
+            continue
+        full = os.path.abspath(rel)
+        if os.path.exists(full):
+            setattr(getattr(cfg, section), name, with_path(key, value, full))
+        elif key in need and key not in given:
+            raise ConfigError(_relative_missing(path, key, value, rel, full))
+    if validate:
+        validate_config(cfg)
+    return cfg
+
+
+def _relative_missing(saved: Path, key: str, value: str, rel: str, full: str) -> str:
+    """What to do about a relative path of an old run's config.yaml that is not found from here."""
+    from asyncrl.config.loading import with_path
+
+    msg = (f"{saved}: {key}={value!r} is a relative path (a run started by an older asyncrl, which saved "
+           f"paths as typed, relative to the directory the run was started in); not found from here "
+           f"(tried {full}): run this command from that directory, or pass {key}=ABSOLUTE_PATH")  # fmt: skip
+    for parent in list(saved.resolve().parents)[1:4]:  # the run dir's parent (runs/), its parent, ...
+        if os.path.exists(parent / rel):
+            return (
+                msg
+                + f" ({parent / rel} exists: {key}={with_path(key, value, str(parent / rel))} if that is the run's)"
+            )
+    return msg
 
 
 @dataclass(frozen=True)
@@ -89,7 +140,7 @@ class Source:
     path: Path
     version: int
     since_publish: int = 0
-    step: int = -1  # the learner step of a checkpoint (-1: a published file)
+    step: int = -1  # the learner step of a checkpoint (-1 for a published file: see published_step)
 
     @property
     def label(self) -> str:
@@ -115,7 +166,7 @@ def weight_sources(run_dir: Path) -> list[Source]:
     from asyncrl.config import ConfigError
 
     try:
-        cfg = load_run_config(run_dir, validate=False)
+        cfg = load_run_config(run_dir, validate=False, need=())
     except ConfigError as e:  # no readable run config: published files and recorded since_publish only
         if (run_dir / "config.yaml").exists():
             log.warning("%s: config.yaml does not load (%s); listing published weights and checkpoints "
@@ -145,6 +196,39 @@ def weight_sources(run_dir: Path) -> list[Source]:
             if d.name[1:].isdigit() and (d / "model.safetensors").exists():
                 found.append(Source("published", d / "model.safetensors", int(d.name[1:])))
     return sorted(found, key=lambda s: s.order)
+
+
+def published_step(run_dir: Path, version: int, sources: list[Source] | None = None) -> int | None:
+    """The learner step whose weights were published as ``version`` (None: no record of it left).
+
+    A weight manifest records no step. Version 0 is the initial weights (step 0). Otherwise: a checkpoint
+    of that version (its step less its steps since publication), else metrics.jsonl, read from its end:
+    the first record holding ``version`` published it at its step, or, not published by a step, it was
+    published (a resume's fork) right before that step. Versions a resume discarded (their records were
+    cut) have none."""
+    from asyncrl.learner.records import METRICS_FILE, lines_from_end
+
+    if version == 0:
+        return 0
+    for s in sources if sources is not None else weight_sources(run_dir):
+        if s.kind == "checkpoint" and s.version == version and s.step >= s.since_publish >= 0:
+            return s.step - s.since_publish
+    first = None
+    for _, line in lines_from_end(Path(run_dir) / METRICS_FILE):
+        try:
+            rec = json.loads(line)
+            v, step = rec["version"], rec["step"]
+        except (ValueError, KeyError, TypeError):
+            continue  # an empty or torn line
+        if not isinstance(v, int) or not isinstance(step, int):
+            continue
+        if v < version:
+            break  # versions only grow along the file
+        if v == version:
+            first = (step, bool(rec.get("published")))
+    if first is None:
+        return None
+    return first[0] if first[1] else first[0] - 1
 
 
 def available_versions(run_dir: Path) -> list[int]:
@@ -299,24 +383,6 @@ def _check_out(out: Path) -> None:
             break
 
 
-def _portable(cfg: Any) -> Any:
-    """``cfg`` with the task's relative file paths (``task.data_path``, ``task.eval_data_path``, a
-    ``path/to/file.py:make_task`` factory) made absolute where they exist from here: the run's config keeps
-    them as typed, and ``asyncrl eval OUT_DIR`` from another directory could not find them."""
-    import dataclasses
-
-    t = cfg.task
-    changes: dict[str, str] = {}
-    for key in ("data_path", "eval_data_path"):
-        value = getattr(t, key)
-        if value and not os.path.isabs(value) and os.path.exists(value):
-            changes[key] = os.path.abspath(value)
-    file, sep, fn = t.name.rpartition(":")
-    if sep and file.endswith(".py") and not os.path.isabs(file) and os.path.isfile(file):
-        changes["name"] = f"{os.path.abspath(file)}:{fn}"
-    return dataclasses.replace(cfg, task=dataclasses.replace(t, **changes)) if changes else cfg
-
-
 def export_version(
     run_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -333,13 +399,16 @@ def export_version(
     if version is not None and step is not None:
         raise ExportError("give a version or a step, not both")
     run_dir, out = Path(run_dir), Path(out_dir)
-    cfg = load_run_config(run_dir, validate=False)
+    cfg = load_run_config(run_dir, validate=False, need=("model.path",))
     sources = weight_sources(run_dir)
     if not sources:
         raise FileNotFoundError(f"{run_dir}: no published weights and no checkpoint on disk")
     picked = _pick(sources, version, step, run_dir)
     _check_out(out)
     src, tensors, digest, failures = _load(picked)
+    step = src.step if src.kind == "checkpoint" else published_step(run_dir, src.version, sources)
+    if step is None:
+        step = -1  # not known (`asyncrl export` prints no step for -1)
     base = resolve_model_path(cfg, run_dir)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -355,9 +424,9 @@ def export_version(
             (tmp / "generation_config.json").write_text(
                 json.dumps(_generation_config(cfg, model_config), indent=2)
             )
-        (tmp / EXPORT_CONFIG).write_text(to_yaml(_portable(cfg)))
+        (tmp / EXPORT_CONFIG).write_text(to_yaml(cfg))  # its paths absolute where they exist
         info = {"run": cfg.run.name, "run_dir": str(run_dir.resolve()), "version": src.version,
-                "steps_past_version": src.since_publish, "label": src.label, "step": src.step,
+                "steps_past_version": src.since_publish, "label": src.label, "step": step,
                 "source": src.kind, "source_digest": digest, "skipped_damaged": failures,
                 "exported_at": time.time()}  # fmt: skip
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2))
