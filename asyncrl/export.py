@@ -112,18 +112,19 @@ def load_run_config(
 
 
 def _relative_missing(saved: Path, key: str, value: str, rel: str, full: str) -> str:
-    """What to do about a relative path of an old run's config.yaml that is not found from here."""
+    """What to do about a relative path of an old run's config.yaml that is not found from here: run from
+    the run's start directory, or write the absolute path into config.yaml (`asyncrl export` takes no
+    overrides, and `asyncrl eval RUN_DIR` exports with the saved model.path)."""
     from asyncrl.config.loading import with_path
 
     msg = (f"{saved}: {key}={value!r} is a relative path (a run started by an older asyncrl, which saved "
-           f"paths as typed, relative to the directory the run was started in); not found from here "
-           f"(tried {full}): run this command from that directory, or pass {key}=ABSOLUTE_PATH")  # fmt: skip
+           f"paths as typed, relative to the directory the run was started in) and is not found from here "
+           f"(tried {full}): run this command from that directory, or write the absolute path into "
+           f"{saved} ({key}: ABSOLUTE_PATH)")  # fmt: skip
     for parent in list(saved.resolve().parents)[1:4]:  # the run dir's parent (runs/), its parent, ...
         if os.path.exists(parent / rel):
-            return (
-                msg
-                + f" ({parent / rel} exists: {key}={with_path(key, value, str(parent / rel))} if that is the run's)"
-            )
+            found = with_path(key, value, str(parent / rel))
+            return msg + f"; {parent / rel} exists: '{key}: {found}' if that is the run's"
     return msg
 
 

@@ -123,16 +123,20 @@ def test_an_old_run_dirs_relative_path_not_found_from_here_names_key_path_and_wh
     msg = str(e.value)
     assert "\n" not in msg and "model.path='m'" in msg and f"tried {elsewhere / 'm'}" in msg
     # found from the dir the run was started in (runs/..): said, not used
-    assert f"model.path={work / 'm'} if that is the run's" in msg and not (tmp_path / "out").exists()
-    # the key given on the command line is the caller's
+    assert f"'model.path: {work / 'm'}' if that is the run's" in msg and not (tmp_path / "out").exists()
+    assert f"write the absolute path into {rdir / 'config.yaml'}" in msg
+    # the key given on the command line (asyncrl eval's overrides) is the caller's
     assert load_run_config(rdir, [f"model.path={work / 'm'}"]).model.path == str(work / "m")
+    # the absolute path written into config.yaml, as the message says: exported from here
+    (rdir / "config.yaml").write_text(f"model:\n  path: {work / 'm'}\n")
+    assert load_run_config(rdir, need=("model.path",)).model.path == str(work / "m")
     # `asyncrl eval`: the task's data too (tiny model: model.path empty)
     cfg = load_config(None, ["task.name=tasks/t.py:make_task", "task.data_path=data/d.jsonl"], validate=False)
     (rdir / "config.yaml").write_text(to_yaml(cfg))
     assert main(["eval", str(rdir)]) == 2
     err = capsys.readouterr().err
     assert "task.name='tasks/t.py:make_task'" in err and f"tried {elsewhere / 'tasks' / 't.py'}" in err
-    assert f"task.name={work / 'tasks' / 't.py'}:make_task if that is the run's" in err
+    assert f"'task.name: {work / 'tasks' / 't.py'}:make_task' if that is the run's" in err
     # from the dir the run was started in: read, absolute
     monkeypatch.chdir(work)
     got = load_run_config(rdir)
