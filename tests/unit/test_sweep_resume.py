@@ -88,6 +88,33 @@ def test_a_changed_base_config_refuses_the_finished_runs(tmp_path: Path, monkeyp
     ]
 
 
+def test_a_marker_with_relative_paths_is_no_change(tmp_path: Path, monkeypatch, capsys):
+    """Markers written before config paths were recorded absolute (asyncrl.config.loading.absolute_paths)
+    hold them as typed: the same dir named relatively is no change (it refused the finished runs), another
+    one still is."""
+    monkeypatch.setattr(
+        SweepSpec, "command", lambda self, run: [sys.executable, "-c", FAKE_RUN, *self.run_overrides(run)]
+    )
+    monkeypatch.chdir(tmp_path)
+    base = _base(tmp_path / "base.yaml")
+    cfg = yaml.safe_load(base.read_text())
+    cfg.setdefault("console", {})["log_dir"] = "logs"  # relative, as a user writes it
+    base.write_text(yaml.safe_dump(cfg))
+    assert run_sweep(_sweep(tmp_path, base)) == 0
+    run = load_spec(_sweep(tmp_path, base)).runs()[0]
+    m = read_marker(run)
+    assert m["config"]["console.log_dir"] == str(tmp_path / "logs")
+    # What an older asyncrl recorded: the path as typed.
+    old = {**m, "config": {**m["config"], "console.log_dir": "logs"}, "config_hash": "old"}
+    (run.dir / "sweep_cell.json").write_text(json.dumps(old))
+    capsys.readouterr()
+    assert run_sweep(_sweep(tmp_path, base)) == 0 and "skipped (done)" in capsys.readouterr().out
+    other = {**m, "config": {**m["config"], "console.log_dir": "elsewhere"}, "config_hash": "old"}
+    (run.dir / "sweep_cell.json").write_text(json.dumps(other))
+    with pytest.raises(ConfigError, match="console.log_dir"):
+        run_sweep(_sweep(tmp_path, base))
+
+
 def test_changed_config_names_each_changed_key():
     from asyncrl.sweep_spec import changed_config
 
