@@ -210,7 +210,7 @@ def _export_or_eval(args) -> int:
     if args.cmd == "export":
         out = export_version(Path(args.run_dir), Path(args.out_dir), args.version, args.step)
         info = json.loads((out / EXPORT_INFO).read_text())
-        step = f", learner step {info['step']}" if info["step"] >= 0 else ""
+        step = f", learner step {info['step']}" if info.get("step") is not None else ""
         print(f"{out}  (run {info['run']}, {info['label']}{step}, from the {info['source']} weights)")
         return 0
     from asyncrl.evaluate import eval_model_dir, quiet_engine_console

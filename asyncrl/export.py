@@ -21,7 +21,7 @@ The output is what ``transformers.AutoModelForCausalLM.from_pretrained`` and ``v
   intact the export fails with one line naming each file (:class:`ExportError`);
 * ``generation_config.json``: the base model's, or one made from the run's sampling settings;
 * ``asyncrl_export.json`` (run, version, ``steps_past_version``, ``label``, ``step``: the learner step
-  of the weights (a published version's: the step that published it, :func:`published_step`; -1 only
+  of the weights (a published version's: the step that published it, :func:`published_step`; null
   when no record of it is left), source and its digest, damaged copies passed over) and
   ``asyncrl_config.yaml`` (the run's config with its paths absolute where they exist, so
   ``asyncrl eval OUT_DIR`` scores the same task and eval split as the run, from any directory).
@@ -408,8 +408,6 @@ def export_version(
     _check_out(out)
     src, tensors, digest, failures = _load(picked)
     step = src.step if src.kind == "checkpoint" else published_step(run_dir, src.version, sources)
-    if step is None:
-        step = -1  # not known (`asyncrl export` prints no step for -1)
     base = resolve_model_path(cfg, run_dir)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

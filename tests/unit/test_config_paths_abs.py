@@ -189,3 +189,7 @@ def test_an_export_of_published_weights_records_their_step(tmp_path) -> None:
     _records(rdir, [(1, 1, True), (2, 1, False), (3, 2, True), (4, 2, False)])
     info = json.loads((export_version(rdir, tmp_path / "out", 2) / "asyncrl_export.json").read_text())
     assert (info["version"], info["step"], info["source"]) == (2, 3, "published")
+    # No record of the step left (metrics.jsonl gone, no checkpoint of v2): null, not a made-up -1.
+    (rdir / "metrics.jsonl").unlink()
+    info = json.loads((export_version(rdir, tmp_path / "out2", 2) / "asyncrl_export.json").read_text())
+    assert (info["version"], info["step"]) == (2, None)
