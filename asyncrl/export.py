@@ -88,7 +88,8 @@ def load_run_config(
     ``need`` that does not is a :class:`ConfigError` naming the key, the path tried and what to pass
     (never another directory's file, silently). A key given in ``overrides`` is the caller's."""
     from asyncrl.config import ConfigError, load_config
-    from asyncrl.config.loading import PATH_KEYS, path_text, validate_config, with_path
+    from asyncrl.config.loading import validate_config
+    from asyncrl.config.paths import PATH_KEYS, path_text, with_path
 
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
@@ -115,7 +116,7 @@ def _relative_missing(saved: Path, key: str, value: str, rel: str, full: str) ->
     """What to do about a relative path of an old run's config.yaml that is not found from here: run from
     the run's start directory, or write the absolute path into config.yaml (`asyncrl export` takes no
     overrides, and `asyncrl eval RUN_DIR` exports with the saved model.path)."""
-    from asyncrl.config.loading import with_path
+    from asyncrl.config.paths import with_path
 
     msg = (f"{saved}: {key}={value!r} is a relative path (a run started by an older asyncrl, which saved "
            f"paths as typed, relative to the directory the run was started in) and is not found from here "

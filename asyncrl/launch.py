@@ -53,10 +53,10 @@ def redact_url(url: str) -> str:
 
 def redacted(cfg: Config) -> Config:
     """A copy of ``cfg`` fit for a world-readable file: no Redis password, in the field or the URL. Its
-    relative paths (model.path, task.data_path, a task file, ...: asyncrl.config.loading.PATH_KEYS) are
+    relative paths (model.path, task.data_path, a task file, ...: asyncrl.config.paths.PATH_KEYS) are
     made absolute against this command's working directory: the run dir's config.yaml is read by
     `asyncrl export`, `asyncrl eval` and resumes from any directory."""
-    from asyncrl.config.loading import absolute_paths
+    from asyncrl.config.paths import absolute_paths
 
     redis_cfg = dataclasses.replace(cfg.redis, password="", url=redact_url(cfg.redis.url))
     return absolute_paths(dataclasses.replace(cfg, redis=redis_cfg))

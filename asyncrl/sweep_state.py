@@ -163,7 +163,7 @@ def _changed_run_config(spec: SweepSpec, run: SeedRun, marker: dict[str, Any]) -
     if cfg is None or config_hash(now := flat_config(cfg)) == marker.get("config_hash"):
         return None
     # Paths compared absolute, as the run dir's resume check does: markers written before config.yaml
-    # held absolute paths (asyncrl.config.loading.absolute_paths) recorded them as typed.
+    # held absolute paths (asyncrl.config.paths.absolute_paths) recorded them as typed.
     old, now = _paths_compared(marker["config"]), _paths_compared(now)
     return changed_config(
         {k: v for k, v in old.items() if k in now}, {k: v for k, v in now.items() if k in old}
@@ -171,7 +171,7 @@ def _changed_run_config(spec: SweepSpec, run: SeedRun, marker: dict[str, Any]) -
 
 
 def _paths_compared(flat: dict[str, Any]) -> dict[str, Any]:
-    from asyncrl.config.loading import PATH_KEYS, absolute_path_value
+    from asyncrl.config.paths import PATH_KEYS, absolute_path_value
 
     return {k: absolute_path_value(k, v, compare=True) if k in PATH_KEYS else v for k, v in flat.items()}
 

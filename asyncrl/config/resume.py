@@ -26,7 +26,8 @@ from omegaconf import OmegaConf
 
 from .data_identity import DATA_KEYS, data_identity, read_identity, write_identity
 from .fields import ConfigError
-from .loading import Config, absolute_path_value
+from .loading import Config
+from .paths import absolute_path_value
 
 SAVED_CONFIG = "config.yaml"
 
@@ -152,7 +153,7 @@ def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[tuple[str
     A key the saved file lacks (the schema gained it since) is compared with today's default, which
     the run has been following since the upgrade; a key only the saved file has (renamed, removed) is
     left out: nothing can set it any more. ``model.tiny.*`` is not compared while ``model.path`` is set
-    on both sides: the tiny spec is then unused. Paths (asyncrl.config.loading.PATH_KEYS) are compared
+    on both sides: the tiny spec is then unused. Paths (asyncrl.config.paths.PATH_KEYS) are compared
     absolute, against the working directory: a saved config.yaml holds them absolute, one from before
     that as typed (relative to where the run was started), and ``model.path=./m`` started there names
     the same model as ``model.path=/abs/m``."""

@@ -37,7 +37,7 @@ def _schema_str_fields(cls: type, prefix: str = "") -> list[str]:
 
 
 def test_every_path_field_of_the_schema_is_a_path_key() -> None:
-    from asyncrl.config.loading import PATH_KEYS
+    from asyncrl.config.paths import PATH_KEYS
 
     named_like_a_path = {k for k in _schema_str_fields(Config) if re.search(r"(path|dir|file|certs)$", k)}
     assert named_like_a_path == set(PATH_KEYS) - {"task.name"}

@@ -89,7 +89,7 @@ def test_a_changed_base_config_refuses_the_finished_runs(tmp_path: Path, monkeyp
 
 
 def test_a_marker_with_relative_paths_is_no_change(tmp_path: Path, monkeypatch, capsys):
-    """Markers written before config paths were recorded absolute (asyncrl.config.loading.absolute_paths)
+    """Markers written before config paths were recorded absolute (asyncrl.config.paths.absolute_paths)
     hold them as typed: the same dir named relatively is no change (it refused the finished runs), another
     one still is."""
     monkeypatch.setattr(
