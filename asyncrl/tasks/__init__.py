@@ -26,7 +26,7 @@ from .base import (
     check_reward,
     holdout_split,
 )
-from .chat import prompt_token_ids, uses_chat_template
+from .chat import Conversation, prompt_token_ids, uses_chat_template
 from .data import dataset_task, load_prompt_splits, load_rows, rows_to_prompts
 from .math import Gsm8kTask, extract_answer, load_gsm8k, parse_number
 from .registry import (
@@ -77,4 +77,5 @@ __all__ = [
     "resolve_factory",
     "prompt_token_ids",
     "uses_chat_template",
+    "Conversation",
 ]

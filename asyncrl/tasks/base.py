@@ -63,7 +63,8 @@ class Prompt:
     """One prompt of a task.
 
     ``text`` is the user turn as plain text (a chat template, when the model has one, is applied by
-    the actor: :func:`asyncrl.tasks.chat.prompt_token_ids`); ``target`` is what a perfect completion
+    the actor: :func:`asyncrl.tasks.chat.prompt_token_ids`), or a :class:`~asyncrl.tasks.chat.Conversation`
+    (a message-list row: a ``str``, its last user turn, carrying the messages); ``target`` is what a perfect completion
     says (empty when the task has none); ``meta`` is the rest of the data row, handed to the reward
     function (it stays in the actor: it is not sent over Redis).
     """

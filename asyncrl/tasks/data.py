@@ -19,7 +19,8 @@ on the whole file, or evaluated on the training prompts). An eval set of its own
 A file that cannot be read is a :class:`TaskDataError` naming it; for JSON Lines also the first bad
 line (not UTF-8, not JSON, not an object) or that the file is empty.
 
-Each row becomes a :class:`Prompt`: ``text`` = the ``task.prompt_column`` value, ``target`` = the
+Each row becomes a :class:`Prompt`: ``text`` = the ``task.prompt_column`` value (a string, or a verl /
+OpenRLHF list of chat messages: a :class:`~asyncrl.tasks.chat.Conversation`), ``target`` = the
 ``task.target_column`` value as a string (empty when that option is empty), ``meta`` = every other
 column (the reward function's ``metadata``). ``datasets`` is imported only when a file is read.
 
@@ -34,13 +35,22 @@ from __future__ import annotations
 import json
 import logging
 import math
+import reprlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .base import FunctionTask, Prompt, RewardFn, Task, TaskDataError, holdout_split
+from .chat import Conversation
 
-__all__ = ["load_rows", "rows_to_prompts", "check_splits", "load_prompt_splits", "dataset_task"]
+__all__ = [
+    "load_rows",
+    "rows_to_prompts",
+    "to_conversation",
+    "check_splits",
+    "load_prompt_splits",
+    "dataset_task",
+]
 
 
 def load_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
@@ -169,9 +179,44 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def _kind(value: Any) -> str:
+    return "an empty string" if isinstance(value, str) else f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+def to_conversation(messages: Sequence[Any], where: str, system_prompt: str = "") -> Conversation:
+    """A message-list prompt cell as a :class:`Conversation`; a TaskDataError (``where`` and what to write)
+    when it is not a non-empty list of ``{"role": str, "content": str}`` with a user turn, ending in one
+    the model answers (not ``assistant``), or holds a system message while ``task.system_prompt`` is set.
+    Keys whose value is None (Parquet gives every message every key of the column's struct) are dropped."""
+    expected = ("expected a list of chat messages [{'role': 'system'|'user'|'assistant', 'content': str}, ...] "
+                "with a user turn, or a plain string")  # fmt: skip
+    msgs = []
+    for j, m in enumerate(messages):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise TaskDataError(f"{where}: message {j} is {reprlib.repr(m)}; {expected}")
+        msgs.append({k: v for k, v in m.items() if v is not None})
+    if not msgs or not any(m["role"] == "user" and m["content"].strip() for m in msgs):
+        raise TaskDataError(f"{where}: no user message with text; {expected}")
+    if msgs[-1]["role"] == "assistant":
+        raise TaskDataError(f"{where}: the last message is the assistant's; the model answers the conversation, "
+                            "so it ends with a user (or tool) message")  # fmt: skip
+    if system_prompt and any(m["role"] == "system" for m in msgs):
+        raise TaskDataError(
+            f"{where}: has its own system message and task.system_prompt is set, which would be dropped for "
+            "it; remove task.system_prompt, or the system messages of the data"
+        )
+    return Conversation(msgs)
+
+
 def rows_to_prompts(rows: Sequence[dict[str, Any]], *, name: str, where: str, prompt_column: str,
-                    target_column: str = "", id_prefix: str | None = None) -> list[Prompt]:  # fmt: skip
-    """Prompts of ``rows``; a missing column or an empty prompt is a TaskDataError naming the row."""
+                    target_column: str = "", id_prefix: str | None = None,
+                    system_prompt: str = "") -> list[Prompt]:  # fmt: skip
+    """Prompts of ``rows``; a missing column or an empty prompt is a TaskDataError naming the row. A prompt
+    cell holding a list of chat messages becomes a :class:`Conversation` (:func:`to_conversation`)."""
     prefix = id_prefix or name
     out = []
     for i, row in enumerate(rows):
@@ -182,8 +227,13 @@ def rows_to_prompts(rows: Sequence[dict[str, Any]], *, name: str, where: str, pr
                     f"{where}: row {i} has no column {col!r}; columns: {', '.join(row)}; set {key} to one of them"
                 )
         text = row[prompt_column]
-        if not isinstance(text, str) or not text.strip():
-            raise TaskDataError(f"{where}: row {i}: column {prompt_column!r} must be a non-empty string")
+        if isinstance(text, list | tuple):  # verl / OpenRLHF: [{"role": ..., "content": ...}, ...]
+            text = to_conversation(text, f"{where}: row {i}: column {prompt_column!r}", system_prompt)
+        elif not isinstance(text, str) or not text.strip():
+            raise TaskDataError(
+                f"{where}: row {i}: column {prompt_column!r} must be a non-empty string or a list of chat "
+                f"messages [{{'role': ..., 'content': ...}}, ...], not {_kind(text)}"
+            )
         if target_column and target_column != "target" and "target" in row:
             # The reward's metadata["target"] is the target column's value: this column would be hidden.
             raise TaskDataError(
@@ -247,7 +297,8 @@ def load_prompt_splits(cfg: Any, seed: int, name: str) -> tuple[list[Prompt], li
     if not cfg.data_path:
         raise TaskDataError(f"task {name!r} reads its prompts from task.data_path, which is empty")
     check_splits(cfg.data_path, cfg.split, cfg.eval_data_path, cfg.eval_split)
-    kw = {"name": name, "prompt_column": cfg.prompt_column, "target_column": cfg.target_column}
+    kw = {"name": name, "prompt_column": cfg.prompt_column, "target_column": cfg.target_column,
+          "system_prompt": getattr(cfg, "system_prompt", "")}  # fmt: skip
     train = rows_to_prompts(load_rows(cfg.data_path, cfg.split), where=cfg.data_path, **kw)
     if cfg.eval_data_path:
         evals = rows_to_prompts(load_rows(cfg.eval_data_path, cfg.eval_split or "train"),

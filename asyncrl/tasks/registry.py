@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from .base import Prompt, Task, TaskDataError
+from .length_check import check_prompt_lengths
 from .math import Gsm8kTask
-from .render_check import check_prompt_rendering
+from .render_check import check_prompt_rendering, load_tokenizer
+from .reward_check import check_reward_signature
 from .tiny import AdditionTask, CopyTask, CountTask, EchoTask, ReverseTask, TinyTask
 
 __all__ = [
@@ -273,7 +275,11 @@ def check_task(cfg: Any, shard: bool = True, eval_prompts: bool | None = None) -
     Raises what :func:`make_task` raises for a bad config or data (ConfigError, TaskNotFound,
     TaskDataError: each names its key or file), a ConfigError when eval prompts are needed and the task
     has none (:func:`require_eval_prompts`: before the chat-template check below, which loads the
-    tokenizer), a ConfigError when the model's chat template refuses the first prompt (:func:`asyncrl.tasks.render_check.check_prompt_rendering`); any other exception
+    tokenizer), a ConfigError when the reward cannot be called as the actors call it
+    (:func:`asyncrl.tasks.reward_check.check_reward_signature`), when the model's chat template refuses the
+    first prompt (:func:`asyncrl.tasks.render_check.check_prompt_rendering`) or when every prompt is too long
+    for ``model.max_model_len`` (:func:`asyncrl.tasks.length_check.check_prompt_lengths`, which warns when
+    only some are); any other exception
     from the user's factory or prompt source becomes a one-line TaskDataError naming ``task.name`` and where it was raised.
     """
     from asyncrl.config import ConfigError  # here, not at the top: asyncrl.config imports this module
@@ -293,11 +299,17 @@ def check_task(cfg: Any, shard: bool = True, eval_prompts: bool | None = None) -
         raise TaskDataError(
             f"{key}: its prompt source for actors.num_actors={n} failed: {_described(e)}"
         ) from e
-    if eval_prompts or (eval_prompts is None and cfg.eval.every > 0):
+    needs_eval = bool(eval_prompts or (eval_prompts is None and cfg.eval.every > 0))
+    if needs_eval:
         require_eval_prompts(task, 0 if eval_prompts else cfg.eval.every)
+    # What the actors call for each completion: a reward with the wrong parameters failed every group.
+    check_reward_signature(task, key)
     # Then what every actor does with each prompt: render it with the model's chat template, which may
-    # refuse the config (a Gemma template and task.system_prompt: asyncrl.tasks.render_check).
-    check_prompt_rendering(cfg, first)
+    # refuse the config (a Gemma template and task.system_prompt: asyncrl.tasks.render_check), and
+    # prompt it, which the engine refuses for a prompt too long (asyncrl.tasks.length_check).
+    tokenizer = load_tokenizer(cfg, cfg.model.path) if cfg.model.path else None
+    check_prompt_rendering(cfg, first, tokenizer)
+    check_prompt_lengths(cfg, task, tokenizer, needs_eval)
     return task
 
 

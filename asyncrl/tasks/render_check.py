@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .chat import prompt_token_ids, uses_chat_template
+from .chat import Conversation, prompt_token_ids, uses_chat_template
 
 __all__ = ["check_prompt_rendering", "load_tokenizer", "render_failure"]
 
@@ -106,24 +106,57 @@ def check_prompt_rendering(
     model_dir = str(model_dir or cfg.model.path or "")
     if tokenizer is None:
         if not model_dir:
+            _messages_unrendered(prompt, "the built-in tiny model has no chat template")
             _system_prompt_unused(cfg, "the built-in tiny model has no chat template")
             return
         tokenizer = load_tokenizer(cfg, model_dir)
+    mode = cfg.model.chat_template
+    if mode == "on" and not getattr(tokenizer, "chat_template", None):
+        # Before rendering: its error, with task.system_prompt set, advised removing the system prompt.
+        raise ConfigError(
+            f"model.chat_template='on' but the tokenizer of {model_dir or 'the model'} has no chat template: "
+            "set model.chat_template=auto (the template when there is one, else plain text) or off (plain "
+            "text), or use a model whose tokenizer has a chat template"
+            + (
+                " (task.system_prompt needs one: with plain text, remove it)"
+                if cfg.task.system_prompt
+                else ""
+            )
+        )
+    plain = not uses_chat_template(tokenizer, mode)
+    why = ("model.chat_template='off'" if mode == "off"
+           else f"the tokenizer of {model_dir or 'the model'} has no chat template")  # fmt: skip
+    if plain:
+        _messages_unrendered(prompt, why)
     try:
-        prompt_token_ids(tokenizer, prompt.text, cfg.model.chat_template, cfg.task.system_prompt)
+        prompt_token_ids(tokenizer, prompt.text, mode, cfg.task.system_prompt)
     except Exception as e:
         if cfg.task.system_prompt:
             fix = "remove task.system_prompt (or put its text into the prompts themselves)"
+        elif isinstance(prompt.text, Conversation):  # plain text cannot render messages
+            fix = "fix the model's chat template, or write the prompt column as plain strings"
         else:
             fix = "fix the model's chat template, or set model.chat_template=off (plain text)"
         where = f" of {model_dir}" if model_dir else ""
         raise ConfigError(
             f"the chat template{where} refuses the task's prompts: {render_failure(cfg, prompt.prompt_id, e)}; {fix}"
         ) from None
-    if not uses_chat_template(tokenizer, cfg.model.chat_template):
-        why = ("model.chat_template='off'" if cfg.model.chat_template == "off"
-               else f"the tokenizer of {model_dir or 'the model'} has no chat template")  # fmt: skip
+    if plain:
         _system_prompt_unused(cfg, why)
+
+
+def _messages_unrendered(prompt: Any, why: str) -> None:
+    """A ConfigError when the task's prompts are chat-message lists (verl / OpenRLHF rows) but are to be
+    plain text (``why``): only a chat template renders messages."""
+    from asyncrl.config import ConfigError
+
+    if isinstance(prompt.text, Conversation):
+        raise ConfigError(
+            f"the task's prompts are chat-message lists (prompt {prompt.prompt_id!r}: task.prompt_column holds "
+            f"[{{'role': ..., 'content': ...}}, ...]) but the prompts are plain text ({why}): use a model whose "
+            "tokenizer has a chat template (model.chat_template=auto or on), or write the prompt column as "
+            "plain strings"
+        )
 
 
 def _system_prompt_unused(cfg: Any, why: str) -> None:
