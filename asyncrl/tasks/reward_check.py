@@ -9,7 +9,8 @@ make to the function's signature and fails with a :class:`ConfigError` that show
 
 verl's ``compute_score`` takes three positional parameters and an optional fourth, so it binds to
 ``(prompt, completion, metadata)`` and would be called with the prompt as ``data_source`` and the
-metadata as ``ground_truth``: its parameter names are refused too, with the wrapper to write.
+metadata as ``ground_truth``: a first parameter named ``data_source`` is refused too, with the wrapper to
+write. Only that name: the others are fair names for a reward's own parameters.
 
 Imports neither torch, vllm nor ray.
 """
@@ -27,8 +28,9 @@ __all__ = ["check_reward_signature", "DATA_REWARD_SIGNATURE", "TASK_REWARD_SIGNA
 DATA_REWARD_SIGNATURE = "reward(prompt: str, completion: str, metadata: dict) -> float"
 #: How a Task subclass's reward method is called (asyncrl.tasks.base.Task.score).
 TASK_REWARD_SIGNATURE = "reward(self, prompt: asyncrl.tasks.Prompt, completion_text: str) -> float"
-#: Parameter names of verl's custom reward function (verl.utils.reward_score.default_compute_score).
-VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+#: The first parameter of verl's custom reward function (verl.utils.reward_score.default_compute_score):
+#: never a name for the prompt text.
+VERL_FIRST = "data_source"
 VERL_WRAPPER = ("def reward(prompt, completion, metadata): return compute_score(metadata.get('data_source'), "
                 "completion, metadata['target'], metadata.get('extra_info'))")  # fmt: skip
 
@@ -67,7 +69,7 @@ def check_reward_signature(task: Task, key: str = "task.name") -> None:
             f"{expected} ({e}); the actors call it so, positionally, for each completion"
         ) from None
     names = list(sig.parameters)
-    if isinstance(task, FunctionTask) and len(names) >= 2 and any(p in names for p in VERL_PARAMS):
+    if isinstance(task, FunctionTask) and len(names) >= 2 and names[0] == VERL_FIRST:
         raise ConfigError(
             f"{key}: the reward function {_described(fn)} has verl's signature {sig}, but is called as {expected} "
             f"(the prompt would be its {names[0]!r}, the completion its {names[1]!r}); wrap it: {VERL_WRAPPER}"

@@ -84,6 +84,7 @@ def test_verls_compute_score_is_refused_with_the_wrapper_to_write(tmp_path):
     for i, reward in enumerate([  # what the actors can call passes
         "async def reward(prompt, completion, metadata):\n    return 1.0",
         "def reward(*args, **kw):\n    return 1.0",
+        "def reward(prompt, solution_str, ground_truth):\n    return 1.0",  # only data_source is verl's tell
         "import functools\n\ndef _r(p, c, m, scale):\n    return scale\n\nreward = functools.partial(_r, scale=1.0)",
     ]):  # fmt: skip
         (tmp_path / str(i)).mkdir()
