@@ -177,6 +177,7 @@ def inputs_from_run_config(run_dir: str | Path, base: PlanInputs | None = None) 
         swap_min_lag=int(a.get("swap_min_lag", 1)),  # run dirs from before the option: every version
         groups_per_step=int(b.groups_per_step),
         max_staleness=int(b.max_staleness),
+        fill_window=bool(lrn.get("fill_window", False)),  # run dirs from before the knob: no wait
         publish_every=int(lrn.publish_every),
         # Run dirs from before learner.publish_policy published every publish_every steps.
         publish_policy=str(lrn.get("publish_policy", "steps")),
@@ -190,7 +191,7 @@ def _measured_run(m: Measured, base: PlanInputs | None) -> tuple[PlanInputs, dic
     """The shape of run ``m`` (its config) with its completion lengths and learner costs measured."""
     p = inputs_from_run_config(m.run_dir, base)
     sources = {k: "config" for k in ("num_actors", "groups_in_flight", "group_size", "groups_per_step",
-                                      "max_staleness", "publish_every", "publish_policy",
+                                      "max_staleness", "fill_window", "publish_every", "publish_policy",
                                       "publish_max_steps", "checkpoint_every",
                                       "refuse_stale_weights", "swap_min_lag", "admission_poll_s", "admission_events",
                                       "lengths.max_tokens")}  # fmt: skip

@@ -162,6 +162,18 @@ class PlanInputs:
     # staleness control
     groups_per_step: int = F(4, "Groups per learner step (buffer.groups_per_step).", ge=1)
     max_staleness: int = F(1, "eta (buffer.max_staleness).", ge=0)
+    fill_window: bool = F(
+        False,
+        "learner.fill_window: before each step the learner waits until a full admission window "
+        "((max_staleness + 1) * groups_per_step * publish_every groups) is unread in the buffer, or "
+        "admission is saturated and nothing arrived for fill_saturated_s.",
+    )
+    fill_saturated_s: float = F(
+        1.0,
+        "fill_window: seconds of an unchanged unread count under saturated admission that end the "
+        "learner's wait (asyncrl.learner.feed.SATURATED_S).",
+        ge=0,
+    )
     # learner
     learner_step_s: float = F(0.0, "Fixed seconds of every learner step (launch, optimizer).", ge=0)
     learner_token_s: float = F(1e-4, "Learner seconds per trained completion token.", ge=0)

@@ -9,6 +9,8 @@ state changes (co-location slows it while they decode). Imports neither torch, v
 
 from __future__ import annotations
 
+from asyncrl.buffer.admission import admission_bound_formula
+
 from .inputs import PlanInputs
 from .results import StepTrace
 
@@ -51,8 +53,36 @@ class LearnerEvents:
                 e.slow = slow
                 self.schedule_finish(e)
 
+    def saturated(self) -> bool:
+        """Admission is at its bound: no worker can take a slot before the learner's next step."""
+        p = self.p
+        gps = p.groups_per_step * p.publish_every
+        return self.admitted >= admission_bound_formula(self.V, p.max_staleness, gps, self.credits)
+
+    def unread_changed(self) -> None:
+        """A group reached the buffer, or the learner started waiting: fill_window's quiet period restarts."""
+        self.fill_epoch += 1
+        self.fill_changed_t = self.t
+
+    def arm_fill_check(self) -> None:
+        """fill_window: under saturated admission, end the wait once the unread count has not changed
+        for fill_saturated_s (the real learner's SATURATED_S; asyncrl.learner.feed.Rank0.fill_window)."""
+        if self.filling and self.learner_waiting and self.saturated():
+            t = max(self.t, self.fill_changed_t + self.p.fill_saturated_s)
+            self.at(t, "fill_check", self.fill_epoch)
+
+    def on_fill_check(self, epoch: int) -> None:
+        if self.filling and self.learner_waiting and epoch == self.fill_epoch and self.saturated():
+            self.filling = False
+            self.gather()
+
     def gather(self) -> None:
         p = self.p
+        if self.filling:
+            # learner.fill_window: wait for a full admission window of unread groups (or saturation).
+            if len(self.buffer) < (p.max_staleness + 1) * p.groups_per_step * p.publish_every:
+                return
+            self.filling = False
         dropped = 0
         while self.buffer and len(self.batch) < p.groups_per_step:
             g = self.buffer.popleft()
@@ -136,4 +166,8 @@ class LearnerEvents:
         self.set_learner_busy(False)
         self.learner_waiting = True
         self.wait_since = self.t
+        if self.p.fill_window:
+            self.filling = True
+            self.unread_changed()
+            self.arm_fill_check()
         self.gather()

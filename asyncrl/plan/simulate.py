@@ -53,7 +53,10 @@ The model follows the real roles step by step (DESIGN.md):
   if this is the ``publish_max_steps``-th step since the last publication; a step that publishes
   nothing returns ``groups_per_step`` credits (the real learner lowers its version skew), so the
   admission window advances per step while V stays, and ``slot_version`` over-estimates the training
-  version (it only refuses more). Staleness stays in versions.
+  version (it only refuses more). Staleness stays in versions. With ``fill_window``
+  (learner.fill_window) each step first waits until ``(max_staleness + 1) * groups_per_step *
+  publish_every`` groups are unread, or until admission is saturated and no group arrived for
+  ``fill_saturated_s``, as the real learner does.
 
 Numbers are steady-state: measured from the end of step ``warmup_steps`` to the end of the last step,
 the same window :func:`asyncrl.plan.calibrate.measure` uses on a real run's metrics.jsonl.
@@ -99,6 +102,10 @@ class _Sim(LearnerEvents):
         self.buffer: deque[SimGroup] = deque()
         self.learner_waiting = True
         self.wait_since = 0.0
+        # learner.fill_window: the learner waits for a full admission window before its step's reads.
+        self.filling = p.fill_window
+        self.fill_epoch = 0  # bumped when the unread count changes (the saturated wait restarts)
+        self.fill_changed_t = 0.0
         self.batch: list[SimGroup] = []
         self.dropped = 0
         self.decoded = 0  # groups whose last token was sampled, and their decode seconds in all
@@ -215,6 +222,7 @@ class _Sim(LearnerEvents):
         if started:
             self.fill(e)
             self.schedule_finish(e)
+            self.arm_fill_check()  # this admission may have saturated the window
 
     def draw(self) -> float:
         """A completion length; whole tokens when the engine steps discretely."""
@@ -302,6 +310,9 @@ class _Sim(LearnerEvents):
         e.advance(self.t)
         e.in_flight -= 1
         self.buffer.append(g)
+        if self.filling:
+            self.unread_changed()
+            self.arm_fill_check()
         self.try_admit(e)
         if self.learner_waiting:
             self.gather()

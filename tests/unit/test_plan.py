@@ -188,7 +188,8 @@ def _write_run(rdir: Path, p: PlanInputs) -> None:
         f"{p.group_size}, admission_poll_s: {p.admission_poll_s}, admission_events: {str(p.admission_events).lower()}, "
         f"refuse_stale_weights: true, max_tokens: "
         f"{int(p.lengths.max_tokens)}}}\nbuffer: {{groups_per_step: {p.groups_per_step}, max_staleness: "
-        f"{p.max_staleness}}}\nlearner: {{publish_every: {p.publish_every}, checkpoint_every: {p.checkpoint_every}}}\n"
+        f"{p.max_staleness}}}\nlearner: {{publish_every: {p.publish_every}, checkpoint_every: {p.checkpoint_every}, "
+        f"fill_window: {str(p.fill_window).lower()}}}\n"
     )
     r = simulate(p)
     prev = 0.0
@@ -413,3 +414,44 @@ def test_plan_from_a_run_dir_without_steps_is_a_user_error(tmp_path: Path) -> No
                        cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().endswith("metrics.jsonl: 0 learner steps; need at least 3 to measure")
+
+
+def _fill_window_truth() -> PlanInputs:
+    """A generation-bound pipeline at eta 4 whose learner waits for a full window (learner.fill_window):
+    without the wait its data would be ~0.5 versions old, with it exactly 4 (a sweep run dir's shape)."""
+    truth = PlanInputs(
+        num_actors=1, groups_in_flight=4, group_size=8, lengths=fixed(5.0, 6.0), engine_steps=True,
+        gen_step_s=9.6e-3, gen_token_s=0.0, admission_poll_s=0.05, swap_latency_s=0.01, swap_s=0.045,
+        groups_per_step=4, max_staleness=4, learner_token_s=2e-4, publish_s=0.01, checkpoint_s=0.0, steps=120,
+        warmup_steps=12, fill_window=True,
+    )  # fmt: skip
+    return replace(truth, gen_prefill_s=PREFILL_GROUP_SHARE * truth.gen_step_s / truth.group_size)
+
+
+def test_plan_from_a_fill_window_run_dir_models_the_learners_wait(tmp_path: Path) -> None:
+    """Every shipped sweep run sets learner.fill_window=true: calibrated from such a run dir, the
+    simulator waits for the window as the run's learner did and predicts its staleness, idle and
+    throughput (without the wait: staleness 0.45 for a measured 4.00, the users' walkthrough)."""
+    _write_run(tmp_path / "s4", _fill_window_truth())
+    m = measure(tmp_path / "s4")
+    assert m.staleness_mean == pytest.approx(4.0)
+    p, sources = calibrate([tmp_path / "s4"], replace(PlanInputs(), lengths=fixed(4.0, 6.0)))
+    assert p.fill_window is True and sources["fill_window"] == "config"
+    pred = simulate(p)
+    assert pred.staleness_mean == pytest.approx(m.staleness_mean, abs=0.05)
+    assert pred.learner_idle_frac == pytest.approx(m.learner_idle_frac, abs=0.03)
+    assert pred.samples_per_s == pytest.approx(m.samples_per_s, rel=0.03)
+    assert simulate(replace(p, fill_window=False)).staleness_mean < 1.0  # what the plan said before
+
+
+def test_fill_window_under_saturated_admission_waits_for_the_quiet_period() -> None:
+    """publish_every=2: a step that publishes nothing leaves admission saturated one step's groups short
+    of the window, so the learner waits until nothing arrived for fill_saturated_s (the real learner's
+    SATURATED_S), every other step: per step, half the quiet period more."""
+    base = replace(_fill_window_truth(), publish_every=2, steps=80, warmup_steps=10)
+
+    def step_s(quiet: float) -> float:
+        r = simulate(replace(base, fill_saturated_s=quiet))
+        return base.groups_per_step * base.group_size / r.samples_per_s
+
+    assert step_s(0.6) - step_s(0.2) == pytest.approx(0.2, rel=0.1)
