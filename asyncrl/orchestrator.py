@@ -31,9 +31,13 @@ readable only by the user), ``asyncrl status``/``serve-actors``/``learn`` find i
 Invariant: whatever happens, the finally-block stops the pool (engines + Ray), the learner process
 and the embedded Redis in that order, so no redis-server, Ray or vLLM process outlives the command.
 A SIGTERM to the whole process group (``timeout``, ``kill -- -PGID``, systemd, scancel) also kills Ray's
-GCS and raylet: the pool's stop is then abandoned (ActorPool.stop_bounded), the rest torn down and the
-summary written as for any interrupted stop, and the process ends with os._exit (Ray's own atexit
-shutdown would wait on the dead GCS until Ray aborts the process, ~60 s, exit code 1).
+GCS and raylet: the pool's stop (or, before the pool, Ray's shutdown) is then abandoned
+(asyncrl.actors.pool.call_bounded), summary.json written and redis.url removed before the learner's stop
+(rewritten after it), the rest torn down as for any interrupted stop, and the process ends with os._exit,
+also when an error escapes (Ray's own atexit shutdown would wait on the dead GCS until Ray's core worker
+ends the process, exit code 1). That core worker waits ``gcs_rpc_server_reconnect_timeout_s`` for a lost
+GCS: a local Ray started here gets ``learner.stop_grace_s`` + 120 s (Ray's default, 60 s, cut a long final
+checkpoint short and the learner with it). A GCS or raylet that exits on its own fails the run at once.
 """
 
 from __future__ import annotations
@@ -203,7 +207,50 @@ class Supervisor:
 
 
 def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[str, ...] = ()) -> int:
-    """`asyncrl run` (see the module docstring); ``allow_changes``: the keys of --allow-config-change."""
+    """`asyncrl run` (see the module docstring); ``allow_changes``: the keys of --allow-config-change.
+
+    Once the local Ray's teardown was abandoned (its GCS or raylet gone, :class:`RayLost`) the process
+    ends here with os._exit, whether the run returns or raises: Ray's atexit shutdown would wait on the
+    dead GCS until Ray's core worker ends the process (exit code 1). A raised error is reported as the
+    CLI reports it, with its exit code (:func:`_exit_now`)."""
+    ray_gone = threading.Event()
+    try:
+        code = _run_all(cfg, config_path, allow_changes, ray_gone)
+    except BaseException as e:
+        if not ray_gone.is_set():
+            raise
+        _exit_now(1, e)
+    if ray_gone.is_set():
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int, error: BaseException | None = None) -> None:
+    """End the process now (os._exit, see :func:`run_all`), after reporting ``error`` the way
+    ``asyncrl.cli.main`` would (its message and exit code: 2 for a user error, 1 for a role error,
+    else the traceback and 1)."""
+    try:
+        if error is not None:
+            from asyncrl.cli import ROLE_ERRORS, USER_ERRORS
+
+            if isinstance(error, USER_ERRORS + ROLE_ERRORS):
+                print(f"asyncrl: error: {error}", file=sys.stderr)
+                code = 2 if isinstance(error, USER_ERRORS) else 1
+            else:
+                import traceback
+
+                traceback.print_exception(error)
+                code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _run_all(
+    cfg: Config, config_path: str | None, allow_changes: tuple[str, ...], ray_gone: threading.Event
+) -> int:
+    """:func:`run_all`'s body; sets ``ray_gone`` once the local Ray's teardown was abandoned."""
     from asyncrl.buffer import ReplayBuffer
     from asyncrl.tinymodel import resolve_model_path
 
@@ -250,7 +297,7 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
         url = sup.start_redis()
         cfg.redis.url = url
         sup.start_learner(resume)
-        from asyncrl.actors.pool import ActorPool
+        from asyncrl.actors.pool import ActorPool, local_ray_lost
         from asyncrl.actors.serve import PoolLease
         from asyncrl.actors.supervision import ActorSupervisionError, ActorSupervisor, LapsedPoolReclaimer
 
@@ -282,6 +329,10 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
             if cfg.run.max_wall_s and time.time() - start > cfg.run.max_wall_s:
                 status = "wall_budget"
                 break
+            if owns_ray and local_ray_lost():  # no actor can run or be replaced without them
+                if not stop.wait(2.0):  # a SIGTERM to the process group (it killed them) sets it first
+                    status, error = "failed", "the local Ray's GCS or raylet exited (see <run_dir>/logs)"
+                break
             if time.monotonic() >= next_lapsed_check:  # every TTL/3, as serve-actors does
                 for msg in lapsed.poll():
                     sup.events.append(msg)
@@ -312,22 +363,39 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
         status, error = "failed", f"{type(e).__name__}: {e}"
         raise
     finally:
-        progress.close()
-        if pool is None and early_ray is not None:
-            early_ray.shutdown()  # failed before the pool took Ray over
-        rc = _teardown(pool, sup, buf, lease)
+        try:
+            progress.close()
+        except Exception as e:  # the teardown below must run
+            print(f"console close: {type(e).__name__}: {e}", file=sys.stderr)
+        if pool is None and early_ray is not None:  # failed before the pool took Ray over
+            if _shutdown_early_ray(early_ray):
+                ray_gone.set()
+
+        def summarize(rc: int | None) -> dict:
+            """summary.json as things stand; ``rc``: the learner's exit code (None: still stopping)."""
+            st, err = status, error
+            if st == "finished" and rc not in (0, None):
+                st, err = "failed", f"learner exited with code {rc} after the last step"
+            extra.update(finished=st == "finished" and rc == 0, status=st, error=err, learner_exit_code=rc,
+                         restarts={**sup.restarts, "actors": sup.actors.restarts if sup.actors else []},
+                         supervision_events=sup.events)  # fmt: skip
+            return write_summary(rdir, iter_jsonl(rdir / "metrics.jsonl"), start, time.time(), extra)
+
+        def before_learner_stop() -> None:
+            # Ray's core worker ends this process some time after its GCS died, whatever it is doing:
+            # summary.json must not wait on the learner's stop (rewritten once that is done).
+            ray_gone.set()
+            summarize(sup.learner.poll() if sup.learner is not None else 0)
+
+        rc = _teardown(pool, sup, buf, lease, ray_gone=ray_gone.is_set(), on_ray_lost=before_learner_stop)
+        if pool is not None and pool.ray_lost:
+            ray_gone.set()
         if early_ray is not None:
             early_ray.release()
         for s, h in prev_handlers.items():
             signal.signal(s, h)
-        end = time.time()
-        finished = status == "finished" and rc == 0
-        if status == "finished" and rc != 0:
-            status, error = "failed", f"learner exited with code {rc} after the last step"
-        extra.update(finished=finished, status=status, error=error, learner_exit_code=rc,
-                     restarts={**sup.restarts, "actors": sup.actors.restarts if sup.actors else []},
-                     supervision_events=sup.events)  # fmt: skip
-        summary = write_summary(rdir, iter_jsonl(rdir / "metrics.jsonl"), start, end, extra)
+        summary = summarize(rc)
+        status, error, finished = summary["status"], summary["error"], summary["finished"]
     print(f"run dir: {rdir}\nsteps {summary['steps']}  reward {summary['start_reward']} -> {summary['end_reward']}  "
           f"wall {summary['wall_s']:.0f}s  status {status}")  # fmt: skip
     code = 0
@@ -336,13 +404,25 @@ def run_all(cfg: Config, config_path: str | None = None, allow_changes: tuple[st
         code = 1
     elif not finished:
         print(f"the run is not finished ({status}): run the same command again to resume it", flush=True)
-    if pool is not None and pool.ray_lost:
-        # Ray's GCS is gone (a SIGTERM to the process group) and its core worker would abort this process
-        # (~60 s, exit code 1) from Ray's atexit shutdown: everything of ours is done, so leave now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
     return code
+
+
+def _shutdown_early_ray(early_ray: EarlyRay) -> bool:
+    """Stop the Ray this run started when the run failed before an actor pool took it over, bounded like
+    the pool's stop (:func:`asyncrl.actors.pool.call_bounded`); True when it was abandoned (its GCS or
+    raylet gone: the process must end with os._exit)."""
+    from asyncrl.actors.pool import RayLost, call_bounded, kill_local_ray, local_ray_lost
+
+    if local_ray_lost():  # ray.shutdown would wait on the dead GCS
+        kill_local_ray()
+        return True
+    try:
+        call_bounded(early_ray.shutdown)
+    except RayLost:
+        return True
+    except Exception as e:  # reported; the rest of the tear-down still runs
+        print(f"ray shutdown: {type(e).__name__}: {e}", file=sys.stderr)
+    return False
 
 
 def _display_failed(sup: Supervisor, e: Exception) -> None:
@@ -376,10 +456,17 @@ def _say(progress: Any, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _teardown(pool: Any, sup: Supervisor, buf: Any, lease: Any = None) -> int:
+def _teardown(pool: Any, sup: Supervisor, buf: Any, lease: Any = None, ray_gone: bool = False,
+              on_ray_lost: Any = None) -> int:  # fmt: skip
     """Empty the Prometheus targets, then stop the pool (and free its number's lease), the learner and
     the embedded Redis, in that order; each step runs even if an earlier one raised. Returns the
-    learner's exit code (0 when it was never started)."""
+    learner's exit code (0 when it was never started).
+
+    When the local Ray is gone (``ray_gone``, or the pool's stop abandoned: ``pool.ray_lost``), Ray's
+    core worker ends this process after ``gcs_rpc_server_reconnect_timeout_s`` (raised to cover the
+    learner's grace, asyncrl.actors.pool.driver_gcs_timeout_s) whatever it is doing: before the learner's
+    stop, ``on_ray_lost()`` runs (`asyncrl run` writes summary.json there) and redis.url is removed, so
+    neither depends on the process outliving that stop."""
 
     def step(what: str, fn: Any) -> Any:
         try:
@@ -393,6 +480,11 @@ def _teardown(pool: Any, sup: Supervisor, buf: Any, lease: Any = None) -> int:
         step("actor pool stop", pool.stop_bounded)
     if lease is not None:  # after the pool: no actor of ours runs once another pool may take the number
         step("actor pool lease release", lease.release)
+    if ray_gone or (pool is not None and pool.ray_lost):
+        if sup.redis_srv is not None:  # its server stops with this process, whenever that ends
+            step("redis.url removal", lambda: (sup.rdir / "redis.url").unlink(missing_ok=True))
+        if on_ray_lost is not None:
+            step("summary before the learner stop", on_ray_lost)
     learner, grace_s = sup.learner, sup.cfg.learner.stop_grace_s
     rc = step("learner stop", lambda: stop_process(learner, grace_s)) if learner is not None else 0
     if buf is not None:

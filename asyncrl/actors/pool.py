@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import threading
@@ -30,7 +31,7 @@ from typing import Any
 from .ray_actor import RayRolloutActor
 from .supervision import RayConnectError
 
-__all__ = ["ActorPool", "actor_env", "actor_runtime_env", "init_ray"]
+__all__ = ["ActorPool", "RayLost", "actor_env", "actor_runtime_env", "call_bounded", "init_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -100,21 +101,101 @@ def init_ray(cfg: Any) -> bool:
                 logging_level=logging.WARNING,
                 # asyncrl run: the actors write to <run_dir>/logs (asyncrl.console); -v forwards.
                 log_to_driver=not cfg.console.log_dir,
+                _system_config=local_head_system_config(cfg),
             )
         except (ray.exceptions.AuthenticationError, ConnectionError) as e:
             raise RayConnectError(ray_connect_message(cfg.ray.address, e)) from e
     return True
 
 
+#: Ray's setting: how long (s) its core worker waits for a lost GCS before it ends the process
+#: (std::_Exit(1)); 60 by default.
+GCS_RECONNECT_KEY = "gcs_rpc_server_reconnect_timeout_s"
+#: What the teardown after a lost GCS needs beside the learner's grace (its SIGKILL wait, the pool
+#: stop's abandonment, Redis's stop, the summary, and the supervision pass that was running).
+GCS_LOSS_MARGIN_S = 120
+
+
+def driver_gcs_timeout_s(cfg: Any) -> int:
+    """Ray's ``gcs_rpc_server_reconnect_timeout_s`` for a local head this process starts: long enough for
+    `asyncrl run`'s teardown after a SIGTERM to its process group (which kills the GCS) to stop the
+    learner with its full ``learner.stop_grace_s``; at Ray's default (60 s) the core worker ended the
+    driver in the middle of a long final checkpoint, without summary.json, the learner SIGKILLed with
+    it (it dies with its parent, asyncrl.lifetime). Never below Ray's default."""
+    return max(60, math.ceil(cfg.learner.stop_grace_s) + GCS_LOSS_MARGIN_S)
+
+
+def local_head_system_config(cfg: Any) -> dict[str, Any] | None:
+    """Ray's ``_system_config`` for :func:`init_ray`: the GCS reconnect timeout of
+    :func:`driver_gcs_timeout_s` when this call starts a new local Ray (the config is the cluster's, set
+    when its head starts); None when it attaches to a running cluster (``ray.address``, ``RAY_ADDRESS``
+    or a ``ray start --head`` on this machine), where Ray refuses one."""
+    if cfg.ray.address:
+        return None
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        if canonicalize_bootstrap_address(None) is not None:
+            return None
+    except Exception:  # a Ray without this helper: leave its config alone
+        return None
+    return {GCS_RECONNECT_KEY: driver_gcs_timeout_s(cfg)}
+
+
+class RayLost(RuntimeError):
+    """The local Ray this process started lost its GCS or raylet: its Ray calls were abandoned and its
+    processes killed; the process must end with os._exit (Ray's atexit shutdown waits on the dead GCS)."""
+
+    def __init__(self) -> None:
+        super().__init__("the local Ray lost its GCS or raylet (a signal to the process group?): "
+                         "its processes were killed without an orderly stop")  # fmt: skip
+
+
+def call_bounded(fn: Callable[[], Any], watch: Callable[[], bool] = lambda: True, poll_s: float = 0.5) -> Any:
+    """``fn()`` (a call of Ray's teardown), abandoned as soon as the local Ray this process started has
+    lost its GCS or raylet while ``watch()`` is true: every Ray call would then wait on the dead GCS until
+    Ray's core worker ends the process. ``fn`` runs in a daemon thread that is left behind; what is left
+    of Ray's processes is killed and :class:`RayLost` raised. ``fn``'s own result or error otherwise."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="ray-teardown", daemon=True)
+    t.start()
+    while t.is_alive():
+        if watch() and local_ray_lost():
+            kill_local_ray()
+            raise RayLost()
+        t.join(poll_s)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
 def local_ray_lost() -> bool:
-    """True when this process started a local Ray whose GCS or raylet has exited."""
+    """True when this process started a local Ray whose GCS or raylet has exited. Not while Ray's own
+    teardown kills them (ray.shutdown, :func:`kill_local_ray`: they hold the node's removal lock while a
+    killed process is still listed), so a call of ray.shutdown can be watched too. After a SIGTERM to the
+    process group (Ray 2.60) the GCS stops serving at once but its process may linger; the raylet exits
+    within ~10 s: that is what shows the loss."""
     try:
         from ray._private import worker
 
         node = worker._global_node
         if node is None or not node.head:
             return False
-        return any(kind in ("gcs_server", "raylet") for kind, _ in node.dead_processes())
+        lock = getattr(node, "removal_lock", None)
+        if lock is not None and not lock.acquire(blocking=False):
+            return False  # Ray is killing its processes itself
+        try:
+            return any(kind in ("gcs_server", "raylet") for kind, _ in node.dead_processes())
+        finally:
+            if lock is not None:
+                lock.release()
     except Exception:  # a Ray without these internals: assume alive (the plain stop path)
         return False
 
@@ -175,9 +256,8 @@ class ActorPool:
         self._pg: Any = None  # the actors' placement group: bundle i is actor slot i's reservation
         #: stop_bounded() found the local Ray this pool started without its GCS or raylet and abandoned
         #: the Ray calls: the caller must end its process with os._exit (Ray's atexit shutdown would wait
-        #: on the dead GCS until Ray's core worker aborts the process, ~60 s, exit code 1).
+        #: on the dead GCS until Ray's core worker aborts the process, exit code 1).
         self.ray_lost = False
-        self._ray_shutdown_begun = False  # ray.shutdown kills Ray's processes itself: not a lost Ray
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -369,29 +449,15 @@ class ActorPool:
 
         A SIGTERM to the whole process group of `asyncrl run` (``timeout``, ``kill -- -PGID``, systemd,
         scancel) reaches Ray's GCS and raylet, which are in that group too: every Ray call of the stop
-        would then wait on the dead GCS until Ray's core worker aborts this process (~60 s, exit code 1,
-        no summary). Here the stop runs in a daemon thread that is left behind once that is seen; the
-        rest of Ray's processes are killed, and :attr:`ray_lost` tells the caller to end with os._exit."""
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = self.stop()
-            except BaseException as e:  # re-raised in the caller's thread
-                box["error"] = e
-
-        t = threading.Thread(target=run, name="pool-stop", daemon=True)
-        t.start()
-        while t.is_alive():
-            if self._started_ray and not self._ray_shutdown_begun and local_ray_lost():
-                self.ray_lost = True
-                kill_local_ray()
-                raise RuntimeError("the local Ray lost its GCS or raylet (a signal to the process group?): "
-                                   "its processes were killed without an orderly stop")  # fmt: skip
-            t.join(poll_s)
-        if "error" in box:
-            raise box["error"]
-        return box.get("result", [])
+        would then wait on the dead GCS until Ray's core worker aborts this process (after
+        :func:`driver_gcs_timeout_s`, exit code 1, no summary). Here the stop runs in a daemon thread
+        that is left behind once that is seen (:func:`call_bounded`); the rest of Ray's processes are
+        killed, :class:`RayLost` raised, and :attr:`ray_lost` tells the caller to end with os._exit."""
+        try:
+            return call_bounded(self.stop, lambda: self._started_ray, poll_s)
+        except RayLost:
+            self.ray_lost = True
+            raise
 
     def stop(self, abort: bool = True, timeout: float = 120.0) -> list[dict[str, Any]]:
         """Stop every actor: ``abort`` cancels in-flight groups (not written, admission credited),
@@ -418,7 +484,10 @@ class ActorPool:
                 ray.util.remove_placement_group(self._pg)
                 self._pg = None
             if self._started_ray:
-                self._ray_shutdown_begun = True
+                if local_ray_lost():  # ray.shutdown would wait on the dead GCS (see stop_bounded)
+                    self.ray_lost = True
+                    kill_local_ray()
+                    raise RayLost()
                 ray.shutdown()
         if errors:
             raise errors[0]

@@ -46,5 +46,10 @@ def test_a_sigterm_to_the_process_group_stops_the_run_like_one_to_its_pid(tmp_pa
     summary = json.loads((rdir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and not summary["finished"], summary
     assert summary["steps"] >= 1
+    # The summary written before the learner's stop (the local Ray was lost) was rewritten after it: the
+    # learner stopped within its grace (exit code 0, not SIGKILLed) and the driver was not ended by Ray's
+    # core worker on the way (its GCS reconnect timeout covers learner.stop_grace_s).
+    assert summary["learner_exit_code"] == 0, summary
+    assert "Failed to connect to GCS" not in log.read_text()
     assert not (rdir / "redis.url").exists(), "the embedded Redis's URL outlived it"
     assert not wait_no_orphans(marker)

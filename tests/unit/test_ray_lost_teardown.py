@@ -1,0 +1,215 @@
+"""`asyncrl run`'s teardown once the local Ray it started lost its GCS and raylet (a SIGTERM to the whole
+process group kills them with the command): nothing may wait on the dead GCS, and nothing of the run's
+end may depend on outliving Ray's core worker, which ends the driver a while after its GCS died.
+
+Each Ray case runs in a child process (its Ray is killed under it, and it must end with os._exit as
+`asyncrl run` does, in a process group of its own that the test sends SIGTERM): a real local Ray started
+by asyncrl.actors.pool.init_ray, a real embedded redis-server and a learner process of its own session
+(as asyncrl.launch.start_learner_process starts it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+
+pytest.importorskip("ray")
+
+# Common to the children: a one-CPU local Ray started as `asyncrl run` starts it, and the signal.
+_PRELUDE = textwrap.dedent(
+    """
+    import json, os, signal, subprocess, sys, time
+    from pathlib import Path
+    import ray
+    from asyncrl.config import load_config
+
+    rdir = Path(sys.argv[1])
+    cfg = load_config(overrides=["ray.num_cpus=1", "learner.stop_grace_s=300"])
+    cfg.console.log_dir = str(rdir / "logs")
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # asyncrl run's handler: a stop event
+
+    # The test sends SIGTERM to this process's group (Ray's GCS and raylet are in it); back once the loss
+    # shows (the raylet drains for ~10 s; the GCS stops serving at once, its process lingers).
+    def group_sigterm():
+        from asyncrl.actors.pool import local_ray_lost
+        print("READY", flush=True)
+        while not stop:
+            time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while not local_ray_lost():
+            assert time.monotonic() < deadline, "the group SIGTERM did not take Ray's raylet down"
+            time.sleep(0.2)
+
+    def ray_pids():
+        node = ray._private.worker._global_node
+        return [i.process.pid for kind in ("gcs_server", "raylet") for i in node.all_processes.get(kind, [])]
+
+    def gone(pids):
+        left = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                left.append(pid)
+            except ProcessLookupError:
+                pass
+        return not left
+
+    def done(result):
+        print("RESULT " + json.dumps(result), flush=True)
+        os._exit(0)
+    """
+)
+
+# The learner: when told to stop (SIGTERM) it looks at the run dir, as a run's last step and checkpoint
+# would take a while, and exits 0.
+_LEARNER = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    from pathlib import Path
+    rdir = Path(sys.argv[1])
+    def on_term(*_):
+        seen = {"summary": (rdir / "summary.json").exists(), "redis_url": (rdir / "redis.url").exists()}
+        (rdir / "learner_saw.json").write_text(json.dumps(seen))
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    print("up", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _child(tmp_path, body: str, timeout: float = 120.0) -> dict:
+    """Run ``body`` after the prelude in a child process of its own process group; SIGTERM that group
+    when the child says READY (``group_sigterm()``); the child's RESULT line."""
+    rdir = tmp_path / "run"
+    rdir.mkdir()
+    (tmp_path / "learner.py").write_text(_LEARNER)
+    script = _PRELUDE + textwrap.dedent(body)
+    log = tmp_path / "child.log"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(rdir), str(tmp_path / "learner.py")],
+                            stdout=subprocess.PIPE, stderr=log.open("wb"), text=True,
+                            start_new_session=True)  # fmt: skip
+    timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))  # a child waiting on the dead GCS
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("READY"):
+                os.killpg(proc.pid, signal.SIGTERM)
+            if line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT ") :])
+                break
+        else:
+            why = (
+                f"still running after {timeout:.0f} s" if not timer.is_alive() else f"exit code {proc.wait()}"
+            )
+            pytest.fail(f"no result: {why}\n{log.read_text()[-4000:]}")
+        proc.wait(timeout)
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    return result
+
+
+def test_the_driver_of_a_local_ray_waits_for_a_lost_gcs_longer_than_the_learners_grace(tmp_path) -> None:
+    """Ray's core worker ends the driver ``gcs_rpc_server_reconnect_timeout_s`` after its GCS died
+    (std::_Exit(1)); at Ray's default, 60 s, the learner's final checkpoint (its grace: 300 s here) was
+    cut short and the run ended without summary.json. The local head asyncrl starts carries a timeout
+    that covers the grace; a cluster it attaches to is left alone (Ray refuses the setting there)."""
+    result = _child(
+        tmp_path,
+        """
+        from asyncrl.actors.pool import init_ray
+        assert init_ray(cfg)
+        done({"timeout": ray._private.state.state.get_system_config().get("gcs_rpc_server_reconnect_timeout_s")})
+        """,
+    )
+    from asyncrl.actors.pool import driver_gcs_timeout_s, local_head_system_config
+
+    assert result["timeout"] == 300 + 120, result
+    assert driver_gcs_timeout_s(load_config(overrides=["learner.stop_grace_s=0.5"])) == 121
+    assert local_head_system_config(load_config(overrides=["ray.address=10.0.0.1:6379"])) is None
+
+
+def test_a_lost_ray_writes_the_summary_and_drops_redis_url_before_the_learner_stops(tmp_path) -> None:
+    """The teardown after the group signal: the pool's stop does not enter ray.shutdown once the loss
+    shows (it waited on the dead GCS), and summary.json is written and redis.url removed
+    before the learner is told to stop: the learner finds both done, whatever becomes of the driver
+    during its final checkpoint. Then the learner's stop and Redis's stop run as before."""
+    result = _child(
+        tmp_path,
+        """
+        from asyncrl.actors.pool import ActorPool, init_ray
+        from asyncrl.orchestrator import Supervisor, _teardown, write_summary
+        assert init_ray(cfg)
+        start = time.time()
+        sup = Supervisor(cfg, rdir, rdir / "config.yaml", start, lambda msg: None)
+        url = sup.start_redis()
+        sup.learner = subprocess.Popen([sys.executable, sys.argv[2], str(rdir)], stdout=subprocess.PIPE,
+                                       start_new_session=True)  # as asyncrl run starts it
+        assert sup.learner.stdout.readline() == b"up\\n"
+        pool = ActorPool(cfg, rdir, redis_url=url, owns_ray=True)
+        pids = ray_pids()
+        group_sigterm()
+        t0 = time.monotonic()
+        interim = lambda: write_summary(rdir, [], start, time.time(), {"status": "interrupted"})
+        rc = _teardown(pool, sup, None, None, on_ray_lost=interim)
+        done({"rc": rc, "took": time.monotonic() - t0, "ray_lost": pool.ray_lost, "ray_gone": gone(pids),
+              "learner_saw": json.loads((rdir / "learner_saw.json").read_text()),
+              "redis_running": sup.redis_srv.running, "redis_url": (rdir / "redis.url").exists()})
+        """,
+    )
+    assert result["ray_lost"] and result["ray_gone"], result
+    assert result["learner_saw"] == {"summary": True, "redis_url": False}, result
+    assert result["rc"] == 0 and not result["redis_running"] and not result["redis_url"], result
+    assert result["took"] < 30, result
+
+
+def test_ray_started_early_is_shut_down_bounded_when_it_is_lost(tmp_path) -> None:
+    """A run that fails before its pool took Ray over (model build, Redis, learner start) shuts down the
+    Ray it started early: with the GCS gone that shutdown waited until Ray ended the process; now it is
+    abandoned and reported (the run then ends with os._exit)."""
+    result = _child(
+        tmp_path,
+        """
+        from asyncrl.launch import EarlyRay
+        from asyncrl.orchestrator import _shutdown_early_ray
+        early = EarlyRay(cfg)
+        assert early.result()
+        pids = ray_pids()
+        group_sigterm()
+        t0 = time.monotonic()
+        abandoned = _shutdown_early_ray(early)
+        done({"abandoned": abandoned, "took": time.monotonic() - t0, "ray_gone": gone(pids)})
+        """,
+    )
+    assert result["abandoned"] and result["ray_gone"] and result["took"] < 30, result
+
+
+def test_an_error_after_a_lost_ray_is_reported_as_the_cli_would_then_the_process_ends(tmp_path) -> None:
+    """An error escaping `asyncrl run` after its Ray was lost: the process ends at once (os._exit; Ray's
+    atexit shutdown would wait on the dead GCS) with the CLI's message and exit code."""
+    for error, code, shown in ((ConfigError("bad key"), 2, "asyncrl: error: bad key"),
+                               (ValueError("boom"), 1, "ValueError: boom")):  # fmt: skip
+        script = (
+            "import atexit, sys\n"
+            "from asyncrl.config import ConfigError\n"
+            "from asyncrl.orchestrator import _exit_now\n"
+            "atexit.register(lambda: print('atexit ran', file=sys.stderr))\n"
+            f"_exit_now(0, {type(error).__name__}({str(error)!r}))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert out.returncode == code and shown in out.stderr and "atexit ran" not in out.stderr, out
