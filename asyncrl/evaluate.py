@@ -37,12 +37,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from asyncrl.console import quiet_engine_console  # its home was here
 from asyncrl.log_throttle import throttle
 from asyncrl.tasks import Prompt, Task, prompt_token_ids
 from asyncrl.tasks.registry import TINY_TASKS, require_eval_prompts
@@ -177,18 +177,6 @@ class PeriodicEval:
         log.info("eval v%d: reward %.3f  pass@%d %.3f  length %.2f  (%d prompts, %.1fs)", version,
                     res.reward_mean, res.samples, res.pass_at_k, res.length_mean, res.prompts, res.seconds)  # fmt: skip
         return res
-
-
-def quiet_engine_console(verbose: bool = False) -> None:
-    """``asyncrl eval``'s console as ``asyncrl run``'s keeps it: vLLM's INFO lines (engine config, model
-    loading, shutdown: ~40 lines) off it, its warnings and errors on it; on stderr, so that stdout holds
-    the result alone (vLLM logs to stdout by default). ``verbose`` (``-v``) keeps the INFO lines. Through
-    vLLM's environment variables, which every vLLM process reads when it configures its logging (the
-    engine core included) and which the user's own values override; set before the engine starts."""
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # as `asyncrl run` (asyncrl.cli)
 
 
 def eval_set_line(cfg: Any, task: Task) -> str:

@@ -1,9 +1,11 @@
 """`asyncrl status`: a one-screen summary of a run, read from its Redis while it is up; once it has
-ended (its embedded Redis gone with it), from the ``summary.json`` that `asyncrl run` left in its run dir."""
+ended (its embedded Redis gone with it), from the ``summary.json`` that `asyncrl run` (or, split roles,
+`asyncrl learn`) left in its run dir."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -23,8 +25,25 @@ def groups_per_version(cfg: Config) -> int:
     return cfg.buffer.groups_per_step * cfg.learner.publish_every
 
 
-def collect_status(cfg: Config, url: str) -> dict:
-    """The run's buffer, actors and learner from its Redis; ConfigError if that Redis does not answer."""
+class RunNotUp(ConfigError):
+    """No Redis answers at the run's URL (refused, unreachable): the run is not up."""
+
+
+def restart_advice(embedded: bool) -> str:
+    """How to start a run that is not up again: `asyncrl run` for its embedded Redis (the URL came from the
+    run dir's redis.url); with a Redis of the user's own, the command that ran it, split roles included
+    (before: always `asyncrl run`, the wrong advice for `asyncrl learn` + `serve-actors`)."""
+    if embedded:
+        return ("A run that crashed or was killed leaves its <run dir>/redis.url behind; start it again "
+                "(asyncrl run) to see its status")  # fmt: skip
+    return ("Start that Redis again (it holds the run's buffer), then resume the run with the command that "
+            "ran it and the same config and redis.url: asyncrl run, or for split roles asyncrl learn --resume "
+            "and asyncrl serve-actors")  # fmt: skip
+
+
+def collect_status(cfg: Config, url: str, embedded: bool = False) -> dict:
+    """The run's buffer, actors and learner from its Redis; ConfigError if that Redis does not answer
+    (:class:`RunNotUp` if none is there; ``embedded``: the URL is the run's own redis.url file)."""
     import redis
 
     from asyncrl.buffer import ReplayBuffer
@@ -55,9 +74,8 @@ def collect_status(cfg: Config, url: str) -> dict:
     except redis.ConnectionError as e:
         from asyncrl.launch import redact_url  # the URL may carry the Redis password
 
-        raise ConfigError(
-            f"no Redis answers at {redact_url(url)} ({e}): run {cfg.run.name} is not up. A run that crashed "
-            f"or was killed leaves its <run dir>/redis.url behind; start it again (asyncrl run) to see its status"
+        raise RunNotUp(
+            f"no Redis answers at {redact_url(url)} ({e}): run {cfg.run.name} is not up. {restart_advice(embedded)}"
         ) from None
 
 
@@ -95,14 +113,39 @@ def format_status(cfg: Config, st: dict, now: float | None = None) -> str:
     else:
         lines.append("learner  not seen")
     actors = st["actors"] or {}
-    lines.append(f"actors   {len(actors)}")
+    notes = {aid: actor_liveness(cfg, info, now) for aid, info in actors.items()}
+    gone = sum(1 for n in notes.values() if n)
+    count = f"{len(actors)}" if not gone else f"{len(actors)} seen, {len(actors) - gone} live"
+    lines.append(f"actors   {count}")
     for aid, info in sorted(actors.items()):
         age = now - float(info.get("time", now))
         lines.append(
             f"  {aid:<12} v{info.get('version', '?')}  groups {info.get('groups', info.get('groups_written', '?'))}"
-            f"  in flight {info.get('in_flight', '?')}  last seen {age:.0f}s ago"
+            f"  in flight {info.get('in_flight', '?')}  last seen {age:.0f}s ago{notes[aid]}"
         )
     return "\n".join(lines)
+
+
+def actor_liveness(cfg: Config, info: dict, now: float) -> str:
+    """Nothing ("") for a live actor; else why it is not counted as one. A registry entry outlives its actor (a
+    kill -9 leaves it): one whose heartbeat is older than ``actors.heartbeat_timeout_s``, the age at which
+    a supervisor replaces it and publishing stops waiting for it (ReplayBuffer.lagging_actors), is DEAD;
+    one silent for 3 heartbeat periods (``actors.heartbeat_s``), as the learner's SILENT mark, is not
+    counted either: killed, frozen, or blocked. Before, such an actor was counted live for ever."""
+    if "error" in info:
+        return f"   UNREADABLE: {info['error']}"
+    if info.get("state") == "stopped":
+        return "   stopped"
+    age = now - float(info.get("time", now))
+    timeout = cfg.actors.heartbeat_timeout_s
+    if age > timeout:
+        return (f"   DEAD: no heartbeat for {age:.0f}s > actors.heartbeat_timeout_s={timeout:g}"
+                " (killed or frozen; a supervisor, asyncrl run or serve-actors, replaces it)")  # fmt: skip
+    if age > 3 * cfg.actors.heartbeat_s:
+        return (
+            f"   SILENT: no heartbeat for {age:.0f}s (a live actor beats every {cfg.actors.heartbeat_s:g}s)"
+        )
+    return ""
 
 
 def learner_state(ln: dict, now: float) -> str:
@@ -205,6 +248,11 @@ def format_summary(cfg: Config, rdir: Path, summary: dict, now: float | None = N
         lines.append(f"error    {summary['error']}")
     if summary.get("finished"):
         lines.append(f"next     asyncrl export {rdir} OUT_DIR   or   asyncrl eval {rdir}")
+    elif summary.get("started_by") == "asyncrl learn":  # split roles (asyncrl.learn_role)
+        lines.append(
+            "next     start `asyncrl learn --resume` (and `asyncrl serve-actors`, if stopped) with the same "
+            "config and redis.url to resume it from its last checkpoint"
+        )
     else:
         lines.append(
             "next     run the same `asyncrl run` command again to resume it from its last checkpoint"
@@ -231,10 +279,22 @@ def ended_status(cfg: Config, rdir: Path) -> int:
     return 1 if summary.get("status") == "failed" else 0
 
 
-def print_status(cfg: Config, url: str | None, rdir: Path | None = None) -> int:
-    """The live status from the run's Redis at ``url``; with no URL (the run is not up), its summary."""
+def print_status(cfg: Config, url: str | None, rdir: Path | None = None, embedded: bool = False) -> int:
+    """The live status from the run's Redis at ``url``; with no URL (the run is not up), its summary.
+    A run whose Redis does not answer is shown from the summary.json it left, if any (a finished split
+    run's, written by `asyncrl learn`), with a line saying its Redis is not up."""
     if url is None:
         assert rdir is not None
         return ended_status(cfg, rdir)
-    print(format_status(cfg, collect_status(cfg, url)))
+    try:
+        st = collect_status(cfg, url, embedded)
+    except RunNotUp:
+        if rdir is None or not (rdir / "summary.json").exists():
+            raise
+        from asyncrl.launch import redact_url  # the URL may carry the Redis password
+
+        print(f"asyncrl status: no Redis answers at {redact_url(url)}: run {cfg.run.name} is not up; "
+              "its summary.json:", file=sys.stderr)  # fmt: skip
+        return ended_status(cfg, rdir)
+    print(format_status(cfg, st))
     return 0

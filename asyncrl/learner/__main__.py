@@ -14,6 +14,7 @@ import sys
 import time
 
 from asyncrl.config import ConfigError, load_config, run_dir
+from asyncrl.console import LOG_FORMAT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="restore the last checkpoint of the run")
     p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. learner.lr=1e-5")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # as `asyncrl learn` (asyncrl.console)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:

@@ -162,6 +162,8 @@ def learn(
         state = (load_checkpoint(le, run_dir, skipped) if resume else None) or LearnerState(
             consumer=cfg.learner.consumer, since_publish=0
         )
+        if resume and rank == 0:  # `asyncrl learn --resume` says where it continues (console, learner.log)
+            log.info("resumed from step %d (v%d)", state.step, state.version)
         since = state.since_publish if state.since_publish >= 0 else state.step % cfg.learner.publish_every
         trainer.applied_steps = state.applied_steps
         counters = {k: float(state.counters.get(k, 0.0)) for k in COUNTERS}
