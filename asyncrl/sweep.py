@@ -36,7 +36,7 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.launch import stop_process
 from asyncrl.lifetime import die_with_parent
 from asyncrl.orchestrator import read_summary
-from asyncrl.sweep_report import SeedRun, write_report
+from asyncrl.sweep_report import SeedRun, few_seeds_warning, write_report
 from asyncrl.sweep_runs import step_problem
 from asyncrl.sweep_spec import SweepSpec, config_hash, flat_config, load_spec
 
@@ -249,9 +249,12 @@ def run_sweep(config_path: str | Path | None, overrides: list[str] | None = None
     for run in runs:  # runs not reached (interrupt) still get a row, with whatever is on disk
         if run.name not in statuses:
             statuses[run.name] = (disk_status(run), read_marker(run).get("exit_code"))
-    write_report(
+    rows = write_report(
         spec.cells(), spec.seeds, statuses, spec.marks, spec.out_dir, spec.baseline, time.time() - t_start
     )
+    warn = few_seeds_warning(rows)
+    if warn:
+        print(warn, file=sys.stderr)
     failed = [n for n, (st, _) in statuses.items() if st != "ok"]
     print(
         f"results: {spec.out_dir / 'results.md'}  {spec.out_dir / 'results.csv'}  (+ runs.csv, comparison.csv, PNGs)"

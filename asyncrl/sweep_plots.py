@@ -91,11 +91,36 @@ def _reward_panels(cells, seeds, statuses, clock: str, xlabel: str, path: Path) 
     plt.close(fig)
 
 
+#: What the plots say where fewer than 2 seeds give no interval.
+NO_INTERVAL = "no interval can be estimated; run more seeds"
+
+
+def _err(pts: Sequence[tuple]) -> np.ndarray:
+    """Error bar lengths below and above of (x, y, lo, hi) points; 0 where there is no interval (1 seed)."""
+    return np.array([[0.0 if p[2] is None else p[1] - p[2] for p in pts],
+                     [0.0 if p[3] is None else p[3] - p[1] for p in pts]])  # fmt: skip
+
+
+def paired_note(comps: Sequence[dict]) -> str | None:
+    """Why paired_diff.png shows no interval, or nothing: no objective-minus-baseline pair on the grid
+    (one objective, or no baseline), or only single seeds. None when it shows intervals."""
+    if not comps:
+        return ("no objective - baseline pair on this grid (one objective, or no baseline);\n"
+                "comparison.csv has the other comparisons")  # fmt: skip
+    if not any(c["n"] for c in comps):
+        return "no seed finished in both cells of any pair"
+    if all(c["n"] < 2 for c in comps):
+        return f"1 paired seed: {NO_INTERVAL}"
+    return None
+
+
 def _errorbars(rows: Sequence[dict], keys: Sequence[tuple[str, str]], title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
     objs = list(dict.fromkeys(r["objective"] for r in rows))
+    if rows and all(r["seeds_ok"] < 2 for r in rows):
+        title += f" (fewer than 2 finished seeds per cell: {NO_INTERVAL})"
     stale = sorted({r["max_staleness"] for r in rows})
     for ax, (key, label) in zip(axes[0], keys, strict=True):
         for j, obj in enumerate(objs):
@@ -106,7 +131,7 @@ def _errorbars(rows: Sequence[dict], keys: Sequence[tuple[str, str]], title: str
             # Objectives side by side around each grid point, so equal values do not hide each other.
             xs = np.array([stale.index(p[0]) for p in pts]) + (j - (len(objs) - 1) / 2) * 0.08
             y = np.array([p[1] for p in pts])
-            err = np.array([[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]])
+            err = _err(pts)
             ax.errorbar(xs, y, yerr=err, marker=_MARK[j % 8], linestyle=_DASH[j % 4], capsize=3, label=obj)
         ax.set_xticks(range(len(stale)), [str(s) for s in stale])
         ax.set_xlim(-0.5, len(stale) - 0.5)  # categorical: 0,1,2,4,8,16 evenly
@@ -129,6 +154,7 @@ def _paired(comps: Sequence[dict], path: Path) -> None:
         for c in comps
         if "fixed bound" not in c["baseline"] and not c["baseline"].endswith(" at staleness 0")
     ]
+    note = paired_note(comps)
     metrics = list(dict.fromkeys(c["metric"] for c in comps)) or ["final_reward"]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.8), squeeze=False)
     objs = list(dict.fromkeys(c["objective"] for c in comps))
@@ -140,7 +166,7 @@ def _paired(comps: Sequence[dict], path: Path) -> None:
                          if c["metric"] == m and c["objective"] == obj and c["n"])  # fmt: skip
             if pts:
                 xs = np.array([stale.index(p[0]) for p in pts]) + (j - (len(objs) - 1) / 2) * 0.1
-                err = np.array([[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]])
+                err = _err(pts)
                 ax.errorbar(xs, [p[1] for p in pts], yerr=err, marker=_MARK[j % 8], linestyle="", capsize=3,
                             label=f"{obj} - {next(c['baseline'] for c in comps if c['objective'] == obj)}")  # fmt: skip
         ax.set_xticks(range(len(stale)), [str(s) for s in stale])
@@ -149,7 +175,11 @@ def _paired(comps: Sequence[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
         if len(ax.lines) > 1:
             ax.legend(fontsize=7)
-    fig.suptitle("objective minus baseline, paired by seed (95% bootstrap interval)")
+        if note:
+            ax.text(0.5, 0.95, note.replace("; ", ";\n"), ha="center", va="top", fontsize=8, transform=ax.transAxes,
+                    bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"})  # fmt: skip
+    # Two lines: one panel (one metric) is too narrow for the title on one line.
+    fig.suptitle("objective minus baseline, paired by seed\n(95% bootstrap interval)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -16,7 +16,8 @@ Two budget views, because they answer different questions:
   ready (``startup_s`` = end of the first step minus its train and publish time), so that engine and
   learner start-up, identical work for every cell and a large share of a short CPU cell, does not
   drown the effect of ``max_staleness``. ``reward_at_<m>s`` = mean reward of the last LAST_K steps
-  finished by m seconds of that clock; ``reward_auc_time`` = time-averaged reward over the clock.
+  finished by m seconds of that clock (none for a run whose last step ended before m, as for a step
+  mark it did not reach); ``reward_auc_time`` = time-averaged reward over the clock.
 
 Rates (trained samples/s, learner idle fraction) are over the training window from the end of the
 first step to the end of the last one. The staleness distribution of trained tokens is summed from
@@ -103,8 +104,28 @@ def cell_row(cell: CellSpec, runs: Sequence[dict[str, Any]], marks: Marks) -> di
                            "seeds": len(runs), "seeds_ok": len(ok)}  # fmt: skip
     for col in metric_columns(marks):
         ci = bootstrap_ci([r[col] for r in ok])
-        row[col], row[col + "_lo"], row[col + "_hi"] = (None, None, None) if ci.n == 0 else ci[:3]
+        # One seed: a mean but no interval (empty _lo/_hi: no spread can be estimated from one value).
+        row[col], row[col + "_lo"], row[col + "_hi"] = (
+            (None, None, None) if ci.n == 0 else (ci.mean, None, None) if ci.n < 2 else ci[:3]
+        )
     return row
+
+
+def few_seeds_warning(rows: Sequence[dict[str, Any]]) -> str | None:
+    """The warning of a report whose cells have fewer than 2 finished seeds (None when every cell with
+    a finished seed has two or more): their intervals, and those of their comparisons, are n/a."""
+    few = [r["cell"] for r in rows if r["seeds_ok"] == 1]
+    if not few:
+        return None
+    which = (
+        "every cell has"
+        if len(few) == len(rows)
+        else f"{', '.join(few)} {'has' if len(few) == 1 else 'have'}"
+    )
+    return (
+        f"Warning: {which} only 1 finished seed: no uncertainty can be estimated (intervals n/a), so a "
+        f"difference cannot be told from seed-to-seed noise; run more seeds (e.g. sweep.seeds=[0,1,2])."
+    )
 
 
 #: Columns the paired naive-vs-corrected comparison is made on (those present in a report).
@@ -126,7 +147,8 @@ def comparisons(
 ) -> list[dict[str, Any]]:
     """Paired (by seed) differences of the compared columns, with their mean and bootstrap interval:
 
-    Compared: :data:`COMPARE`, every step mark some finished run reached, and the last wall-clock mark.
+    Compared: :data:`COMPARE`, every step mark some finished run reached, and the last wall-clock mark
+    some finished run reached.
 
     * per staleness level, every objective other than ``baseline`` minus ``baseline``;
     * every cell at a staleness level > 0 minus the same objective at staleness 0 (what the staleness
@@ -138,10 +160,11 @@ def comparisons(
       maximum at most bounds, so ranking by it would pick among ties by noise); ties go to the lower
       bound. When the best fixed bound is the ceiling, the pair is listed once, as the best.
     """
-    reached = [n for n in marks.steps if any(r[step_column(n)] is not None for rs in runs.values() for r in rs
-                                             if r["status"] == "ok")]  # fmt: skip
+    ok = [r for rs in runs.values() for r in rs if r["status"] == "ok"]
+    reached = [n for n in marks.steps if any(r[step_column(n)] is not None for r in ok)]
+    reached_s = [m for m in marks.seconds if any(r[mark_column(m)] is not None for r in ok)]
     metrics = [*COMPARE[:2], *(step_column(n) for n in reached), *COMPARE[2:],
-               *(mark_column(m) for m in marks.seconds[-1:])]  # fmt: skip
+               *(mark_column(m) for m in reached_s[-1:])]  # fmt: skip
     by_key = {(c.max_staleness, c.objective): c for c in cells}
 
     def per_seed(name: str, m: str) -> dict[int, float | None]:
@@ -174,9 +197,11 @@ def comparisons(
     for c, base, label in pairs:
         for m in [*metrics, THROUGHPUT] if label == on_policy_label(c.objective) else metrics:
             ci: Interval = paired_ci(per_seed(c.name, m), per_seed(base.name, m))
+            one = ci.n < 2  # no interval from fewer than 2 pairs: empty bounds, excludes_zero n/a
             out.append({"max_staleness": c.max_staleness, "objective": c.objective, "baseline": label,
-                        "metric": m, "diff": ci.mean, "diff_lo": ci.lo, "diff_hi": ci.hi, "n": ci.n,
-                        "excludes_zero": ci.excludes_zero()})  # fmt: skip
+                        "metric": m, "diff": ci.mean, "diff_lo": None if one else ci.lo,
+                        "diff_hi": None if one else ci.hi, "n": ci.n,
+                        "excludes_zero": None if one else ci.excludes_zero()})  # fmt: skip
     return out
 
 
@@ -249,7 +274,9 @@ def write_markdown(rows: Sequence[dict], marks: Marks, comps: Sequence[dict], pa
     """results.md: the ``head`` lines (:func:`header`), 'mean [lo, hi]' of the main columns per cell, then the
     paired comparisons, then the ``left_out`` runs ((name, status), status not ok) none of the numbers include."""
     cols = [c for c in (*MD_COLUMNS[:3], *(step_column(n) for n in marks.steps), *MD_COLUMNS[3:])]
-    lines = [*head, "| cell | seeds ok | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    warn = few_seeds_warning(rows)
+    lines = [*head, *([f"**{warn}**", ""] if warn else []),
+             "| cell | seeds ok | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 2)]  # fmt: skip
     for r in rows:
         vals = []
         for c in cols:
@@ -264,8 +291,12 @@ def write_markdown(rows: Sequence[dict], marks: Marks, comps: Sequence[dict], pa
         lines += ["", "Paired difference (cell - baseline, same seeds), mean [95% bootstrap interval]:", "",
                   "| max_staleness | objective | metric | diff | seeds | interval excludes 0 |", "|---|---|---|---|---|---|"]  # fmt: skip
         for c in comps:
-            d = "-" if not c["n"] else f"{_num(c['diff'])} [{_num(c['diff_lo'])}, {_num(c['diff_hi'])}]"
-            sig = "yes" if c["excludes_zero"] else "no"
+            if c["n"] < 2:
+                d = f"{_num(c['diff'])} [n/a (1 seed)]" if c["n"] else "-"
+                sig = "n/a"
+            else:
+                d = f"{_num(c['diff'])} [{_num(c['diff_lo'])}, {_num(c['diff_hi'])}]"
+                sig = "yes" if c["excludes_zero"] else "no"
             lines.append(
                 f"| {c['max_staleness']} | {c['objective']} - {c['baseline']} | {c['metric']} | {d} | {c['n']} | {sig} |"
             )

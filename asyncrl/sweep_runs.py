@@ -129,9 +129,15 @@ def startup_s(records: Sequence[dict]) -> float | None:
 
 
 def reward_at(records: Sequence[dict], mark_s: float) -> float | None:
-    """Mean reward of the last LAST_K steps finished by ``mark_s`` seconds after start-up."""
+    """Mean reward of the last LAST_K steps finished by ``mark_s`` seconds after start-up; None if the
+    run's last step ended before the mark (as :func:`reward_at_step` past a run's last step: the run
+    was not measured there, and its final reward is not what it would have had by then)."""
+    if not records:
+        return None
     t0 = startup_s(records)
-    return final_reward([r for r in records if r["time"] - t0 <= mark_s]) if records else None
+    if max(r["time"] for r in records) - t0 < mark_s:
+        return None
+    return final_reward([r for r in records if r["time"] - t0 <= mark_s])
 
 
 def reward_at_step(records: Sequence[dict], step: int) -> float | None:

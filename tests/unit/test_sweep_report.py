@@ -87,7 +87,9 @@ def test_reward_math_against_reference():
     assert reward_at(recs, 0) == pytest.approx(0.1)  # a step finishing exactly at the mark counts
     assert reward_at(recs, 18) == pytest.approx((0.1 + 0.3 + 0.2) / 3)
     assert reward_at(recs, 38) == pytest.approx((0.3 + 0.2 + 0.6) / 3)
-    assert reward_at(recs, 1e9) == final_reward(recs)
+    assert reward_at(recs, TIMES[-1] - 62.0) == final_reward(recs)  # the last step ends at the mark
+    assert reward_at(recs, TIMES[-1] - 62.0 + 0.5) is None  # past the run's end: not measured
+    assert reward_at(recs, 1e9) is None  # (was the final reward, as if measured there)
     # Equal-steps view: the last 3 steps up to step n; a run that stopped before n has no value.
     assert reward_at_step(recs, 1) == pytest.approx(0.1)
     assert reward_at_step(recs, 4) == pytest.approx((0.3 + 0.2 + 0.6) / 3)
@@ -768,3 +770,35 @@ def test_changed_overrides_ignores_where_the_run_dir_is_but_not_the_order():
     )
     assert changed_overrides(a, ["run.max_steps=4"]) == "ran with learner.lr=1e-6"
     assert changed_overrides(a, [*a, "learner.kl=0.1"]) == "now learner.kl=0.1"
+
+
+def test_one_seed_has_no_interval_and_the_report_says_so(tmp_path: Path, monkeypatch, capsys):
+    """1 seed (users' walkthrough): no interval can be estimated; results.md said "-0.08 [-0.08, -0.08]"
+    with "interval excludes 0: no", and paired_diff.png was empty without a word. Time marks past a run's
+    end are empty, as step marks are: reward_at_120s (FAKE_RUN's steps end 30 s after start-up) was
+    its final reward."""
+    from asyncrl.sweep import run_sweep
+    from asyncrl.sweep_plots import paired_note
+
+    p = _fake_sweep(monkeypatch, tmp_path / "s.yaml", dir=str(tmp_path / "out"), seeds=[0], marks_s=[20, 120])
+    assert run_sweep(p) == 0
+    assert "only 1 finished seed: no uncertainty can be estimated" in capsys.readouterr().err
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "**Warning: every cell has only 1 finished seed" in md and "run more seeds" in md
+    assert "n/a (1 seed)" in md and "| no |" not in md and "| yes |" not in md
+    with (tmp_path / "out" / "results.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert all(r["final_reward"] != "" and r["final_reward_lo"] == r["final_reward_hi"] == "" for r in table)
+    assert all(r["reward_at_20s"] != "" and r["reward_at_120s"] == "" for r in table)
+    with (tmp_path / "out" / "comparison.csv").open() as f:
+        comps = list(csv.DictReader(f))
+    assert comps and all(
+        c["n"] in ("0", "1") and c["diff_lo"] == c["diff_hi"] == c["excludes_zero"] == "" for c in comps
+    )
+    # Compared at the last time mark some run reached, not at one no run reached (all empty).
+    assert {c["metric"] for c in comps} >= {"reward_at_20s"} and "reward_at_120s" not in {
+        c["metric"] for c in comps
+    }
+    one = [dict(c, n=int(c["n"])) for c in comps if c["baseline"] == "naive"]
+    assert "1 paired seed" in paired_note(one) and "no objective - baseline pair" in paired_note([])
+    assert paired_note([dict(c, n=3) for c in one]) is None
