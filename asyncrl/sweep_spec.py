@@ -289,7 +289,8 @@ def parse_spec(raw: Any, cli_sweep_overrides: list[str] | None = None) -> SweepS
             raise _fail(f"sweep.{key}", f"must be a path string, got {s[key]!r}")
     base = Path(s["base_config"]).resolve() if s.get("base_config") else None
     if base is not None and not base.exists():
-        raise _fail("sweep.base_config", f"file not found: {base} (relative paths are from the current dir)")
+        raise _fail("sweep.base_config", f"file not found: {base} (relative paths are from the current dir; "
+                    "unset or empty = the built-in default config, as `asyncrl run` without -c)")  # fmt: skip
     return SweepSpec(
         name=name,
         dir=Path(s.get("dir") or f"runs/sweep-{name}").resolve(),

@@ -802,3 +802,21 @@ def test_one_seed_has_no_interval_and_the_report_says_so(tmp_path: Path, monkeyp
     one = [dict(c, n=int(c["n"])) for c in comps if c["baseline"] == "naive"]
     assert "1 paired seed" in paired_note(one) and "no objective - baseline pair" in paired_note([])
     assert paired_note([dict(c, n=3) for c in one]) is None
+
+
+def test_shipped_staleness_sweep_loads_from_any_dir(tmp_path: Path, monkeypatch):
+    """Users' walkthrough: from /tmp/user2 the shipped sweep failed with "sweep.base_config: file not found:
+    /tmp/user2/configs/default.yaml", while `asyncrl run` without -c works anywhere. Its cells now start
+    from the built-in default config (no --config), the same resolved config as from the repo root."""
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(REPO / "configs" / "sweep_staleness.yaml")
+    assert spec.base_config is None
+    run = spec.runs()[0]
+    assert "--config" not in spec.command(run)
+    overrides = spec.run_overrides(run)
+    assert to_yaml(load_config(None, overrides)) == to_yaml(
+        load_config(REPO / "configs" / "default.yaml", overrides)
+    )
+    # A relative base_config is still read from the current dir, and the error says what empty means.
+    with pytest.raises(ConfigError, match=r"sweep.base_config.*unset or empty = the built-in default config"):
+        parse_spec(_raw(base_config="configs/default.yaml"))
