@@ -9,7 +9,9 @@ training is synchronous on-policy: every trained token has staleness 0.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -62,6 +64,18 @@ def test_serve_actors_and_learn_as_two_processes_on_policy(tmp_path):
             rc = learner.wait(timeout=600)
             assert rc == 0, llog.read_text()[-4000:]
             assert actors.poll() is None, "serve-actors must keep running while the learner is done"
+            # A second learner without --resume: one error line in a second or two, before DeepSpeed loads
+            # (before: a [rank0] traceback once the weights had loaded); the overrides after a flag taken.
+            t0 = time.monotonic()
+            again = subprocess.run(asyncrl_cmd("learn", common[0], common[1], "--allow-config-change",
+                                               "learner.lr", *common[2:]),
+                                   env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert again.returncode == 2 and time.monotonic() - t0 < 60, again.stderr[-3000:]
+            assert (
+                again.stderr.strip()
+                .splitlines()[-1]
+                .startswith(f"asyncrl: error: run '{name}' already has published weights or a checkpoint")
+            ), again.stderr[-3000:]
             actors.send_signal(signal.SIGTERM)
             assert actors.wait(timeout=180) == 0, alog.read_text()[-4000:]
             heartbeats = buf.actors()
@@ -70,6 +84,23 @@ def test_serve_actors_and_learn_as_two_processes_on_policy(tmp_path):
             for p in (actors,):
                 if p.poll() is None:
                     p.kill()
+    # `asyncrl learn` shows its lines (it configured no logging: the step lines went nowhere) and keeps them
+    # in the run dir's learner.log, as `asyncrl run`'s learner does.
+    for out in (llog.read_text(), (rdir / "learner.log").read_text()):
+        assert "asyncrl.learner.loop: step 1 v" in out and f"asyncrl.learner.loop: step {STEPS} v" in out, (
+            out[-3000:]
+        )
+        assert f"reached run.max_steps={STEPS}: done" in out, out[-3000:]
+    # serve-actors' console: vLLM's INFO lines off it (as `asyncrl eval`'s), its own lines on it
+    assert not re.search(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d\b", alog.read_text()), alog.read_text()[-3000:]
+    assert "INFO asyncrl.actors.serve: actor pool" in alog.read_text(), alog.read_text()[-3000:]
+    # The split run's summary.json, written by `asyncrl learn` as `asyncrl run` writes its own; status with
+    # the URL of the Redis now gone shows it (before: "start it again (asyncrl run)").
+    summary = json.loads((rdir / "summary.json").read_text())
+    assert summary["finished"] is True and summary["status"] == "finished" and summary["steps"] == STEPS
+    assert summary["started_by"] == "asyncrl learn"
+    st = subprocess.run(asyncrl_cmd("status", *common), env=env, capture_output=True, text=True, timeout=60)
+    assert st.returncode == 0 and "finished: not running" in st.stdout, st.stdout + st.stderr
     recs = read_jsonl(rdir / "metrics.jsonl")
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     for r in recs:
