@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl import orchestrator
+from asyncrl import orchestrator, run_teardown
 from asyncrl.config import ConfigError, load_config
 from asyncrl.launch import stop_process
 
@@ -26,7 +26,7 @@ def test_stop_grace_is_a_validated_config_field() -> None:
 
 def test_the_run_teardown_gives_the_learner_the_configured_grace(tmp_path, monkeypatch) -> None:
     seen = []
-    monkeypatch.setattr(orchestrator, "stop_process", lambda proc, grace_s: seen.append((proc, grace_s)) or 7)
+    monkeypatch.setattr(run_teardown, "stop_process", lambda proc, grace_s: seen.append((proc, grace_s)) or 7)
     learner = object()
     cfg = load_config(overrides=["learner.stop_grace_s=900"])
     sup = SimpleNamespace(cfg=cfg, learner=learner, redis_srv=None, rdir=tmp_path)

@@ -1,0 +1,86 @@
+"""Ray-loss detection and bounded Ray teardown for the local Ray this process started.
+
+A SIGTERM to the whole process group of `asyncrl run` (``timeout``, ``kill -- -PGID``, systemd, scancel)
+also kills Ray's GCS and raylet: every Ray call then waits on the dead GCS until Ray's core worker ends
+the process. :func:`local_ray_lost` tells when that happened, :func:`call_bounded` abandons a Ray
+teardown call once it does, :func:`kill_local_ray` kills what is left without a Ray call, and
+:class:`RayLost` tells the caller to end its process with os._exit. Used by the pool's stop
+(asyncrl.actors.pool.ActorPool.stop_bounded) and `asyncrl run` (asyncrl.run_teardown). Moved out of
+asyncrl.actors.pool (still importable from there); ray loads only inside the calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class RayLost(RuntimeError):
+    """The local Ray this process started lost its GCS or raylet: its Ray calls were abandoned and its
+    processes killed; the process must end with os._exit (Ray's atexit shutdown waits on the dead GCS)."""
+
+    def __init__(self) -> None:
+        super().__init__("the local Ray lost its GCS or raylet (a signal to the process group?): "
+                         "its processes were killed without an orderly stop")  # fmt: skip
+
+
+def call_bounded(fn: Callable[[], Any], watch: Callable[[], bool] = lambda: True, poll_s: float = 0.5) -> Any:
+    """``fn()`` (a call of Ray's teardown), abandoned as soon as the local Ray this process started has
+    lost its GCS or raylet while ``watch()`` is true: every Ray call would then wait on the dead GCS until
+    Ray's core worker ends the process. ``fn`` runs in a daemon thread that is left behind; what is left
+    of Ray's processes is killed and :class:`RayLost` raised. ``fn``'s own result or error otherwise."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="ray-teardown", daemon=True)
+    t.start()
+    while t.is_alive():
+        if watch() and local_ray_lost():
+            kill_local_ray()
+            raise RayLost()
+        t.join(poll_s)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def local_ray_lost() -> bool:
+    """True when this process started a local Ray whose GCS or raylet has exited. Not while Ray's own
+    teardown kills them (ray.shutdown, :func:`kill_local_ray`: they hold the node's removal lock while a
+    killed process is still listed), so a call of ray.shutdown can be watched too. After a SIGTERM to the
+    process group (Ray 2.60) the GCS stops serving at once but its process may linger; the raylet exits
+    within ~10 s: that is what shows the loss."""
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        if node is None or not node.head:
+            return False
+        lock = getattr(node, "removal_lock", None)
+        if lock is not None and not lock.acquire(blocking=False):
+            return False  # Ray is killing its processes itself
+        try:
+            return any(kind in ("gcs_server", "raylet") for kind, _ in node.dead_processes())
+        finally:
+            if lock is not None:
+                lock.release()
+    except Exception:  # a Ray without these internals: assume alive (the plain stop path)
+        return False
+
+
+def kill_local_ray() -> None:
+    """SIGKILL what is left of the local Ray this process started (and reap it), without a Ray call."""
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        if node is not None:
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+    except Exception:  # best effort: the run's reaper (asyncrl.lifetime) takes the rest on exit
+        pass

@@ -1,0 +1,141 @@
+"""How the actors' Ray is started or attached, and what reaches each actor process.
+
+``init_ray`` starts a local Ray (or attaches to ``ray.address``) for the actor pool
+(asyncrl.actors.pool) and for `asyncrl run`'s early start (asyncrl.launch.EarlyRay); a local head it
+starts carries a GCS reconnect timeout that covers the learner's stop (:func:`driver_gcs_timeout_s`).
+``actor_env``/``actor_runtime_env`` say which environment travels with an actor and by which path.
+Moved out of asyncrl.actors.pool (still importable from there); ray loads only inside the calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from .supervision import RayConnectError
+
+# Environment the actor processes need: vLLM/HF settings of the launching shell travel with them
+# (a remote Ray cluster does not inherit the driver's environment).
+_ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "OMP_", "KMP_", "LD_PRELOAD")
+#: What the dynamic loader reads as a process starts: only Ray's runtime_env can put these in a worker's
+#: environment in time. Everything else an actor needs is read later (vLLM's and asyncrl's variables when
+#: the engine is built, libgomp's when torch is first imported, after the actor's constructor began).
+_LOAD_TIME = ("LD_PRELOAD",)
+
+
+def actor_env() -> dict[str, str]:
+    """The environment every actor process gets (on top of its worker's), set by the actor itself as its
+    constructor starts (:class:`asyncrl.actors.ray_actor.RayRolloutActor`)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM's engine runs in child processes; inside a Ray actor it must spawn, never fork.
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    return env
+
+
+def actor_runtime_env() -> dict[str, Any]:
+    """The Ray job's ``runtime_env``: the load-time variables only (``LD_PRELOAD``), empty when there are
+    none. Why not every variable: Ray starts a few idle workers as its raylet comes up, with no
+    runtime_env, and only an actor whose runtime_env is empty can take one; any other waits for a worker
+    started for it (a bare actor's constructor ran 1.2-1.6 s after its creation instead of 0.3-0.6 s on
+    the 2-core box, on the path to the first step). The rest of the environment travels in the actor's
+    constructor arguments (:func:`actor_env`), as its Redis URL and password already did."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(_LOAD_TIME)}
+    return {"env_vars": env} if env else {}
+
+
+@contextlib.contextmanager
+def _keep_signal_handlers() -> Iterator[None]:
+    """Restore the Python SIGINT/SIGTERM handlers after the block (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def init_ray(cfg: Any) -> bool:
+    """Start a local Ray for the actors (or attach to ``ray.address``); True when this call started it,
+    False when Ray was already up in this process. Callable from any thread (`asyncrl run` starts Ray
+    in the background while it builds the model): off the main thread the caller must re-install its
+    SIGINT/SIGTERM handlers afterwards, on the main thread they are kept here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    # ray.init installs a native SIGTERM handler that dumps a stack and aborts the driver;
+    # keep the caller's Python handlers (e.g. "set the stop event") in charge instead.
+    with _keep_signal_handlers():
+        try:
+            ray.init(
+                address=cfg.ray.address or None,
+                num_cpus=(cfg.ray.num_cpus or None) if not cfg.ray.address else None,
+                include_dashboard=False,
+                runtime_env=actor_runtime_env() or None,
+                logging_level=logging.WARNING,
+                # asyncrl run: the actors write to <run_dir>/logs (asyncrl.console); -v forwards.
+                log_to_driver=not cfg.console.log_dir,
+                _system_config=local_head_system_config(cfg),
+            )
+        except (ray.exceptions.AuthenticationError, ConnectionError) as e:
+            raise RayConnectError(ray_connect_message(cfg.ray.address, e)) from e
+    return True
+
+
+#: Ray's setting: how long (s) its core worker waits for a lost GCS before it ends the process
+#: (std::_Exit(1)); 60 by default.
+GCS_RECONNECT_KEY = "gcs_rpc_server_reconnect_timeout_s"
+#: What the teardown after a lost GCS needs beside the learner's grace (its SIGKILL wait, the pool
+#: stop's abandonment, Redis's stop, the summary, and the supervision pass that was running).
+GCS_LOSS_MARGIN_S = 120
+
+
+def driver_gcs_timeout_s(cfg: Any) -> int:
+    """Ray's ``gcs_rpc_server_reconnect_timeout_s`` for a local head this process starts: long enough for
+    `asyncrl run`'s teardown after a SIGTERM to its process group (which kills the GCS) to stop the
+    learner with its full ``learner.stop_grace_s``; at Ray's default (60 s) the core worker ended the
+    driver in the middle of a long final checkpoint, without summary.json, the learner SIGKILLed with
+    it (it dies with its parent, asyncrl.lifetime). Never below Ray's default."""
+    return max(60, math.ceil(cfg.learner.stop_grace_s) + GCS_LOSS_MARGIN_S)
+
+
+def local_head_system_config(cfg: Any) -> dict[str, Any] | None:
+    """Ray's ``_system_config`` for :func:`init_ray`: the GCS reconnect timeout of
+    :func:`driver_gcs_timeout_s` when this call starts a new local Ray (the config is the cluster's, set
+    when its head starts); None when it attaches to a running cluster (``ray.address``, ``RAY_ADDRESS``
+    or a ``ray start --head`` on this machine), where Ray refuses one."""
+    if cfg.ray.address:
+        return None
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        if canonicalize_bootstrap_address(None) is not None:
+            return None
+    except Exception:  # a Ray without this helper: leave its config alone
+        return None
+    return {GCS_RECONNECT_KEY: driver_gcs_timeout_s(cfg)}
+
+
+def ray_connect_message(address: str | None, e: BaseException) -> str:
+    """One line for a Ray that refused or could not be reached, with the usual cause: a cluster started
+    by ``ray start --head`` with ``~/.ray/auth_token`` present uses token authentication, and every
+    driver and node must then run with RAY_AUTH_MODE=token and that token (Ray's own error names
+    neither in its first line)."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return (
+        f"cannot connect to Ray at {address or 'a new local cluster'}: {type(e).__name__}: {first[:200]} "
+        f"(a cluster started by `ray start --head` with ~/.ray/auth_token present needs "
+        f"`export RAY_AUTH_MODE=token` in every shell that runs `ray start` or asyncrl, and that token "
+        f"file copied to every node)"
+    )
