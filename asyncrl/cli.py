@@ -265,10 +265,11 @@ def _main(argv: list[str] | None) -> int:
 
         return bench_main(argv[1:])
     args = _parse(argv)
+    restore_env = lambda: None  # noqa: E731
     if args.cmd == "serve-actors":  # before anything starts vLLM: its INFO flood off the console, as eval's
         from asyncrl.console import quiet_engine_console
 
-        quiet_engine_console(args.verbose)
+        restore_env = quiet_engine_console(args.verbose)  # undone on return (main() called in-process)
     try:
         if args.cmd in ("export", "eval"):  # their config comes from the run / export, not -c
             return _export_or_eval(args)
@@ -344,6 +345,8 @@ def _main(argv: list[str] | None) -> int:
     except ROLE_ERRORS as e:
         print(f"asyncrl: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        restore_env()
     raise AssertionError(args.cmd)
 
 

@@ -24,6 +24,7 @@ import re
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +86,31 @@ def role_logging(log_file: Path | None = None) -> None:
     logging.getLogger().addHandler(handler)
 
 
-def quiet_engine_console(verbose: bool = False) -> None:
+_QUIET_ENV = ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL", "HF_HUB_DISABLE_PROGRESS_BARS")
+
+
+def quiet_engine_console(verbose: bool = False) -> Callable[[], None]:
     """``asyncrl eval``'s and ``serve-actors``' console as ``asyncrl run``'s keeps it: vLLM's INFO lines
     (engine config, model loading, shutdown: ~40 lines per engine) off it, its warnings and errors on
     it; on stderr, so that stdout holds eval's result alone (vLLM logs to stdout by default). ``verbose`` (``-v``) keeps the INFO lines. Through
     vLLM's environment variables, which every vLLM process reads when it configures its logging (the
-    engine core included) and which the user's own values override; set before the engine starts."""
+    engine core included) and which the user's own values override; set before the engine starts.
+    Returns what puts the environment back."""
+    saved = {k: os.environ.get(k) for k in _QUIET_ENV}
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if not verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # as `asyncrl run` (asyncrl.cli)
+
+    def restore() -> None:
+        """The environment as it was (a command run in-process must not quiet what runs after it)."""
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    return restore
 
 
 def _is_stderr(path: Path) -> bool:
