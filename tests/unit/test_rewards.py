@@ -276,3 +276,44 @@ def test_a_reward_calling_sys_exit_fails_its_group_not_the_actor(texts: list[str
         return await runner.score(PROMPT, ["next", "group"])  # the same loop and runner go on
 
     assert asyncio.run(main()) == [4.0, 5.0]
+
+
+def test_builtin_rewards_run_on_the_loop_user_rewards_in_a_thread(monkeypatch) -> None:
+    """asyncrl's own rewards (tiny tasks, gsm8k) are scored on the event loop: no thread start between a
+    group's last token and its buffer write. Any user code (a Task subclass of ours with its own reward,
+    a data task's reward_fn, a reward set on the instance) and any injected fault still take a thread."""
+    import threading
+
+    from asyncrl.actors.rewards import builtin_reward
+    from asyncrl.config import load_config
+    from asyncrl.tasks import make_task
+    from asyncrl.tasks.base import FunctionTask
+    from asyncrl.tasks.tiny import CopyTask
+
+    copy = make_task(load_config(None, ["task.name=copy"]).task, seed=0)
+    gsm8k = make_task(load_config(None, ["task.name=gsm8k"]).task, seed=0)
+
+    class MyCopy(CopyTask):
+        def reward(self, prompt, text):
+            return 1.0
+
+    patched = make_task(load_config(None, ["task.name=copy"]).task, seed=0)
+    patched.reward = lambda prompt, text: 1.0
+    data = FunctionTask("mine", [PROMPT], lambda p, c, m: 1.0)
+    assert builtin_reward(copy) and builtin_reward(gsm8k)
+    assert not any(builtin_reward(t) for t in (MyCopy.__new__(MyCopy), patched, data, LengthTask()))
+
+    started: list[str] = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda th: (started.append(th.name), real_start(th))[1])
+    p = copy.prompts[0]
+    runner = RewardRunner(copy, 5.0)
+    assert runner.inline
+    got = asyncio.run(runner.score(p, [p.target, p.target + "x", ""]))
+    assert got == [copy.reward(p, t) for t in (p.target, p.target + "x", "")] and got[0] == 1.0
+    assert "asyncrl-reward" not in started
+    assert asyncio.run(RewardRunner(data, 5.0).score(PROMPT, ["a"])) == [1.0] and "asyncrl-reward" in started
+    faulty = RewardRunner(copy, 5.0, fault="raise", fault_every=2)
+    assert not faulty.inline
+    with pytest.raises(RewardFailure, match="injected reward fault"):
+        asyncio.run(faulty.score(p, [p.target, p.target]))
