@@ -6,6 +6,7 @@ readers import it without Ray, torch or vLLM. Moved out of asyncrl.orchestrator 
 from __future__ import annotations
 
 import json
+import os
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,7 +42,11 @@ def write_summary(rdir: Path, records: Iterable[dict], start: float, end: float,
         "staleness_max": staleness_max,
         **extra,
     }
-    (rdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    # Atomic: status and a re-run read it at any time, and the Ray-loss path writes it twice in a process
+    # Ray may abort; a torn file read as {} made a finished run look unfinished.
+    tmp = rdir / f".summary.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, rdir / "summary.json")
     return summary
 
 

@@ -226,3 +226,32 @@ def test_the_run_summary_streams_the_records_and_matches_the_full_read(tmp_path)
                 assert abs(got[key] - value) <= 1e-12 * max(1.0, abs(value)), (trial, key)
             else:
                 assert got[key] == value, (trial, key)
+
+
+def test_the_run_summary_is_replaced_atomically(tmp_path) -> None:
+    """Readers (asyncrl status, a re-run, the sweeps) never see a torn summary.json while it is rewritten
+    (the Ray-loss path writes it twice): a torn file read as {} made a finished run look unfinished."""
+    import threading
+
+    from asyncrl.run_summary import read_summary, write_summary
+
+    pad = {"pad": "x" * 4_000_000, "finished": True}  # a slow write: a wide window for a torn read
+    write_summary(tmp_path, [], 0.0, 1.0, pad)
+    torn: list[int] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            if not read_summary(tmp_path).get("finished"):
+                torn.append(1)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(15):
+            write_summary(tmp_path, [], 0.0, 1.0, pad)
+    finally:
+        done.set()
+        reader.join()
+    assert not torn
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left
