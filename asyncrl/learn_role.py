@@ -87,11 +87,11 @@ def run_learn(cfg: Any, rdir: Path, resume: bool) -> int:
 
 def _learn_summary(cfg: Any, rdir: Path, start: float, status: str, error: str) -> None:
     """summary.json of a run whose learner ran on its own (split roles), as `asyncrl run` writes it
-    (asyncrl.orchestrator.write_summary), marked ``"started_by": "asyncrl learn"``: asyncrl status shows
+    (asyncrl.run_summary.write_summary), marked ``"started_by": "asyncrl learn"``: asyncrl status shows
     it once the run is not up, and `asyncrl run` refuses to start over a finished one."""
     from asyncrl.buffer import ReplayBuffer
     from asyncrl.learner.records import METRICS_FILE, iter_jsonl
-    from asyncrl.orchestrator import write_summary
+    from asyncrl.run_summary import write_summary
 
     extra: dict = {"finished": status == "finished", "status": status, "error": error,
                    "started_by": "asyncrl learn"}  # fmt: skip

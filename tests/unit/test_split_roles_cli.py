@@ -104,7 +104,7 @@ def test_status_does_not_count_a_dead_actor_as_live():
 
 def _split_summary(rdir: Path, status: str) -> None:
     """A run dir as a split run's `asyncrl learn` leaves it (asyncrl.learn_role._learn_summary)."""
-    from asyncrl.orchestrator import write_summary
+    from asyncrl.run_summary import write_summary
 
     rdir.mkdir(parents=True)
     recs = [{"step": s, "version": s, "time": float(s), "reward_mean": 0.5, "staleness_max": 0, "tokens": 10}
