@@ -180,9 +180,8 @@ def _check_model_path(cfg, data: bool = True, shard: bool = True, eval_prompts: 
 
 def _export_or_eval(args) -> int:
     import json
-    import tempfile
 
-    from asyncrl.export import EXPORT_CONFIG, EXPORT_INFO, export_version, load_run_config
+    from asyncrl.export import EXPORT_INFO, export_version
 
     if args.cmd == "export":
         out = export_version(Path(args.run_dir), Path(args.out_dir), args.version, args.step)
@@ -190,9 +189,22 @@ def _export_or_eval(args) -> int:
         step = f", learner step {info['step']}" if info.get("step") is not None else ""
         print(f"{out}  (run {info['run']}, {info['label']}{step}, from the {info['source']} weights)")
         return 0
-    from asyncrl.evaluate import eval_model_dir, quiet_engine_console
+    from asyncrl.evaluate import quiet_engine_console
 
-    quiet_engine_console(args.verbose)  # before anything starts vLLM
+    restore_env = quiet_engine_console(args.verbose)  # before anything starts vLLM
+    try:
+        return _eval(args)
+    finally:
+        restore_env()  # main() run in-process (tests, notebooks) must not quiet what runs after it
+
+
+def _eval(args) -> int:
+    import json
+    import tempfile
+
+    from asyncrl.evaluate import eval_model_dir
+    from asyncrl.export import EXPORT_CONFIG, EXPORT_INFO, export_version, load_run_config
+
     target = Path(args.target)
     with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
         if (target / "config.yaml").exists() and not (target / "config.json").exists():  # a run dir

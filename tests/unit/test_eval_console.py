@@ -45,10 +45,20 @@ def test_eval_quiets_vllm_before_anything_starts_it(tmp_path, monkeypatch, capsy
     for var in QUIET:
         monkeypatch.setenv(var, "")  # restored after the test
         monkeypatch.delenv(var)
-    assert main(["eval", str(tmp_path / "nothing"), *(["-v"] if verbose else [])]) == 2
-    assert "neither a run dir" in capsys.readouterr().err
+    from asyncrl.console import quiet_engine_console
+
+    restore = quiet_engine_console(verbose)  # what asyncrl eval calls first, before anything starts vLLM
     assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"  # stdout: the result alone
     assert os.environ.get("VLLM_LOGGING_LEVEL") == (None if verbose else "WARNING")
+    restore()
+    assert all(v not in os.environ for v in QUIET)
+    # The command puts the environment back on return: main() may run in-process (tests, notebooks).
+    assert main(["eval", str(tmp_path / "nothing"), *(["-v"] if verbose else [])]) == 2
+    assert "neither a run dir" in capsys.readouterr().err
+    assert all(v not in os.environ for v in QUIET)
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # the user's own choice wins
+    restore = quiet_engine_console(verbose)
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    restore()
     main(["eval", str(tmp_path / "nothing")])
     assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
