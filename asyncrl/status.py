@@ -279,6 +279,16 @@ def ended_status(cfg: Config, rdir: Path) -> int:
     return 1 if summary.get("status") == "failed" else 0
 
 
+def _summary_of_the_last_start(rdir: Path) -> bool:
+    """Does the run dir's summary.json tell how its last start ended? Not when a redis.url newer than it
+    is left: a later start (a resume) was killed before writing its own, and the summary is the one
+    before it (showing it read as a clean end with the old step count; the crash advice is the truth)."""
+    summary, url = rdir / "summary.json", rdir / "redis.url"
+    if not summary.exists():
+        return False
+    return not url.exists() or summary.stat().st_mtime_ns >= url.stat().st_mtime_ns
+
+
 def print_status(cfg: Config, url: str | None, rdir: Path | None = None, embedded: bool = False) -> int:
     """The live status from the run's Redis at ``url``; with no URL (the run is not up), its summary.
     A run whose Redis does not answer is shown from the summary.json it left, if any (a finished split
@@ -289,12 +299,12 @@ def print_status(cfg: Config, url: str | None, rdir: Path | None = None, embedde
     try:
         st = collect_status(cfg, url, embedded)
     except RunNotUp:
-        if rdir is None or not (rdir / "summary.json").exists():
+        if rdir is None or not _summary_of_the_last_start(rdir):
             raise
         from asyncrl.launch import redact_url  # the URL may carry the Redis password
 
-        print(f"asyncrl status: no Redis answers at {redact_url(url)}: run {cfg.run.name} is not up; "
-              "its summary.json:", file=sys.stderr)  # fmt: skip
+        print(f"asyncrl status: no Redis answers at {redact_url(url)}: run {_run_config(cfg, rdir).run.name} "
+              "is not up; its summary.json:", file=sys.stderr)  # fmt: skip
         return ended_status(cfg, rdir)
     print(format_status(cfg, st))
     return 0

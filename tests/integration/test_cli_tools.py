@@ -112,6 +112,28 @@ def test_status_of_an_ended_run_shows_its_summary(tmp_path, capsys):
     assert main(["status", f"run.dir={failed}"]) == 1  # as `asyncrl run` exited
     assert "error    learner failed 4 times" in capsys.readouterr().out
 
+    # Resumed, then killed (kill -9: its redis.url stays, its Redis is gone): the summary is the earlier
+    # start's, so the crash advice, not "interrupted ... 4 steps" as if that start had ended cleanly.
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # nothing listens once closed
+    time.sleep(0.01)
+    (stopped / "redis.url").write_text(f"redis://127.0.0.1:{dead}/0\n")
+    assert (
+        main(
+            [
+                "status",
+                f"run.dir={stopped}",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "crashed or was killed" in err and "summary.json:" not in err, err
+
     assert main(["status", f"run.dir={tmp_path / 'nope'}"]) == 2  # no such run: said so, not "start a Redis"
     assert "no run dir" in capsys.readouterr().err
     (tmp_path / "starting").mkdir()
