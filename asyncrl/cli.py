@@ -7,6 +7,7 @@ Kept thin on purpose: importing this module must not import torch, vllm or ray, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -331,6 +332,15 @@ def _main(argv: list[str] | None) -> int:
         changes = check_resume(cfg, rdir, args.allow_changes, data=args.cmd != "learn")
         for line in changes:
             print(f"asyncrl {args.cmd}: {line}", file=sys.stderr, flush=True)
+        if args.cmd == "learn" and not args.resume:
+            # A fresh start over a run that has weights or a checkpoint: refused before anything in the
+            # run dir changes (config.yaml below), in a second, not after DeepSpeed loaded.
+            from asyncrl.learn_role import check_fresh_start
+
+            check_fresh_start(
+                dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, url=_redis_url(cfg, rdir))),
+                rdir,
+            )
         if args.cmd == "learn" and (changes or not (rdir / "config.yaml").exists()):
             # The run's config, as `asyncrl run` saves it: a learner started on its own (split roles)
             # left none, and export, eval, plan --from and the next resume's check all read it. Before

@@ -3,13 +3,14 @@ elsewhere, the user's Redis between them), and the learner process of ``asyncrl 
 
 Its lines (every step, its resume, its stop) go to the console and to ``<run_dir>/learner.log``
 (:func:`asyncrl.console.role_logging`); a fresh start over a run that has weights or a checkpoint is
-refused before DeepSpeed loads (:func:`_check_fresh_start`); on its own (not `asyncrl run`'s learner) it
+refused before DeepSpeed loads (:func:`check_fresh_start`, also called by asyncrl.cli before it writes the run's config.yaml); on its own (not `asyncrl run`'s learner) it
 writes the run dir's ``summary.json`` when it ends, finished, interrupted or failed, as `asyncrl run`
 does. Imported by asyncrl.cli only for ``asyncrl learn`` (it imports torch).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -17,12 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_learn"]
+__all__ = ["run_learn", "check_fresh_start"]
 
 log = logging.getLogger("asyncrl.learn")
 
 
-def _check_fresh_start(cfg: Any, rdir: Path) -> None:
+def check_fresh_start(cfg: Any, rdir: Path) -> None:
     """`asyncrl learn` without --resume on a run that has published weights or a checkpoint: refused here,
     in a second, as one `asyncrl: error:` line. The learner refuses it too (the backstop), but only after
     DeepSpeed and the model had loaded, with a traceback. A Redis that does not answer yet: the learner's
@@ -54,7 +55,7 @@ def run_learn(cfg: Any, rdir: Path, resume: bool) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     role_logging(rdir / "learner.log" if rank0 else None)
     if not resume:
-        _check_fresh_start(cfg, rdir)
+        check_fresh_start(cfg, rdir)  # asyncrl.cli checked it before; `asyncrl run`'s learner did not
     if cfg.learner.torch_threads:  # before torch is imported: it reads OMP_NUM_THREADS once
         os.environ["OMP_NUM_THREADS"] = str(cfg.learner.torch_threads)
     from asyncrl.learner.engine import shutdown_distributed
@@ -81,8 +82,26 @@ def run_learn(cfg: Any, rdir: Path, resume: bool) -> int:
         stop_metrics()
         shutdown_distributed()  # this process owns its rank (see the function)
         if rank0 and not os.environ.get(ENV_REDIS_URL):  # not `asyncrl run`'s learner: that run writes it
-            _learn_summary(cfg, rdir, start, status, error)
+            if status == "finished" or not _finished_before(rdir, start):
+                _learn_summary(cfg, rdir, start, status, error)
     return 0
+
+
+def _finished_before(rdir: Path, start: float) -> bool:
+    """Did an earlier start finish the run, and has this one trained no step (a --resume that failed
+    before its first step, e.g. Redis unreachable)? Its summary is then kept: replaced by "failed", the
+    finished run would look unfinished and `asyncrl run` would no longer refuse to start over it."""
+    from asyncrl.learner.records import METRICS_FILE, lines_from_end
+    from asyncrl.run_summary import read_summary
+
+    if not read_summary(rdir).get("finished"):
+        return False
+    for _, line in lines_from_end(rdir / METRICS_FILE):
+        try:
+            return float(json.loads(line)["step_time"]) < start  # the newest record: before this start
+        except (ValueError, KeyError, TypeError):
+            continue
+    return True
 
 
 def _learn_summary(cfg: Any, rdir: Path, start: float, status: str, error: str) -> None:

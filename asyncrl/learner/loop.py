@@ -159,11 +159,13 @@ def learn(
                 "resume it (asyncrl learn --resume) or use a new run name and directory"
             )
         skipped: list[Skipped] = []
-        state = (load_checkpoint(le, run_dir, skipped) if resume else None) or LearnerState(
-            consumer=cfg.learner.consumer, since_publish=0
-        )
+        restored = load_checkpoint(le, run_dir, skipped) if resume else None
+        state = restored or LearnerState(consumer=cfg.learner.consumer, since_publish=0)
         if resume and rank == 0:  # `asyncrl learn --resume` says where it continues (console, learner.log)
-            log.info("resumed from step %d (v%d)", state.step, state.version)
+            if restored is not None:
+                log.info("resumed from step %d (v%d)", state.step, state.version)
+            else:
+                log.info("--resume: no checkpoint yet in %s: starting from step 0", run_dir)
         since = state.since_publish if state.since_publish >= 0 else state.step % cfg.learner.publish_every
         trainer.applied_steps = state.applied_steps
         counters = {k: float(state.counters.get(k, 0.0)) for k in COUNTERS}

@@ -74,9 +74,17 @@ def test_a_fresh_learn_over_a_run_with_weights_is_refused_before_the_learner_sta
     (ckpt / "checkpoints" / "latest.json").write_text(
         json.dumps({"tag": "step00000004", "step": 4, "version": 4})
     )
-    r = _cli("learn", f"redis.url={redis_url}", f"run.name={run_name}-2", f"run.dir={ckpt}")
+    from asyncrl.config import load_config, to_yaml
+    from asyncrl.launch import redacted
+
+    saved = to_yaml(redacted(load_config(None, [f"run.name={run_name}-2", f"run.dir={ckpt}"])))
+    (ckpt / "config.yaml").write_text(saved)  # the run's saved config, as it started
+    r = _cli("learn", f"redis.url={redis_url}", f"run.name={run_name}-2", f"run.dir={ckpt}", "learner.lr=0.5",
+             "--allow-config-change", "learner.lr")  # fmt: skip
     assert r.returncode == 2 and "already has published weights or a checkpoint" in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
+    # Refused before anything in the run dir changed: the saved config is not replaced by one never run.
+    assert (ckpt / "config.yaml").read_text() == saved
 
 
 def test_status_does_not_count_a_dead_actor_as_live():
@@ -188,3 +196,21 @@ def test_role_logging_shows_the_learner_s_lines_and_keeps_them_in_learner_log(tm
         p = subprocess.run([sys.executable, "-c", code, str(log_file)], stderr=f, timeout=60)
     assert p.returncode == 0
     assert log_file.read_text().count("step 1 v1") == 1
+
+
+def test_a_learn_start_that_trained_nothing_keeps_a_finished_summary(tmp_path):
+    """`asyncrl learn --resume` of a finished run that fails before its first step (Redis unreachable)
+    must not replace its "finished" summary.json with "failed" (the run would look unfinished and
+    `asyncrl run` would no longer refuse to start over it); one that trained a step writes its own."""
+    from asyncrl.learn_role import _finished_before
+    from asyncrl.run_summary import write_summary
+
+    recs = [{"step": s, "version": s, "step_time": 100.0 + s, "reward_mean": 0.5, "staleness_max": 0,
+             "tokens": 10} for s in (1, 2)]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert not _finished_before(tmp_path, 200.0)  # no summary yet
+    write_summary(tmp_path, recs, 100.0, 103.0, {"finished": True, "status": "finished"})
+    assert _finished_before(tmp_path, 200.0)  # this start (at 200) wrote no record: keep it
+    assert not _finished_before(tmp_path, 101.5)  # a record after this start: it trained, write its own
+    write_summary(tmp_path, recs, 100.0, 103.0, {"finished": False, "status": "interrupted"})
+    assert not _finished_before(tmp_path, 200.0)
