@@ -177,7 +177,8 @@ class EarlyRay:
     and raylet with ``PR_SET_PDEATHSIG``, which follows the *thread* that spawned them: a thread that
     ended after ``ray.init`` took the GCS down with it."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, gcs_reconnect_timeout_s: int | None = None) -> None:
+        self._gcs_reconnect_timeout_s = gcs_reconnect_timeout_s  # for init_ray (asyncrl run passes one)
         self._handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         self._done, self._release = threading.Event(), threading.Event()
         self._owned = False
@@ -189,7 +190,7 @@ class EarlyRay:
         try:
             from asyncrl.actors.pool import init_ray
 
-            self._owned = init_ray(cfg)
+            self._owned = init_ray(cfg, self._gcs_reconnect_timeout_s)
         except BaseException as e:  # handed to result() in the main thread
             self._error = e
         finally:

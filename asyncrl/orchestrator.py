@@ -138,7 +138,11 @@ def _run_all(
             # Before Ray starts: its raylet schedules only the GPUs in this process's environment.
             sup.learner_gpu, os.environ["CUDA_VISIBLE_DEVICES"] = split[0], ",".join(split[1])
             _note(progress, rdir, f"GPU {split[0]} for the learner, {','.join(split[1])} for the actors")
-        early_ray = EarlyRay(cfg)  # Ray starts while the model is built, Redis and the learner start
+        from asyncrl.actors.ray_setup import driver_gcs_timeout_s
+
+        # Ray starts while the model is built, Redis and the learner start; a local head it starts waits
+        # for a lost GCS long enough for the learner's stop (serve-actors keeps Ray's default).
+        early_ray = EarlyRay(cfg, driver_gcs_timeout_s(cfg))
         resolve_model_path(cfg, rdir)  # build once here, before two roles race to build it
         url = sup.start_redis()
         cfg.redis.url = url
@@ -152,7 +156,8 @@ def _run_all(
         # of running actor-0.. beside ours, and a dead joined pool's slots are reclaimed here too.
         lease = PoolLease(cfg, url, None, on_lost=stop.set)
         owns_ray = early_ray.result()
-        pool = ActorPool(cfg, rdir, redis_url=url, cpu_plan=sup.cpu_plan, owns_ray=owns_ray)
+        pool = ActorPool(cfg, rdir, redis_url=url, cpu_plan=sup.cpu_plan, owns_ray=owns_ray,
+                         gcs_reconnect_timeout_s=driver_gcs_timeout_s(cfg))  # fmt: skip
         if sup.cpu_plan is not None:
             _say(progress, f"cpu binding: learner on cores {list(sup.cpu_plan.learner)}, "
                            f"engines on {[list(b) for b in sup.cpu_plan.engines]} (run.cpu_binding=off to disable)")  # fmt: skip

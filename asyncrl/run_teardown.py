@@ -5,17 +5,18 @@ the embedded Redis in that order, each step even if an earlier one raised, so no
 vLLM process outlives the command. A SIGTERM to the whole process group also kills Ray's GCS and
 raylet: the pool's stop (or, before the pool, Ray's shutdown: :func:`shutdown_early_ray`) is then
 abandoned (asyncrl.actors.ray_loss.call_bounded), summary.json written and redis.url removed before the
-learner's stop, and the process ends with os._exit (:func:`exit_now`), also when an error escapes: Ray's
-own atexit shutdown would wait on the dead GCS until Ray's core worker ends the process (exit code 1).
+learner's stop, and the process ends with os._exit (:func:`exit_now`, asyncrl.actors.ray_loss's), also
+when an error escapes: Ray's own atexit shutdown would wait on the dead GCS until Ray's core worker ends
+the process (exit code 1).
 Moved out of asyncrl.orchestrator (still importable there, under their old names with a leading ``_``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
+from asyncrl.actors.ray_loss import exit_now  # noqa: F401  (its home since serve-actors uses it too)
 from asyncrl.launch import EarlyRay, stop_process
 from asyncrl.run_supervisor import Supervisor
 from asyncrl.run_targets import clear_targets
@@ -76,25 +77,3 @@ def shutdown_early_ray(early_ray: EarlyRay) -> bool:
     except Exception as e:  # reported; the rest of the tear-down still runs
         print(f"ray shutdown: {type(e).__name__}: {e}", file=sys.stderr)
     return False
-
-
-def exit_now(code: int, error: BaseException | None = None) -> None:
-    """End the process now (os._exit, see :func:`asyncrl.orchestrator.run_all`), after reporting
-    ``error`` the way ``asyncrl.cli.main`` would (its message and exit code: 2 for a user error, 1 for a
-    role error, else the traceback and 1)."""
-    try:
-        if error is not None:
-            from asyncrl.cli import ROLE_ERRORS, USER_ERRORS
-
-            if isinstance(error, USER_ERRORS + ROLE_ERRORS):
-                print(f"asyncrl: error: {error}", file=sys.stderr)
-                code = 2 if isinstance(error, USER_ERRORS) else 1
-            else:
-                import traceback
-
-                traceback.print_exception(error)
-                code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)

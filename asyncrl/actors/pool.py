@@ -65,8 +65,12 @@ class ActorPool:
         redis_password: str | None = None,
         cpu_plan: Any = None,
         owns_ray: bool = False,
+        gcs_reconnect_timeout_s: int | None = None,
     ) -> None:
         self.cfg = cfg
+        # A local Ray this pool starts: its GCS reconnect timeout (asyncrl.actors.ray_setup.init_ray;
+        # `asyncrl run` starts Ray before the pool, with its own); None: Ray's default (serve-actors).
+        self.gcs_reconnect_timeout_s = gcs_reconnect_timeout_s
         # asyncrl.cpu_binding.CpuPlan from `asyncrl run` on a CPU box: each slot's cores (None = unbound).
         self.cpu_plan = cpu_plan
         self.run_dir = Path(run_dir)
@@ -103,7 +107,7 @@ class ActorPool:
         # Build the tiny model once here: N actors building it concurrently would race on the dir.
         model_path = resolve_model_path(self.cfg, self.run_dir)
         check()
-        if init_ray(self.cfg):
+        if init_ray(self.cfg, self.gcs_reconnect_timeout_s):
             self._started_ray = True
         check()
         self._pg = self._placement_group(check=check)

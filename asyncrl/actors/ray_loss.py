@@ -4,13 +4,17 @@ A SIGTERM to the whole process group of `asyncrl run` (``timeout``, ``kill -- -P
 also kills Ray's GCS and raylet: every Ray call then waits on the dead GCS until Ray's core worker ends
 the process. :func:`local_ray_lost` tells when that happened, :func:`call_bounded` abandons a Ray
 teardown call once it does, :func:`kill_local_ray` kills what is left without a Ray call, and
-:class:`RayLost` tells the caller to end its process with os._exit. Used by the pool's stop
-(asyncrl.actors.pool.ActorPool.stop_bounded) and `asyncrl run` (asyncrl.run_teardown). Moved out of
-asyncrl.actors.pool (still importable from there); ray loads only inside the calls.
+:class:`RayLost` tells the caller to end its process with os._exit (:func:`exit_now`). Used by the
+pool's stop (asyncrl.actors.pool.ActorPool.stop_bounded), `asyncrl run` (asyncrl.run_teardown) and
+`asyncrl serve-actors` (asyncrl.actors.serve). Moved out of asyncrl.actors.pool (still importable from
+there); ray loads only inside the calls.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -84,3 +88,27 @@ def kill_local_ray() -> None:
             node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
     except Exception:  # best effort: the run's reaper (asyncrl.lifetime) takes the rest on exit
         pass
+
+
+def exit_now(code: int, error: BaseException | None = None) -> None:
+    """End the process now with os._exit (Ray's atexit shutdown would wait on the dead GCS until Ray's
+    core worker aborts the process, exit code 1), after reporting ``error`` the way ``asyncrl.cli.main``
+    would (its message and exit code: 2 for a user error, 1 for a role error, else the traceback and 1)
+    and flushing stdout, stderr and the logging handlers (a role's log file)."""
+    try:
+        if error is not None:
+            from asyncrl.cli import ROLE_ERRORS, USER_ERRORS
+
+            if isinstance(error, USER_ERRORS + ROLE_ERRORS):
+                print(f"asyncrl: error: {error}", file=sys.stderr)
+                code = 2 if isinstance(error, USER_ERRORS) else 1
+            else:
+                import traceback
+
+                traceback.print_exception(error)
+                code = 1
+        logging.shutdown()  # flushes every handler; os._exit skips logging's own atexit flush
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)

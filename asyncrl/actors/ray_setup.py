@@ -1,8 +1,9 @@
 """How the actors' Ray is started or attached, and what reaches each actor process.
 
 ``init_ray`` starts a local Ray (or attaches to ``ray.address``) for the actor pool
-(asyncrl.actors.pool) and for `asyncrl run`'s early start (asyncrl.launch.EarlyRay); a local head it
-starts carries a GCS reconnect timeout that covers the learner's stop (:func:`driver_gcs_timeout_s`).
+(asyncrl.actors.pool) and for `asyncrl run`'s early start (asyncrl.launch.EarlyRay); for `asyncrl run`
+a local head it starts carries a GCS reconnect timeout that covers the learner's stop
+(:func:`driver_gcs_timeout_s`), for `asyncrl serve-actors` Ray's default.
 ``actor_env``/``actor_runtime_env`` say which environment travels with an actor and by which path.
 Moved out of asyncrl.actors.pool (still importable from there); ray loads only inside the calls.
 """
@@ -65,11 +66,15 @@ def _keep_signal_handlers() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-def init_ray(cfg: Any) -> bool:
+def init_ray(cfg: Any, gcs_reconnect_timeout_s: int | None = None) -> bool:
     """Start a local Ray for the actors (or attach to ``ray.address``); True when this call started it,
     False when Ray was already up in this process. Callable from any thread (`asyncrl run` starts Ray
     in the background while it builds the model): off the main thread the caller must re-install its
-    SIGINT/SIGTERM handlers afterwards, on the main thread they are kept here."""
+    SIGINT/SIGTERM handlers afterwards, on the main thread they are kept here.
+
+    ``gcs_reconnect_timeout_s``: Ray's GCS reconnect timeout for a new local head (`asyncrl run`:
+    :func:`driver_gcs_timeout_s`, for its learner's stop after a lost GCS); None: Ray's default (60 s),
+    the time a driver that lost its GCS lives on blind (`asyncrl serve-actors`: nothing to wait for)."""
     import ray
 
     if ray.is_initialized():
@@ -86,7 +91,7 @@ def init_ray(cfg: Any) -> bool:
                 logging_level=logging.WARNING,
                 # asyncrl run: the actors write to <run_dir>/logs (asyncrl.console); -v forwards.
                 log_to_driver=not cfg.console.log_dir,
-                _system_config=local_head_system_config(cfg),
+                _system_config=local_head_system_config(cfg, gcs_reconnect_timeout_s),
             )
         except (ray.exceptions.AuthenticationError, ConnectionError) as e:
             raise RayConnectError(ray_connect_message(cfg.ray.address, e)) from e
@@ -102,20 +107,21 @@ GCS_LOSS_MARGIN_S = 120
 
 
 def driver_gcs_timeout_s(cfg: Any) -> int:
-    """Ray's ``gcs_rpc_server_reconnect_timeout_s`` for a local head this process starts: long enough for
-    `asyncrl run`'s teardown after a SIGTERM to its process group (which kills the GCS) to stop the
-    learner with its full ``learner.stop_grace_s``; at Ray's default (60 s) the core worker ended the
-    driver in the middle of a long final checkpoint, without summary.json, the learner SIGKILLed with
-    it (it dies with its parent, asyncrl.lifetime). Never below Ray's default."""
+    """Ray's ``gcs_rpc_server_reconnect_timeout_s`` for the local head `asyncrl run` starts (it passes
+    this to :func:`init_ray`): long enough for its teardown after a SIGTERM to its process group (which
+    kills the GCS) to stop the learner with its full ``learner.stop_grace_s``; at Ray's default (60 s)
+    the core worker ended the driver in the middle of a long final checkpoint, without summary.json,
+    the learner SIGKILLed with it (it dies with its parent, asyncrl.lifetime). Never below Ray's
+    default."""
     return max(60, math.ceil(cfg.learner.stop_grace_s) + GCS_LOSS_MARGIN_S)
 
 
-def local_head_system_config(cfg: Any) -> dict[str, Any] | None:
-    """Ray's ``_system_config`` for :func:`init_ray`: the GCS reconnect timeout of
-    :func:`driver_gcs_timeout_s` when this call starts a new local Ray (the config is the cluster's, set
-    when its head starts); None when it attaches to a running cluster (``ray.address``, ``RAY_ADDRESS``
-    or a ``ray start --head`` on this machine), where Ray refuses one."""
-    if cfg.ray.address:
+def local_head_system_config(cfg: Any, gcs_reconnect_timeout_s: int | None = None) -> dict[str, Any] | None:
+    """Ray's ``_system_config`` for :func:`init_ray`: ``gcs_reconnect_timeout_s`` (`asyncrl run`:
+    :func:`driver_gcs_timeout_s`) when this call starts a new local Ray (the config is the cluster's, set
+    when its head starts); None without one, and when it attaches to a running cluster (``ray.address``,
+    ``RAY_ADDRESS`` or a ``ray start --head`` on this machine), where Ray refuses one."""
+    if gcs_reconnect_timeout_s is None or cfg.ray.address:
         return None
     try:
         from ray._private.services import canonicalize_bootstrap_address
@@ -124,7 +130,7 @@ def local_head_system_config(cfg: Any) -> dict[str, Any] | None:
             return None
     except Exception:  # a Ray without this helper: leave its config alone
         return None
-    return {GCS_RECONNECT_KEY: driver_gcs_timeout_s(cfg)}
+    return {GCS_RECONNECT_KEY: gcs_reconnect_timeout_s}
 
 
 def ray_connect_message(address: str | None, e: BaseException) -> str:

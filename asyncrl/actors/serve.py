@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .pool import ActorPool
+from .ray_loss import RayLost, exit_now
 from .supervision import PoolLeaseLost
 
 __all__ = ["PoolLease", "serve_actors"]
@@ -38,7 +39,10 @@ def serve_actors(
     """Run the actor pool until ``stop_event`` is set or the process gets SIGINT/SIGTERM.
 
     In-flight groups are aborted on stop (never written; their admission slots are credited back)
-    and every engine is shut down. A failed, dead or silent actor is replaced (see
+    and every engine is shut down. A SIGTERM to the whole process group (it kills the local Ray's GCS
+    and raylet too) abandons the stop once the loss shows, kills what is left of Ray and ends the
+    process with os._exit (:func:`asyncrl.actors.ray_loss.exit_now`): exit code 0, or the CLI's for an
+    error that ended the pool. A failed, dead or silent actor is replaced (see
     :mod:`asyncrl.actors.supervision`); raises ``ActorSupervisionError`` once a slot has failed more
     than ``run.max_restarts`` times. Returns the final counters.
     """
@@ -56,6 +60,7 @@ def serve_actors(
     pool = ActorPool(cfg, run_dir, redis_url=redis_url, redis_password=redis_password)
     # A short socket timeout: a frozen Redis must not freeze the supervision loop with it.
     buf = ReplayBuffer.from_config(cfg, redis_url, redis_password, socket_timeout=5.0)
+    error: BaseException | None = None
     try:
         pool.start(check=lease.check)
         log.info("actor pool %d: %d actors writing to run %r", cfg.actors.pool_index, cfg.actors.num_actors,
@@ -75,15 +80,41 @@ def serve_actors(
                 lapsed.poll()
                 next_lapsed_check = time.monotonic() + lease.TTL_S / 3
         lease.check()  # stopped because the lease was lost: exit non-zero (after the pool stopped)
+    except BaseException as e:  # re-raised; reported by exit_now if the process must end below
+        error = e
+        raise
     finally:
+        lost: RayLost | None = None
         try:
-            results = pool.stop(abort=True)
+            # Bounded: a SIGTERM to the process group (timeout, kill -- -PGID, systemd, scancel) also
+            # kills the local Ray's GCS and raylet, and the plain stop then waited on the dead GCS.
+            results = pool.stop_bounded()
+        except RayLost as e:  # abandoned, Ray's processes killed
+            lost, results = e, []
         finally:
+            _release(buf, lease, previous, quiet=pool.ray_lost)
+        if lost is not None:
+            # Ray's atexit shutdown would wait on the dead GCS until Ray's core worker aborts the
+            # process (exit code 1): end here, with the exit code the command would have had.
+            log.warning("actor pool %d: %s; exiting", lease.n, lost)
+            exit_now(0, error)
+    return results
+
+
+def _release(buf: Any, lease: PoolLease, previous: dict[int, Any], quiet: bool) -> None:
+    """Close the buffer, free the pool number and put the signal handlers back; ``quiet`` (the process
+    ends next, with os._exit): an error is logged instead of raised."""
+    try:
+        try:
             buf.close()
             lease.release()
+        finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    return results
+    except Exception as e:
+        if not quiet:
+            raise
+        log.warning("actor pool %d: release: %s: %s", lease.n, type(e).__name__, e)
 
 
 class PoolLease:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -132,8 +133,8 @@ def test_the_driver_of_a_local_ray_waits_for_a_lost_gcs_longer_than_the_learners
     result = _child(
         tmp_path,
         """
-        from asyncrl.actors.pool import init_ray
-        assert init_ray(cfg)
+        from asyncrl.actors.pool import driver_gcs_timeout_s, init_ray
+        assert init_ray(cfg, driver_gcs_timeout_s(cfg))  # as asyncrl run starts it (asyncrl.launch.EarlyRay)
         done({"timeout": ray._private.state.state.get_system_config().get("gcs_rpc_server_reconnect_timeout_s")})
         """,
     )
@@ -141,7 +142,9 @@ def test_the_driver_of_a_local_ray_waits_for_a_lost_gcs_longer_than_the_learners
 
     assert result["timeout"] == 300 + 120, result
     assert driver_gcs_timeout_s(load_config(overrides=["learner.stop_grace_s=0.5"])) == 121
-    assert local_head_system_config(load_config(overrides=["ray.address=10.0.0.1:6379"])) is None
+    assert local_head_system_config(load_config(overrides=["ray.address=10.0.0.1:6379"]), 121) is None
+    # Without one (serve-actors: no learner to wait for): Ray's default, a blind driver lives no longer.
+    assert local_head_system_config(load_config()) is None
 
 
 def test_a_lost_ray_writes_the_summary_and_drops_redis_url_before_the_learner_stops(tmp_path) -> None:
@@ -213,3 +216,89 @@ def test_an_error_after_a_lost_ray_is_reported_as_the_cli_would_then_the_process
         )
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
         assert out.returncode == code and shown in out.stderr and "atexit ran" not in out.stderr, out
+
+
+# `asyncrl serve-actors` with its pool's actor swapped for a bare one (no vLLM engine, no model): it starts
+# its own local Ray (in its process group) and says READY once its actor runs.
+_SERVE = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from pathlib import Path
+    import ray
+    import asyncrl.tinymodel
+    from asyncrl.actors import pool as pool_mod
+
+    rdir = Path(sys.argv[1])
+
+    class Actor:  # stands in for RayRolloutActor: runs until stopped
+        def __init__(self, *args, env=None):
+            self.stopped = None
+        async def run(self, max_groups=None):
+            self.stopped = asyncio.Event()
+            await self.stopped.wait()
+            return {}
+        async def stop(self, abort=True):
+            self.stopped.set()
+        async def stats(self):
+            return {}
+
+    pool_mod.RayRolloutActor = Actor
+    asyncrl.tinymodel.resolve_model_path = lambda cfg, run_dir: Path(run_dir) / "model"
+    start = pool_mod.ActorPool.start
+
+    def start_then_ready(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        ray.get(self.actors[0].stats.remote())  # its process is up
+        node = ray._private.worker._global_node
+        pids = [i.process.pid for kind in ("gcs_server", "raylet") for i in node.all_processes.get(kind, [])]
+        timeout = ray._private.state.state.get_system_config().get("gcs_rpc_server_reconnect_timeout_s")
+        (rdir / "ray.json").write_text(json.dumps({"pids": pids, "timeout": timeout}))
+        print("READY", flush=True)
+        return self
+
+    pool_mod.ActorPool.start = start_then_ready
+    from asyncrl.cli import main
+    sys.exit(main(["serve-actors", "ray.num_cpus=1", "actors.num_actors=1", *sys.argv[2:]]))
+    """
+)
+
+
+def test_serve_actors_stopped_by_a_group_sigterm_ends_at_once_with_exit_code_0(
+    tmp_path, redis_server, run_name
+):
+    """`asyncrl serve-actors` under a SIGTERM to its whole process group (``timeout``, systemd, scancel),
+    which kills its local Ray's GCS and raylet too: its pool's stop waited on the dead GCS, then raised
+    (a RuntimeError traceback, exit code 1) and the process hung in Ray's exit handler until Ray's core
+    worker aborted it (~2 min). Now the stop is abandoned once the loss shows, Ray's processes killed and
+    the process ends with the exit code of a stop (0), its log lines flushed. Its local Ray keeps Ray's
+    GCS reconnect timeout (the longer one covers `asyncrl run`'s learner stop)."""
+    rdir = tmp_path / "run"
+    rdir.mkdir()
+    log = tmp_path / "child.log"
+    args = [str(rdir), f"redis.url={redis_server.url}", f"run.dir={tmp_path}", f"run.name={run_name}"]
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE, *args], stdout=subprocess.PIPE,
+                            stderr=log.open("wb"), text=True, start_new_session=True)  # fmt: skip
+    timer = threading.Timer(90, os.killpg, (proc.pid, signal.SIGKILL))  # one waiting on the dead GCS
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("READY"):
+                signalled = time.monotonic()
+                os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        took = time.monotonic() - signalled
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = log.read_text()
+    ray_info = json.loads((rdir / "ray.json").read_text())
+    assert proc.returncode == 0 and "Traceback" not in err, err[-4000:]
+    assert took < 45, (took, err[-4000:])
+    assert "the local Ray lost its GCS or raylet" in err, err[-4000:]  # logged, flushed before os._exit
+    assert ray_info["timeout"] in (None, 60), ray_info
+    for pid in ray_info["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
