@@ -20,12 +20,6 @@ Why daemon threads and not a pool: Python cannot kill a thread, and a hung rewar
 joins its workers at exit). A daemon thread per call costs ~0.1 ms, never blocks exit, and a hung
 one only costs its own stack; ``running`` counts them (the actor exports it).
 
-The built-in tasks' rewards (asyncrl's own exact-match / number checks: microseconds, no I/O, cannot
-block) run on the event loop instead (:func:`builtin_reward`): the thread start and its callback sat
-on a synchronous step's serial path between the last token and the buffer write, once per group.
-A user's reward (a plug-in task, a data task's ``reward_fn``, a subclass overriding ``reward``) and any
-reward under ``task.reward_fault`` always take the thread.
-
 ``task.reward_fault`` (raise / hang every N-th call) injects these faults for tests and chaos runs.
 """
 
@@ -40,21 +34,10 @@ from typing import Any
 
 from asyncrl.tasks.base import RewardExit, check_reward
 
-__all__ = ["RewardFailure", "RewardRunner", "InjectedRewardFault", "builtin_reward"]
+__all__ = ["RewardFailure", "RewardRunner", "InjectedRewardFault"]
 
 #: A reward call slower than this (s) makes the rest of its group run in parallel threads.
 SERIAL_MAX_S = 0.005
-
-#: Modules whose tasks' ``reward`` methods are asyncrl's own, cheap and non-blocking (run on the loop).
-BUILTIN_REWARD_MODULES = ("asyncrl.tasks.tiny", "asyncrl.tasks.math")
-
-
-def builtin_reward(task: Any) -> bool:
-    """Is ``task.reward`` one of asyncrl's own rewards (not user code)? A reward set on the instance, or
-    a subclass's own ``reward`` defined elsewhere, is user code."""
-    if "reward" in getattr(task, "__dict__", {}):
-        return False
-    return getattr(getattr(type(task), "reward", None), "__module__", "") in BUILTIN_REWARD_MODULES
 
 
 class RewardFailure(Exception):
@@ -92,7 +75,6 @@ class RewardRunner:
         self.fault, self.fault_every, self.fault_hang_s = fault, int(fault_every), float(fault_hang_s)
         self.calls = 0
         self.running = 0  # reward threads alive now (a hung reward stays counted until it returns)
-        self.inline = self.fault == "none" and builtin_reward(task)  # on the loop (see the module doc)
         self._lock = threading.Lock()
 
     @classmethod
@@ -130,9 +112,6 @@ class RewardRunner:
 
     async def _group(self, prompt: Any, texts: Sequence[str]) -> list[float]:
         fns = [self._target() for _ in texts]  # one call each (the fault injection counts calls)
-        task, pid = getattr(self.task, "name", "task"), getattr(prompt, "prompt_id", "?")
-        if self.inline:
-            return [check_reward(fn(prompt, t), task, pid) for fn, t in zip(fns, texts, strict=True)]
 
         def run_all() -> list[Any]:
             out: list[Any] = []
@@ -150,6 +129,7 @@ class RewardRunner:
         pending = [_no_exit(v) for v in values if inspect.isawaitable(v)]
         done = iter(await asyncio.gather(*pending)) if pending else iter(())
         values = [next(done) if inspect.isawaitable(v) else v for v in values]
+        task, pid = getattr(self.task, "name", "task"), getattr(prompt, "prompt_id", "?")
         return [check_reward(v, task, pid) for v in values]
 
     def _concurrently(
