@@ -3,9 +3,10 @@ elsewhere, the user's Redis between them), and the learner process of ``asyncrl 
 
 Its lines (every step, its resume, its stop) go to the console and to ``<run_dir>/learner.log``
 (:func:`asyncrl.console.role_logging`); a fresh start over a run that has weights or a checkpoint is
-refused before DeepSpeed loads (:func:`check_fresh_start`, also called by asyncrl.cli before it writes the run's config.yaml); on its own (not `asyncrl run`'s learner) it
-writes the run dir's ``summary.json`` when it ends, finished, interrupted or failed, as `asyncrl run`
-does. Imported by asyncrl.cli only for ``asyncrl learn`` (it imports torch).
+refused before DeepSpeed loads and before the run dir changes (:func:`check_fresh_start`, called once,
+by asyncrl.cli before it writes the run's config.yaml: `asyncrl run`'s learner is started through it too);
+on its own (not `asyncrl run`'s learner) it writes the run dir's ``summary.json`` when it ends, finished,
+interrupted or failed, as `asyncrl run` does. Imported by asyncrl.cli only for ``asyncrl learn`` (it imports torch).
 """
 
 from __future__ import annotations
@@ -54,8 +55,6 @@ def run_learn(cfg: Any, rdir: Path, resume: bool) -> int:
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     role_logging(rdir / "learner.log" if rank0 else None)
-    if not resume:
-        check_fresh_start(cfg, rdir)  # asyncrl.cli checked it before; `asyncrl run`'s learner did not
     if cfg.learner.torch_threads:  # before torch is imported: it reads OMP_NUM_THREADS once
         os.environ["OMP_NUM_THREADS"] = str(cfg.learner.torch_threads)
     from asyncrl.learner.engine import shutdown_distributed
