@@ -58,8 +58,9 @@ def local_ray_lost() -> bool:
     """True when this process started a local Ray whose GCS or raylet has exited. Not while Ray's own
     teardown kills them (ray.shutdown, :func:`kill_local_ray`: they hold the node's removal lock while a
     killed process is still listed), so a call of ray.shutdown can be watched too. After a SIGTERM to the
-    process group (Ray 2.60) the GCS stops serving at once but its process may linger; the raylet exits
-    within ~10 s: that is what shows the loss."""
+    process group (Ray 2.60) the GCS closes its port at once but its process may linger, and the raylet
+    exits ~10 s later (under load it can outlast the core worker's 60 s): a refused connection to the
+    GCS's port, or either process gone, shows the loss."""
     try:
         from ray._private import worker
 
@@ -70,12 +71,30 @@ def local_ray_lost() -> bool:
         if lock is not None and not lock.acquire(blocking=False):
             return False  # Ray is killing its processes itself
         try:
-            return any(kind in ("gcs_server", "raylet") for kind, _ in node.dead_processes())
+            if any(kind in ("gcs_server", "raylet") for kind, _ in node.dead_processes()):
+                return True
+            return _refuses_connections(node.gcs_address)
         finally:
             if lock is not None:
                 lock.release()
     except Exception:  # a Ray without these internals: assume alive (the plain stop path)
         return False
+
+
+def _refuses_connections(address: str) -> bool:
+    """True when nothing listens at ``address`` ("host:port") any more: a GCS sent SIGTERM closes its
+    port at once, while its process lingers and the raylet takes 10 s (on a loaded machine over the
+    core worker's 60 s) to exit. A refused connection is definitive; a timeout (a frozen GCS) is not."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def kill_local_ray() -> None:

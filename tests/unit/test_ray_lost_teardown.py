@@ -302,3 +302,28 @@ def test_serve_actors_stopped_by_a_group_sigterm_ends_at_once_with_exit_code_0(
     for pid in ray_info["pids"]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_the_loss_shows_as_soon_as_the_gcs_closes_its_port(tmp_path) -> None:
+    """A SIGTERM'd GCS closes its port at once while its process lingers; the raylet exits ~10 s later,
+    and in one CI run not within the core worker's 60 s (serve-actors then died with exit code 1). The
+    loss must show from the refused connection alone: here only the GCS gets the signal (the raylet
+    stays up) and local_ray_lost() turns true within 3 s. Before, it waited for a process to exit."""
+    result = _child(
+        tmp_path,
+        """
+        from asyncrl.actors.pool import init_ray, local_ray_lost
+        assert init_ray(cfg)
+        node = ray._private.worker._global_node
+        gcs = node.all_processes["gcs_server"][0].process
+        raylet = node.all_processes["raylet"][0].process
+        before = local_ray_lost()
+        os.kill(gcs.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        while not local_ray_lost() and time.monotonic() - t0 < 20:
+            time.sleep(0.1)
+        done({"before": before, "took": time.monotonic() - t0, "raylet_alive": raylet.poll() is None})
+        """,
+    )
+    assert result["before"] is False, result
+    assert result["took"] < 3 and result["raylet_alive"], result
