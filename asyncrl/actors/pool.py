@@ -275,6 +275,11 @@ class ActorPool:
         """Make actor ``i`` exit its process from inside (``os._exit``), like a crash."""
         self.actors[i].crash.remote()
 
+    @property
+    def owns_local_ray(self) -> bool:
+        """This pool started the local Ray it runs on (its GCS and raylet live and die with this process)."""
+        return self._started_ray
+
     def stop_bounded(self, poll_s: float = 0.5) -> list[dict[str, Any]]:
         """:meth:`stop`, abandoned as soon as the local Ray this pool started has lost its GCS or raylet.
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .pool import ActorPool
-from .ray_loss import RayLost, exit_now
+from .ray_loss import RayLost, exit_now, local_ray_lost
 from .supervision import PoolLeaseLost
 
 __all__ = ["PoolLease", "serve_actors"]
@@ -42,7 +42,9 @@ def serve_actors(
     and every engine is shut down. A SIGTERM to the whole process group (it kills the local Ray's GCS
     and raylet too) abandons the stop once the loss shows, kills what is left of Ray and ends the
     process with os._exit (:func:`asyncrl.actors.ray_loss.exit_now`): exit code 0, or the CLI's for an
-    error that ended the pool. A failed, dead or silent actor is replaced (see
+    error that ended the pool. A GCS or raylet of its own local Ray that exits without a signal (OOM
+    killer, a crash) ends it the same way with exit code 1 and one line that says so, within seconds
+    (before, Ray's core worker aborted the process 60 s later). A failed, dead or silent actor is replaced (see
     :mod:`asyncrl.actors.supervision`); raises ``ActorSupervisionError`` once a slot has failed more
     than ``run.max_restarts`` times. Returns the final counters.
     """
@@ -53,7 +55,7 @@ def serve_actors(
             previous[sig] = signal.signal(sig, lambda *_: stop_event.set())
     from asyncrl.buffer import ReplayBuffer
 
-    from .supervision import ActorSupervisor, LapsedPoolReclaimer
+    from .supervision import ActorSupervisionError, ActorSupervisor, LapsedPoolReclaimer
 
     # Renewed from its own thread from here on (pool.start() can take minutes); a lost lease stops the pool.
     lease = PoolLease(cfg, redis_url, redis_password, on_lost=stop_event.set)
@@ -76,6 +78,13 @@ def serve_actors(
             lease.check()  # no replacement spawned under ids that may be another pool's
             for msg in supervisor.poll():
                 log.warning("%s", msg)
+            if pool.owns_local_ray and local_ray_lost():  # no actor can run or be replaced without them
+                if not stop_event.wait(2.0):  # a SIGTERM to the process group (it killed them) sets it first
+                    raise ActorSupervisionError(
+                        "the local Ray's GCS or raylet exited (no actor can run or be replaced; Ray's logs: "
+                        "/tmp/ray/session_latest/logs)"
+                    )
+                break
             if time.monotonic() >= next_lapsed_check:
                 lapsed.poll()
                 next_lapsed_check = time.monotonic() + lease.TTL_S / 3

@@ -327,3 +327,41 @@ def test_the_loss_shows_as_soon_as_the_gcs_closes_its_port(tmp_path) -> None:
     )
     assert result["before"] is False, result
     assert result["took"] < 3 and result["raylet_alive"], result
+
+
+def test_serve_actors_whose_gcs_dies_without_a_signal_ends_at_once_with_one_line(
+    tmp_path, redis_server, run_name
+):
+    """The GCS of serve-actors' own local Ray killed alone (kill -9: the OOM killer, a crash), no signal
+    to serve-actors: its supervision loop waited on the dead GCS until Ray's core worker aborted it 60 s
+    later (exit 1, Ray's abort text, its pool lease left to lapse). Now the loss ends it within
+    seconds: exit code 1, one `asyncrl: error:` line naming the GCS, no traceback, the lease released."""
+    rdir = tmp_path / "run"
+    rdir.mkdir()
+    log = tmp_path / "child.log"
+    args = [str(rdir), f"redis.url={redis_server.url}", f"run.dir={tmp_path}", f"run.name={run_name}"]
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE, *args], stdout=subprocess.PIPE,
+                            stderr=log.open("wb"), text=True, start_new_session=True)  # fmt: skip
+    timer = threading.Timer(90, os.killpg, (proc.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("READY"):
+                gcs = json.loads((rdir / "ray.json").read_text())["pids"][0]
+                killed = time.monotonic()
+                os.kill(gcs, signal.SIGKILL)
+        proc.wait()
+        took = time.monotonic() - killed
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = log.read_text()
+    assert proc.returncode == 1 and "Traceback" not in err, err[-4000:]
+    assert took < 30, (took, err[-4000:])
+    assert "asyncrl: error: the local Ray's GCS or raylet exited" in err, err[-4000:]
+    from asyncrl.buffer import ReplayBuffer
+
+    assert ReplayBuffer(redis_server.client(), run_name).pool_leases_held([0]) == [False]
