@@ -263,15 +263,9 @@ _SERVE = textwrap.dedent(
 )
 
 
-def test_serve_actors_stopped_by_a_group_sigterm_ends_at_once_with_exit_code_0(
-    tmp_path, redis_server, run_name
-):
-    """`asyncrl serve-actors` under a SIGTERM to its whole process group (``timeout``, systemd, scancel),
-    which kills its local Ray's GCS and raylet too: its pool's stop waited on the dead GCS, then raised
-    (a RuntimeError traceback, exit code 1) and the process hung in Ray's exit handler until Ray's core
-    worker aborted it (~2 min). Now the stop is abandoned once the loss shows, Ray's processes killed and
-    the process ends with the exit code of a stop (0), its log lines flushed. Its local Ray keeps Ray's
-    GCS reconnect timeout (the longer one covers `asyncrl run`'s learner stop)."""
+def _serve_then(tmp_path, redis_server, run_name, act) -> tuple[subprocess.Popen, float, str]:
+    """Run `_SERVE` (serve-actors with a bare actor) in a process group of its own, call ``act(pid)`` when
+    it says READY; the process, the seconds from ``act`` to its exit and its stderr."""
     rdir = tmp_path / "run"
     rdir.mkdir()
     log = tmp_path / "child.log"
@@ -284,16 +278,31 @@ def test_serve_actors_stopped_by_a_group_sigterm_ends_at_once_with_exit_code_0(
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("READY"):
-                signalled = time.monotonic()
-                os.killpg(proc.pid, signal.SIGTERM)
+                acted = time.monotonic()
+                act(proc.pid)
         proc.wait()
-        took = time.monotonic() - signalled
+        took = time.monotonic() - acted
     finally:
         timer.cancel()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    err = log.read_text()
+    return proc, took, log.read_text()
+
+
+def test_serve_actors_stopped_by_a_group_sigterm_ends_at_once_with_exit_code_0(
+    tmp_path, redis_server, run_name
+):
+    """`asyncrl serve-actors` under a SIGTERM to its whole process group (``timeout``, systemd, scancel),
+    which kills its local Ray's GCS and raylet too: its pool's stop waited on the dead GCS, then raised
+    (a RuntimeError traceback, exit code 1) and the process hung in Ray's exit handler until Ray's core
+    worker aborted it (~2 min). Now the stop is abandoned once the loss shows, Ray's processes killed and
+    the process ends with the exit code of a stop (0), its log lines flushed. Its local Ray keeps Ray's
+    GCS reconnect timeout (the longer one covers `asyncrl run`'s learner stop)."""
+    rdir = tmp_path / "run"
+    proc, took, err = _serve_then(
+        tmp_path, redis_server, run_name, lambda pid: os.killpg(pid, signal.SIGTERM)
+    )
     ray_info = json.loads((rdir / "ray.json").read_text())
     assert proc.returncode == 0 and "Traceback" not in err, err[-4000:]
     assert took < 45, (took, err[-4000:])
@@ -336,29 +345,11 @@ def test_serve_actors_whose_gcs_dies_without_a_signal_ends_at_once_with_one_line
     to serve-actors: its supervision loop waited on the dead GCS until Ray's core worker aborted it 60 s
     later (exit 1, Ray's abort text, its pool lease left to lapse). Now the loss ends it within
     seconds: exit code 1, one `asyncrl: error:` line naming the GCS, no traceback, the lease released."""
-    rdir = tmp_path / "run"
-    rdir.mkdir()
-    log = tmp_path / "child.log"
-    args = [str(rdir), f"redis.url={redis_server.url}", f"run.dir={tmp_path}", f"run.name={run_name}"]
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE, *args], stdout=subprocess.PIPE,
-                            stderr=log.open("wb"), text=True, start_new_session=True)  # fmt: skip
-    timer = threading.Timer(90, os.killpg, (proc.pid, signal.SIGKILL))
-    timer.start()
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("READY"):
-                gcs = json.loads((rdir / "ray.json").read_text())["pids"][0]
-                killed = time.monotonic()
-                os.kill(gcs, signal.SIGKILL)
-        proc.wait()
-        took = time.monotonic() - killed
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    err = log.read_text()
+
+    def kill_the_gcs(pid: int) -> None:
+        os.kill(json.loads((tmp_path / "run" / "ray.json").read_text())["pids"][0], signal.SIGKILL)
+
+    proc, took, err = _serve_then(tmp_path, redis_server, run_name, kill_the_gcs)
     assert proc.returncode == 1 and "Traceback" not in err, err[-4000:]
     assert took < 30, (took, err[-4000:])
     assert "asyncrl: error: the local Ray's GCS or raylet exited" in err, err[-4000:]
