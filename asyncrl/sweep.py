@@ -35,7 +35,7 @@ from typing import Any
 from asyncrl.config import Config, ConfigError
 from asyncrl.launch import stop_process
 from asyncrl.lifetime import die_with_parent
-from asyncrl.orchestrator import read_summary
+from asyncrl.run_summary import read_summary
 from asyncrl.sweep_report import SeedRun, few_seeds_warning, write_report
 from asyncrl.sweep_runs import step_problem
 from asyncrl.sweep_spec import SweepSpec, config_hash, flat_config, load_spec

@@ -16,8 +16,8 @@ import logging
 from typing import Any
 
 from asyncrl.config import Config, ConfigError, LearnerConfig, load_config
-from asyncrl.orchestrator import read_summary
 from asyncrl.proc_identity import start_time as _proc_start  # None for a zombie: it no longer runs
+from asyncrl.run_summary import read_summary
 from asyncrl.sweep_report import SeedRun
 from asyncrl.sweep_runs import config_value, step_problem
 from asyncrl.sweep_spec import SweepSpec, changed_config, config_hash, flat_config
