@@ -7,6 +7,11 @@ the next prompt, sample its group on the engine, score it off the event loop, an
 Invariants: a group that was admitted but not written (aborted, failed, reward failure) returns its
 slot (credit or abandon with a dead letter), so admission cannot leak; a buffer write, once started,
 runs to its end under cancellation and is awaited before a reclaim or shutdown (:meth:`_write`).
+
+A prompt the engine refuses (longer than ``model.max_model_len``, ...) is dead-lettered once per run and
+recorded in Redis (``asyncrl:{R}:poison_prompts``): later epochs, the other actors and pools and a resumed
+run pass over its positions without asking the engine (``prompts_skipped``); every prompt refused ends
+the actor (:meth:`GroupProduction._claim_prompt`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,18 @@ def _reward_name(task: Any) -> str:
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     code = getattr(fn, "__code__", None)
     return f"{name} at {code.co_filename}:{code.co_firstlineno}" if code is not None else name
+
+
+class _PoisonPrompts:
+    """An actor's copy of the run's refused prompts (``asyncrl:{R}:poison_prompts``) and its log state."""
+
+    def __init__(self, ids: set[str]) -> None:
+        self.ids = ids  # the task's prompt ids: all of them refused ends the actor
+        self.known: dict[str, str] = {}  # prompt id -> reason
+        self.epoch = -1  # the newest epoch of the prompt order at whose turn the record was read
+        self.loading: asyncio.Future | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.logged: set[str] = set()  # prompts whose skip was logged
 
 
 class GroupProduction:
@@ -238,6 +255,81 @@ class GroupProduction:
             + f"); last failure: {reason}"
         )
 
+    def _poison(self) -> _PoisonPrompts:
+        """This actor's view of the run's refused prompts (made on first use: the mixin has no __init__)."""
+        p = self.__dict__.get("_poison_prompts")
+        if p is None:
+            ids = {x.prompt_id for x in getattr(self.task, "prompts", ())}
+            p = self.__dict__["_poison_prompts"] = _PoisonPrompts(ids)
+        return p
+
+    async def _poison_known(self, seq: int) -> dict[str, str]:
+        """Prompt id -> reason of the prompts refused in this run (the Redis record, read again when this
+        actor reaches a new epoch of the prompt order, plus its own refusals since). A prompt comes once
+        an epoch: a refusal recorded during epoch e is known to every actor by its next turn in epoch
+        e + 1 (but for a refusal still in flight then: asked again, it is not dead-lettered twice)."""
+        p = self._poison()
+        epoch = seq // max(len(self.source) if hasattr(self.source, "__len__") else len(p.ids), 1)
+        loop = asyncio.get_running_loop()
+        fut = p.loading
+        failed = fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None)
+        if fut is None or failed or epoch > p.epoch or p.loop is not loop:
+            p.epoch, p.loop = max(p.epoch, epoch), loop
+            limit = int(self.cfg.model.max_model_len)
+            fut = p.loading = asyncio.ensure_future(asyncio.to_thread(self.buffer.poison_prompts, limit))
+
+            def merge(f: asyncio.Future) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    p.known.update(f.result())
+
+            fut.add_done_callback(merge)
+        if not fut.done():
+            await asyncio.shield(fut)  # every worker waits for it: none asks the engine meanwhile
+        if fut.exception() is not None:  # Redis gone past the retry budget: the loop fails, as a claim's
+            raise fut.exception()
+        return p.known
+
+    async def _claim_prompt(self) -> tuple[int, Prompt]:
+        """The next position of the run's prompt order and its prompt, passing over the positions of
+        prompts the engine refused earlier in the run (by any actor of any pool, before a resume too):
+        each such position is counted in ``prompts_skipped`` (the first per prompt logged) and costs one
+        Redis INCR, not an engine request, a group slot or a dead letter. Every prompt refused: an
+        :class:`ActorFatalError` (the run ends with the reason; it would otherwise claim positions for
+        ever, generating nothing)."""
+        while True:
+            seq = await asyncio.to_thread(self.buffer.claim_prompt_seq)
+            prompt = self.source.at(seq)
+            known = await self._poison_known(seq)
+            reason = known.get(prompt.prompt_id)
+            if reason is None:
+                return seq, prompt
+            self.counters["prompts_skipped"] += 1
+            p = self._poison()
+            if prompt.prompt_id not in p.logged:
+                p.logged.add(prompt.prompt_id)
+                log.warning("%s: prompt position %d skipped, as are the prompt's later turns in this run "
+                            "(logged once); refused earlier: %s", self.actor_id, seq, reason)  # fmt: skip
+            if p.ids and len(known) >= len(p.ids) and p.ids <= known.keys():
+                limit = self.cfg.model.max_model_len
+                raise ActorFatalError(
+                    f"{self.actor_id}: every prompt of task {self.task.name!r} ({len(p.ids)}) was refused by "
+                    f"the engine (model.max_model_len={limit}): nothing to generate; e.g. {reason}"
+                )
+
+    async def _refused(self, prompt: Prompt, group_id: str, reason: str) -> None:
+        """The engine refused ``prompt`` (the request itself is bad): recorded for the run in Redis, so
+        that no actor asks again (:meth:`_claim_prompt`), and dead-lettered with ``reason`` the first
+        time (``groups_rejected``); refused again (another actor asked before it knew), its slot goes
+        back without a second dead letter (``prompts_skipped``)."""
+        limit = int(self.cfg.model.max_model_len)
+        first = await self._write(self.buffer.mark_poison_prompt, prompt.prompt_id, limit, reason)
+        self._poison().known[prompt.prompt_id] = reason
+        if first:
+            log.warning("%s: group %s dropped: %s", self.actor_id, group_id, reason)
+            await self._write(self.buffer.abandon, group_id, self.actor_id, reason, count="groups_rejected")
+        else:
+            await self._write(self.buffer.credit, 1, self.actor_id, group_id, count="prompts_skipped")
+
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
         ids = self._prompt_ids.get(prompt.prompt_id)
         if ids is None:
@@ -255,6 +347,7 @@ class GroupProduction:
         a = self.cfg.actors
         assert self.engine is not None
         assert self.source is not None
+        self.counters.setdefault("prompts_skipped", 0)
         while True:
             rec: dict[str, Any] = {"t_try": time.time()}  # the group's timeline (asyncrl.actors.timeline)
             if not await self._admit(rec):
@@ -266,14 +359,16 @@ class GroupProduction:
                 # pool draws from it: no two groups share a prompt position or a sampling seed, whatever
                 # the number of actors and pools, across restarts and a changed actors.num_actors). It
                 # names the group independently of timing: it seeds its sampling and orders it in the
-                # learner's batch (asyncrl.actors.seeding).
-                seq = await asyncio.to_thread(self.buffer.claim_prompt_seq)
+                # learner's batch (asyncrl.actors.seeding). Positions of prompts the engine refused
+                # earlier in the run are passed over (_claim_prompt).
+                seq, prompt = await self._claim_prompt()
             except BaseException:
-                self._give_back(group_id)  # cancelled (stop with abort) or Redis gone: the slot goes back
+                # Cancelled (stop with abort), Redis gone, or every prompt refused (ActorFatalError):
+                # the slot goes back.
+                self._give_back(group_id)
                 self.counters["groups_aborted"] += 1
                 raise
             seed = request_seed(self.cfg.run.seed, 0, seq) if a.seeded_sampling else None
-            prompt = self.source.at(seq)
             try:
                 prompt_ids = self._encode_prompt(prompt)
             except Exception as e:
@@ -298,10 +393,7 @@ class GroupProduction:
                 # it failed the generation loop, whose restarts cancelled every group in flight and
                 # would end the actor after actors.loop_restarts (a task with a few long prompts).
                 reason = f"prompt {prompt.prompt_id!r} ({len(prompt_ids)} tokens) refused by the engine: {e}"
-                log.warning("%s: group %s dropped: %s", self.actor_id, group_id, reason)
-                await self._write(
-                    self.buffer.abandon, group_id, self.actor_id, reason, count="groups_rejected"
-                )
+                await self._refused(prompt, group_id, reason)
                 continue
             except BaseException:
                 # Cancelled (stop with abort) or failed: nothing is written, the slot goes back.

@@ -24,6 +24,7 @@ key                                 type    contents
 ``asyncrl:{R}:pool:<n>``            string  lease of actor pool number n (serve-actors; actor ids)
 ``asyncrl:{R}:broadcast``           hash    NCCL weight-broadcast control plane (broadcast.py)
 ``asyncrl:{R}:prompt_seq``          string  prompt positions claimed by all actors (int; the run's one prompt order)
+``asyncrl:{R}:poison_prompts``      hash    ``<max_model_len>:<prompt id>`` -> reason: prompts the engine refused (skipped after)
 ==================================  ======  ================================================
 
 The consumer group on the rollouts stream is ``learner`` unless configured otherwise.
@@ -149,6 +150,12 @@ class Keys:
         """Prompt positions claimed so far by every actor of every pool (one order per run)."""
         return self._k("prompt_seq")
 
+    @property
+    def poison_prompts(self) -> str:
+        """Prompts the engine refused (the request itself bad), by the ``model.max_model_len`` refused at:
+        every actor of every pool skips them after (registry.RunRegistry.mark_poison_prompt)."""
+        return self._k("poison_prompts")
+
     def all_keys(self) -> list[str]:
         """Every data key of the run (not the channel), e.g. to delete a run."""
         return [
@@ -166,4 +173,5 @@ class Keys:
             self.learner,
             self.broadcast,
             self.prompt_seq,
+            self.poison_prompts,
         ]

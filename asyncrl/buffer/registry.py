@@ -170,6 +170,27 @@ class RunRegistry:
         """Positions of the prompt order claimed so far."""
         return int(self._client.get(self.keys.prompt_seq) or 0)
 
+    def mark_poison_prompt(self, prompt_id: str, max_model_len: int, reason: str) -> bool:
+        """Remember for the run that the engine refused ``prompt_id`` (the request itself is bad: longer
+        than ``model.max_model_len``, ...) at that limit; True for the first such record of the prompt at
+        that limit (its dead letter is written then), False when one exists (another actor or pool was
+        first). One HSETNX: a retried call finds its own record and says False, its dead letter unwritten."""
+        field = f"{int(max_model_len)}:{prompt_id}"
+        return bool(self._client.hsetnx(self.keys.poison_prompts, field, reason))
+
+    def poison_prompts(self, max_model_len: int) -> dict[str, str]:
+        """Prompt id -> reason of the prompts refused at a ``model.max_model_len`` of ``max_model_len`` or
+        more: refused now too (a resume with the limit raised asks the engine again). Actors skip them."""
+        out: dict[str, str] = {}
+        for field, reason in self._client.hgetall(self.keys.poison_prompts).items():
+            limit, _, prompt_id = _s(field).partition(":")
+            try:
+                if int(limit) >= max_model_len:
+                    out[prompt_id] = _s(reason)
+            except ValueError:  # a field not written by mark_poison_prompt: not ours to read
+                continue
+        return out
+
     # ------------------------------------------------------------------ heartbeats and status
 
     def heartbeat(self, actor_id: str, info: Mapping[str, Any]) -> None:
