@@ -80,6 +80,13 @@ ACTOR_METRICS: tuple[Metric, ...] = (
         "groups_rejected",
     ),
     Metric(
+        "asyncrl_actor_skipped_prompts_total",
+        "counter",
+        "Prompt positions passed over because the engine refused their prompt earlier in the run (recorded "
+        "in Redis at its first refusal, dead-lettered then): no engine request, group slot or dead letter.",
+        "prompts_skipped",
+    ),
+    Metric(
         "asyncrl_actor_loop_restarts_total",
         "counter",
         "Restarts of the actor's failed generation loop (actors.loop_restarts).",

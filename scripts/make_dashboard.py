@@ -53,6 +53,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("engine errors/s {{actor}}", "rate(asyncrl_actor_engine_errors_total[5m])"),
             ("reward failures/s {{actor}}", "rate(asyncrl_actor_reward_failures_total[5m])"),
             ("rejected by the engine/s {{actor}}", "rate(asyncrl_actor_rejected_groups_total[5m])"),
+            ("refused prompts skipped/s {{actor}}", "rate(asyncrl_actor_skipped_prompts_total[5m])"),
             ("loop restarts {{actor}}", "increase(asyncrl_actor_loop_restarts_total[15m])"),
         ]),
     ]),

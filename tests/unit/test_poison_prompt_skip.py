@@ -24,6 +24,7 @@ from asyncrl.actors.rewards import RewardRunner
 from asyncrl.actors.supervision import ActorFatalError
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import load_config
+from asyncrl.metrics_export import actor_collector
 from asyncrl.tasks import FunctionTask, Prompt
 
 #: 8 prompts, 2 of them too long for any engine here.
@@ -147,6 +148,10 @@ def test_a_refused_prompt_is_dead_lettered_once_and_skipped_in_later_epochs(buf,
     assert len(skips) == 2, skips  # once per prompt, not per skip
     assert all("refused by the engine" in m and "longer than the maximum model length" in m for m in skips)
     assert set(buf.poison_prompts(256)) == LONG
+    samples = {
+        s.name: s.value for f in actor_collector("actor-0", lambda: dict(c)).collect() for s in f.samples
+    }
+    assert samples["asyncrl_actor_skipped_prompts_total"] == c["prompts_skipped"]  # the /metrics counter
 
 
 def test_other_actors_and_a_resumed_run_skip_without_asking_the_engine(buf) -> None:
