@@ -320,15 +320,22 @@ class GroupProduction:
         """The engine refused ``prompt`` (the request itself is bad): recorded for the run in Redis, so
         that no actor asks again (:meth:`_claim_prompt`), and dead-lettered with ``reason`` the first
         time (``groups_rejected``); refused again (another actor asked before it knew), its slot goes
-        back without a second dead letter (``prompts_skipped``)."""
+        back without a second dead letter (``prompts_skipped``). The record and the slot's return are one
+        write (:meth:`_write`): a stop with abort between them cannot keep the slot."""
         limit = int(self.cfg.model.max_model_len)
-        first = await self._write(self.buffer.mark_poison_prompt, prompt.prompt_id, limit, reason)
-        self._poison().known[prompt.prompt_id] = reason
-        if first:
-            log.warning("%s: group %s dropped: %s", self.actor_id, group_id, reason)
-            await self._write(self.buffer.abandon, group_id, self.actor_id, reason, count="groups_rejected")
-        else:
-            await self._write(self.buffer.credit, 1, self.actor_id, group_id, count="prompts_skipped")
+
+        async def record() -> None:
+            first = await asyncio.to_thread(self.buffer.mark_poison_prompt, prompt.prompt_id, limit, reason)
+            self._poison().known[prompt.prompt_id] = reason
+            if first:
+                log.warning("%s: group %s dropped: %s", self.actor_id, group_id, reason)
+                await asyncio.to_thread(self.buffer.abandon, group_id, self.actor_id, reason)
+                self.counters["groups_rejected"] += 1  # once written (the dead-letter stream's count)
+            else:
+                await asyncio.to_thread(self.buffer.credit, 1, self.actor_id, group_id)
+                self.counters["prompts_skipped"] += 1
+
+        await self._write(record)
 
     def _encode_prompt(self, prompt: Prompt) -> list[int]:
         ids = self._prompt_ids.get(prompt.prompt_id)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -210,3 +212,29 @@ def test_a_run_whose_prompts_are_all_refused_ends_instead_of_spinning(buf) -> No
     assert "longer than the maximum model length of 256" in msg
     assert w.long_asked == 4 and w.counters["groups_rejected"] == 4 and w.counters["groups_written"] == 0
     assert _dead_prompts(buf) == ["p-0", "p-1", "p-2", "p-3"] and _balanced(buf)["depth"] == 0
+
+
+def test_a_stop_while_the_refusal_is_recorded_still_returns_the_slot(buf) -> None:
+    """A stop with abort (the worker cancelled) while the refusal's record is written: the record, the
+    dead letter and the slot's return still land (admission cannot leak)."""
+    w = _Worker(buf, prompts=[Prompt(f"p-{i}", f"long {i}") for i in range(2)])
+    record, started = buf.mark_poison_prompt, threading.Event()
+
+    def slow_record(*args):
+        started.set()
+        time.sleep(0.3)
+        return record(*args)
+
+    buf.mark_poison_prompt = slow_record
+    w._max_groups = 10
+
+    async def main() -> None:
+        worker = asyncio.ensure_future(w._group_worker())
+        assert await asyncio.to_thread(started.wait, 10)
+        worker.cancel()
+        await asyncio.gather(worker, return_exceptions=True)
+        await w._writes_done()
+
+    asyncio.run(main())
+    assert len(buf.poison_prompts(256)) == 1 and w.counters["groups_rejected"] == 1
+    assert _balanced(buf)["dead"] == 1  # before: the slot stayed in the actor's in-flight tally
