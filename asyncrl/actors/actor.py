@@ -88,6 +88,9 @@ def initial_counters(actor_id: str) -> dict[str, Any]:
         # Prompts the engine refused or the chat template could not render (group_worker: dead-lettered,
         # slot credited).
         "groups_rejected": 0,
+        # Prompt positions passed over because the engine refused that prompt earlier in the run
+        # (group_worker._claim_prompt: asyncrl:{R}:poison_prompts).
+        "prompts_skipped": 0,
         # Slots taken for the version a swap was preparing (group_worker._await_swap), and those
         # given back because that swap did not serve it.
         "preadmissions": 0,

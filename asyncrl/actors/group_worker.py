@@ -354,7 +354,6 @@ class GroupProduction:
         a = self.cfg.actors
         assert self.engine is not None
         assert self.source is not None
-        self.counters.setdefault("prompts_skipped", 0)
         while True:
             rec: dict[str, Any] = {"t_try": time.time()}  # the group's timeline (asyncrl.actors.timeline)
             if not await self._admit(rec):

@@ -80,7 +80,7 @@ class _Worker(GroupProduction):
         self.rewards = RewardRunner(self.task, 5.0)
         self.source = self.task.source(0, 0, 1)
         self.counters = {k: 0 for k in ("groups_written", "groups_aborted", "generated_tokens", "admission_wait_s",
-                                        "admission_blocked", "groups_reward_failed", "groups_rejected")}  # fmt: skip
+                                        "admission_blocked", "groups_reward_failed", "groups_rejected", "prompts_skipped")}  # fmt: skip
         self.timeline = SimpleNamespace(record=lambda *a, **k: None)
         self._tokenizer, self._prompt_ids = _Tokenizer(), {}
         self._stop_requested, self._max_groups, self._started = False, None, 0
