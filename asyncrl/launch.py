@@ -18,7 +18,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.config import Config
@@ -171,17 +173,23 @@ class EarlyRay:
     Start-up is the actor's chain (Ray, actor process, vLLM engine) and it used to begin only after the
     model build, Redis and the learner's launch (~4 s in on the 2-core box); Ray's start (~3 s, mostly
     waiting on its own processes) now overlaps them. Ray may install a native SIGTERM handler while it
-    starts: :meth:`result` (main thread) puts the run's handlers back.
+    starts: :meth:`result` (main thread) puts the run's handlers back. `asyncrl serve-actors`' pool
+    starts Ray the same way (asyncrl.actors.pool.ActorPool.start), so that both commands' wait for Ray
+    is bounded and ends at their stop.
 
     Invariant: the thread lives until :meth:`release`, i.e. until Ray is shut down. Ray starts its GCS
     and raylet with ``PR_SET_PDEATHSIG``, which follows the *thread* that spawned them: a thread that
-    ended after ``ray.init`` took the GCS down with it."""
+    ended after ``ray.init`` took the GCS down with it. A wait that :meth:`result` gave up on (the stop,
+    or ``ray.start_timeout_s``) leaves ``ray.init`` running in its daemon thread: nothing can interrupt
+    it (an unreachable address is retried for good); :meth:`shutdown` then kills what it started."""
 
     def __init__(self, cfg: Config, gcs_reconnect_timeout_s: int | None = None) -> None:
         self._gcs_reconnect_timeout_s = gcs_reconnect_timeout_s  # for init_ray (asyncrl run passes one)
+        self._address, self._timeout_s = cfg.ray.address, cfg.ray.start_timeout_s
         self._handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         self._done, self._release = threading.Event(), threading.Event()
         self._owned = False
+        self._gave_up = False  # result() stopped waiting for ray.init (see shutdown)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(cfg,), name="ray-init", daemon=True)
         self._thread.start()
@@ -197,19 +205,44 @@ class EarlyRay:
             self._done.set()
         self._release.wait()
 
-    def result(self) -> bool:
-        """Wait for Ray; True when this run started it (re-raises ray.init's error)."""
-        self._done.wait()
-        for s, h in self._handlers.items():
-            if h is not None:
-                signal.signal(s, h)
+    def result(self, check: Callable[[], None] = lambda: None, poll_s: float = 0.2) -> bool:
+        """Wait for Ray; True when this run started it (re-raises ray.init's error). ``check()`` runs
+        every ``poll_s`` while Ray starts and raises to give the wait up (the command's stop:
+        asyncrl.actors.ray_setup.StartStopped); past ``ray.start_timeout_s``, :class:`RayConnectError`
+        names ``ray.address`` and what to check. Before, an address that refused connections held the
+        command for good (ray.init retries it) and a signal meanwhile did nothing."""
+        from asyncrl.actors.ray_setup import RayConnectError, ray_start_timeout_message
+
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            while not self._done.wait(min(poll_s, max(deadline - time.monotonic(), 0.0))):
+                try:
+                    check()
+                    if time.monotonic() >= deadline:
+                        raise RayConnectError(ray_start_timeout_message(self._address, self._timeout_s))
+                except BaseException:
+                    self._gave_up = True
+                    raise
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                for s, h in self._handlers.items():
+                    if h is not None:
+                        signal.signal(s, h)
         if self._error is not None:
             raise self._error
         return self._owned
 
-    def shutdown(self) -> None:
-        """Stop the Ray this run started, when the run failed before an actor pool took it over."""
-        self._done.wait()
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the Ray this run started, when the run failed before an actor pool took it over. With
+        ``ray.init`` still running (:meth:`result` gave up on it, or ``wait`` is false: the command's stop
+        came), what it started so far is killed and RayLost raised: the process must end with os._exit
+        (Ray's atexit shutdown would meet the unfinished ray.init)."""
+        # Not given up on yet (a run that failed while Ray started): its start gets its bound to finish.
+        if not self._done.wait(self._timeout_s if wait and not self._gave_up else 0):
+            from asyncrl.actors.ray_loss import RayLost, kill_local_ray
+
+            kill_local_ray()
+            raise RayLost()
         if self._owned:
             import ray
 

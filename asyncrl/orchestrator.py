@@ -52,6 +52,7 @@ import sys
 import threading
 import time
 
+from asyncrl.actors.ray_setup import StartStopped, stop_check  # stdlib only (asyncrl.actors is lazy)
 from asyncrl.config import Config, ConfigError, run_dir, to_yaml
 from asyncrl.config.resume import check_resume
 from asyncrl.config.resume import has_run_state as has_prior_run  # its name here before it moved
@@ -155,13 +156,15 @@ def _run_all(
         # way `asyncrl serve-actors` does: a serve-actors joining the run then leases another number instead
         # of running actor-0.. beside ours, and a dead joined pool's slots are reclaimed here too.
         lease = PoolLease(cfg, url, None, on_lost=stop.set)
-        owns_ray = early_ray.result()
+        # Bounded (ray.start_timeout_s: an unreachable ray.address was retried for good) and given up at
+        # the run's stop, as the pool's start below: a signal while either waited was seen only after it.
+        owns_ray = early_ray.result(stop_check(stop))
         pool = ActorPool(cfg, rdir, redis_url=url, cpu_plan=sup.cpu_plan, owns_ray=owns_ray,
                          gcs_reconnect_timeout_s=driver_gcs_timeout_s(cfg))  # fmt: skip
         if sup.cpu_plan is not None:
             _say(progress, f"cpu binding: learner on cores {list(sup.cpu_plan.learner)}, "
                            f"engines on {[list(b) for b in sup.cpu_plan.engines]} (run.cpu_binding=off to disable)")  # fmt: skip
-        pool.start(check=lease.check)
+        pool.start(check=stop_check(stop, lease.check))
         # A short socket timeout and retry budget: a frozen or dead Redis must not freeze the loop that
         # restarts it (the pass fails, the next one restarts redis-server). With redis.retry_budget_s
         # (120 s) a Redis that died mid-pass held the loop while the roles' own budgets ran out.
@@ -210,6 +213,9 @@ def _run_all(
             extra["buffer"] = buf.stats()
         except Exception as e:  # the summary must still be written
             extra["buffer_error"] = f"{type(e).__name__}: {e}"
+    except StartStopped:  # the stop came while Ray or the pool started: an interrupted run, as any stop
+        if lease is not None and lease.lost:  # it set the stop event
+            status, error = "failed", lease.lost
     except Exception as e:
         status, error = "failed", f"{type(e).__name__}: {e}"
         raise

@@ -35,6 +35,7 @@ from .ray_loss import RayLost, call_bounded, kill_local_ray, local_ray_lost
 from .ray_setup import (
     GCS_LOSS_MARGIN_S,
     GCS_RECONNECT_KEY,
+    StartStopped,
     actor_env,
     actor_runtime_env,
     driver_gcs_timeout_s,
@@ -86,8 +87,9 @@ class ActorPool:
         self._stopped = False
         self._pg: Any = None  # the actors' placement group: bundle i is actor slot i's reservation
         #: stop_bounded() found the local Ray this pool started without its GCS or raylet and abandoned
-        #: the Ray calls: the caller must end its process with os._exit (Ray's atexit shutdown would wait
-        #: on the dead GCS until Ray's core worker aborts the process, exit code 1).
+        #: the Ray calls (or start() gave up on an unfinished ray.init): the caller must end its process
+        #: with os._exit (Ray's atexit shutdown would wait on the dead GCS until Ray's core worker aborts
+        #: the process, exit code 1).
         self.ray_lost = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -97,18 +99,31 @@ class ActorPool:
     ) -> ActorPool:
         """Start (or attach to) Ray and launch every actor's loop; returns without waiting for them.
 
-        ``check()`` runs between the (slow) start-up steps and right before any actor is spawned, and
-        raises to abort the start (serve-actors: the pool lost its number's lease, so its actor ids may
-        be another pool's; an actor spawned now would reclaim that pool's in-flight admission slots)."""
+        ``check()`` runs between the (slow) start-up steps, while Ray starts and the placement group
+        waits, and right before any actor is spawned, and raises to abort the start: the command's stop
+        (asyncrl.actors.ray_setup.StartStopped), or serve-actors' lost lease (its actor ids may be another
+        pool's; an actor spawned now would reclaim that pool's in-flight admission slots)."""
 
+        import ray
+
+        from asyncrl.launch import EarlyRay
         from asyncrl.tinymodel import resolve_model_path
 
         check = check or (lambda: None)
-        # Build the tiny model once here: N actors building it concurrently would race on the dir.
-        model_path = resolve_model_path(self.cfg, self.run_dir)
-        check()
-        if init_ray(self.cfg, self.gcs_reconnect_timeout_s):
-            self._started_ray = True
+        # Ray starts in a thread (serve-actors; `asyncrl run` started it already), overlapping the model
+        # build, so that its wait is bounded (ray.start_timeout_s) and ends at check()'s stop: on the
+        # main thread an unreachable ray.address held the command for good, deaf to its signals.
+        ray_start = None if ray.is_initialized() else EarlyRay(self.cfg, self.gcs_reconnect_timeout_s)
+        try:
+            # Build the tiny model once here: N actors building it concurrently would race on the dir.
+            model_path = resolve_model_path(self.cfg, self.run_dir)
+            check()
+            if ray_start is not None and ray_start.result(check):
+                self._started_ray = True
+        except BaseException as e:
+            if ray_start is not None:  # at the stop, an unfinished ray.init is not waited for
+                self._abandon_ray_start(ray_start, wait=not isinstance(e, StartStopped))
+            raise
         check()
         self._pg = self._placement_group(check=check)
         self._model_path = model_path
@@ -117,6 +132,20 @@ class ActorPool:
         self.run_refs = [h.run.remote(max_groups_per_actor) for h in self.actors]
         self.generations = [0] * len(self.actors)
         return self
+
+    def _abandon_ray_start(self, ray_start: Any, wait: bool) -> None:
+        """The start failed or was stopped while Ray started: stop that Ray. A ``ray.init`` given up on
+        (still running) has what it started killed and :attr:`ray_lost` set: the caller must end its
+        process with os._exit (Ray's atexit shutdown would meet the unfinished ray.init). Nothing of the
+        pool runs and Ray is down: :meth:`stop` has nothing left to do, and its first Ray call
+        (``ray.get([])``) would start a new local Ray (Ray's auto-init), so it is marked done."""
+        self._stopped = True
+        try:
+            ray_start.shutdown(wait)
+        except RayLost:
+            self.ray_lost = True
+        else:
+            ray_start.release()
 
     def _spawn(self, i: int, generation: int) -> Any:
         """Create the Ray actor of slot ``i`` (a replacement gets a fresh name: a killed actor's name

@@ -16,7 +16,7 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .supervision import RayConnectError
@@ -131,6 +131,43 @@ def local_head_system_config(cfg: Any, gcs_reconnect_timeout_s: int | None = Non
     except Exception:  # a Ray without this helper: leave its config alone
         return None
     return {GCS_RECONNECT_KEY: gcs_reconnect_timeout_s}
+
+
+class StartStopped(Exception):
+    """The command's stop (SIGINT/SIGTERM) came while Ray or the actor pool was starting: the start is
+    abandoned and the command ends as for any stop (exit code 0). Raised by the stop check that `asyncrl
+    run` and `asyncrl serve-actors` hand to :meth:`asyncrl.launch.EarlyRay.result` and
+    :meth:`asyncrl.actors.pool.ActorPool.start`; before, the signal was only seen once the start was done
+    (a placement group that could not be placed held it 120 s, an unreachable ray.address for good)."""
+
+    def __init__(self) -> None:
+        super().__init__("stopped while starting")
+
+
+def stop_check(stop: threading.Event, then: Callable[[], None] | None = None) -> Callable[[], None]:
+    """A start check (see :class:`StartStopped`): raises it once ``stop`` is set; ``then()`` first, when
+    given (the pool lease's check)."""
+
+    def check() -> None:
+        if then is not None:
+            then()
+        if stop.is_set():
+            raise StartStopped()
+
+    return check
+
+
+def ray_start_timeout_message(address: str | None, timeout_s: float) -> str:
+    """One line for a Ray that did not come up within ``ray.start_timeout_s``: ray.init keeps retrying an
+    address that refuses or drops connections (no error of its own for minutes), so name what to check."""
+    if address:
+        where = (f"ray.address={address} did not answer; check that a Ray head runs there (`ray status "
+                 f"--address {address}` on that host), that its GCS port is reachable from here, or set "
+                 f"ray.address= (empty) to start a local Ray")  # fmt: skip
+    else:
+        where = ("the local Ray did not come up; see /tmp/ray/session_latest/logs (gcs_server.out, "
+                 "raylet.out) and check free memory and /tmp space")  # fmt: skip
+    return f"Ray did not start within ray.start_timeout_s={timeout_s:g}s: {where}"
 
 
 def ray_connect_message(address: str | None, e: BaseException) -> str:

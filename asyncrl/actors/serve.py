@@ -20,6 +20,7 @@ from typing import Any
 
 from .pool import ActorPool
 from .ray_loss import RayLost, exit_now, local_ray_lost
+from .ray_setup import StartStopped, stop_check
 from .supervision import PoolLeaseLost
 
 __all__ = ["PoolLease", "serve_actors"]
@@ -39,7 +40,9 @@ def serve_actors(
     """Run the actor pool until ``stop_event`` is set or the process gets SIGINT/SIGTERM.
 
     In-flight groups are aborted on stop (never written; their admission slots are credited back)
-    and every engine is shut down. A SIGTERM to the whole process group (it kills the local Ray's GCS
+    and every engine is shut down. A stop during the pool's start (Ray's start, bounded by
+    ``ray.start_timeout_s``; a placement group waiting for a node) gives the start up at once, as in
+    `asyncrl run`: the Ray it started is shut down (an unfinished ray.init: killed, then os._exit(0)). A SIGTERM to the whole process group (it kills the local Ray's GCS
     and raylet too) abandons the stop once the loss shows, kills what is left of Ray and ends the
     process with os._exit (:func:`asyncrl.actors.ray_loss.exit_now`): exit code 0, or the CLI's for an
     error that ended the pool. A GCS or raylet of its own local Ray that exits without a signal (OOM
@@ -64,7 +67,14 @@ def serve_actors(
     buf = ReplayBuffer.from_config(cfg, redis_url, redis_password, socket_timeout=5.0)
     error: BaseException | None = None
     try:
-        pool.start(check=lease.check)
+        try:
+            # Given up at the stop too, as `asyncrl run`'s: a signal during the start (model build, Ray's
+            # start, a placement group waiting for a node) was seen only once it was done, 120 s later for
+            # a group that could not be placed.
+            pool.start(check=stop_check(stop_event, lease.check))
+        except StartStopped:  # the finally-block stops what was started: exit code 0, as for any stop
+            log.info("actor pool %d: stopped while starting", lease.n)
+            return []
         log.info("actor pool %d: %d actors writing to run %r", cfg.actors.pool_index, cfg.actors.num_actors,
                  cfg.run.name)  # fmt: skip
         # The same supervision as `asyncrl run`: a failed, dead or silent actor (heartbeat older than
@@ -102,10 +112,11 @@ def serve_actors(
             lost, results = e, []
         finally:
             _release(buf, lease, previous, quiet=pool.ray_lost)
-        if lost is not None:
+        if lost is not None or pool.ray_lost:
             # Ray's atexit shutdown would wait on the dead GCS until Ray's core worker aborts the
-            # process (exit code 1): end here, with the exit code the command would have had.
-            log.warning("actor pool %d: %s; exiting", lease.n, lost)
+            # process (exit code 1), or meet the ray.init the start gave up on: end here, with the exit
+            # code the command would have had.
+            log.warning("actor pool %d: %s; exiting", lease.n, lost or "Ray's start was given up")
             exit_now(0, error)
     return results
 

@@ -92,6 +92,12 @@ class RedisConfig:
 class RayConfig:
     address: str = F("", "Ray cluster address (e.g. ray://host:10001 or auto). Empty = start a local Ray.")
     num_cpus: int = F(0, "CPUs for a local Ray (0 = let Ray decide).", ge=0)
+    start_timeout_s: float = F(
+        120.0,
+        "Longest wait (s) for Ray to start or for ray.address to answer; then the command fails naming the "
+        "address (Ray itself retried an unreachable one for good). A local Ray starts in seconds.",
+        gt=0,
+    )
 
 
 @dataclass
