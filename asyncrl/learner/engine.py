@@ -68,6 +68,11 @@ def init_distributed(timeout_s: float = 7200.0) -> tuple[int, int]:
     """
     import deepspeed
 
+    from .ext_locks import clear_stale_extension_locks
+
+    # DeepSpeed loads its CPU ops under a torch build lock that a learner stopped during the load
+    # leaves behind; every later load would wait on it for ever (asyncrl.learner.ext_locks).
+    clear_stale_extension_locks()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
