@@ -160,14 +160,30 @@ def stop_check(stop: threading.Event, then: Callable[[], None] | None = None) ->
 def ray_start_timeout_message(address: str | None, timeout_s: float) -> str:
     """One line for a Ray that did not come up within ``ray.start_timeout_s``: ray.init keeps retrying an
     address that refuses or drops connections (no error of its own for minutes), so name what to check."""
-    if address:
-        where = (f"ray.address={address} did not answer; check that a Ray head runs there (`ray status "
-                 f"--address {address}` on that host), that its GCS port is reachable from here, or set "
-                 f"ray.address= (empty) to start a local Ray")  # fmt: skip
+    env = os.environ.get("RAY_ADDRESS")
+    if address or env:
+        # ray.init takes RAY_ADDRESS when ray.address is empty: name the one it used and how to drop it.
+        key = (
+            f"ray.address={address}"
+            if address
+            else f"RAY_ADDRESS={env} (the environment's; ray.address is empty)"
+        )
+        local = "set ray.address= (empty)" if address else "unset RAY_ADDRESS"
+        where = (f"{key} did not answer; check that a Ray head runs there (`ray status --address "
+                 f"{address or env}` on that host), that its GCS port is reachable from here, or {local} to "
+                 f"start a local Ray")  # fmt: skip
     else:
         where = ("the local Ray did not come up; see /tmp/ray/session_latest/logs (gcs_server.out, "
                  "raylet.out) and check free memory and /tmp space")  # fmt: skip
     return f"Ray did not start within ray.start_timeout_s={timeout_s:g}s: {where}"
+
+
+def _where(address: str | None) -> str:
+    """The cluster ray.init reaches for: ``ray.address``, else RAY_ADDRESS, else a new local one."""
+    if address:
+        return address
+    env = os.environ.get("RAY_ADDRESS")
+    return f"{env} (RAY_ADDRESS; ray.address is empty)" if env else "a new local cluster"
 
 
 def ray_connect_message(address: str | None, e: BaseException) -> str:
@@ -177,7 +193,7 @@ def ray_connect_message(address: str | None, e: BaseException) -> str:
     neither in its first line)."""
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
     return (
-        f"cannot connect to Ray at {address or 'a new local cluster'}: {type(e).__name__}: {first[:200]} "
+        f"cannot connect to Ray at {_where(address)}: {type(e).__name__}: {first[:200]} "
         f"(a cluster started by `ray start --head` with ~/.ray/auth_token present needs "
         f"`export RAY_AUTH_MODE=token` in every shell that runs `ray start` or asyncrl, and that token "
         f"file copied to every node)"
