@@ -238,3 +238,29 @@ def test_a_stop_while_the_refusal_is_recorded_still_returns_the_slot(buf) -> Non
     asyncio.run(main())
     assert len(buf.poison_prompts(256)) == 1 and w.counters["groups_rejected"] == 1
     assert _balanced(buf)["dead"] == 1  # before: the slot stayed in the actor's in-flight tally
+
+
+def test_a_record_for_a_prompt_that_fits_now_is_not_followed(buf) -> None:
+    """Prompt ids are row positions: a record made before a resume that changed the data file, the system
+    prompt or the chat template can name a prompt that fits now. It is asked for, not skipped (and a
+    data set whose every id was recorded does not end the run as 'every prompt refused')."""
+    for i in range(8):  # every id recorded, as by a run on an older data file
+        buf.mark_poison_prompt(f"p-{i}", 256, f"prompt 'p-{i}' refused earlier")
+    w = _Worker(buf)
+    w.produce(12)
+    # The six that fit are asked for and written; the two still too long stay passed over, unasked.
+    assert w.counters["groups_written"] == 12 and w.long_asked == 0, w.counters
+    assert w.counters["prompts_skipped"] == buf.prompts_claimed() - 12 >= 2, w.counters
+    assert buf.dead_letters(count=10) == []
+
+
+def test_a_refusal_for_another_reason_than_the_length_is_not_recorded(buf) -> None:
+    """The engine refusing a prompt that fits model.max_model_len (its sampling settings, the engine
+    itself): not a property of the prompt, so it is dead-lettered each time and not recorded (a record
+    would outlive the fix, and here it ended the run as 'every prompt refused' after one epoch)."""
+    w = _Worker(buf, engine_limit=2)  # refuses the 3-token prompts too
+    w.produce(16)  # two epochs and more
+    assert w.counters["groups_rejected"] == 16 and w.counters["groups_written"] == 0, w.counters
+    assert set(buf.poison_prompts(256)) == LONG  # only the prompts longer than model.max_model_len
+    dead = _dead_prompts(buf)
+    assert dead.count("p-0") >= 2 and dead.count("p-2") == 1, dead  # asked again / recorded, passed over
