@@ -235,18 +235,24 @@ class EarlyRay:
     def shutdown(self, wait: bool = True) -> None:
         """Stop the Ray this run started, when the run failed before an actor pool took it over. With
         ``ray.init`` still running (:meth:`result` gave up on it, or ``wait`` is false: the command's stop
-        came), what it started so far is killed and RayLost raised: the process must end with os._exit
-        (Ray's atexit shutdown would meet the unfinished ray.init)."""
+        came), or with its GCS or raylet gone (a signal to the process group), what it started is killed
+        and RayLost raised: the process must end with os._exit (Ray's atexit shutdown would meet the
+        unfinished ray.init, or wait on the dead GCS)."""
         # Not given up on yet (a run that failed while Ray started): its start gets its bound to finish.
-        if not self._done.wait(self._timeout_s if wait and not self._gave_up else 0):
-            from asyncrl.actors.ray_loss import RayLost, kill_local_ray
+        from asyncrl.actors.ray_loss import RayLost, call_bounded, kill_local_ray, local_ray_lost
 
+        if not self._done.wait(self._timeout_s if wait and not self._gave_up else 0):
             kill_local_ray()
             raise RayLost()
         if self._owned:
             import ray
 
-            ray.shutdown()
+            # A signal to the process group killed its GCS too (serve-actors stopped during its pool's
+            # start): ray.shutdown would wait on it until Ray's core worker aborted the process.
+            if local_ray_lost():
+                kill_local_ray()
+                raise RayLost()
+            call_bounded(ray.shutdown)
 
     def release(self) -> None:
         """Ray is down (or was never started here): let the thread end."""

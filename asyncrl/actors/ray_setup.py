@@ -79,8 +79,16 @@ def init_ray(cfg: Any, gcs_reconnect_timeout_s: int | None = None) -> bool:
 
     if ray.is_initialized():
         return False
-    # ray.init installs a native SIGTERM handler that dumps a stack and aborts the driver;
-    # keep the caller's Python handlers (e.g. "set the stop event") in charge instead.
+    # ray.init's core worker installs Ray's native failure-signal handler (SIGTERM: a stack dump and an
+    # abort), process-wide, from whichever thread calls it: started in the background (EarlyRay), it
+    # replaced the command's Python handlers ("set the stop event") until the main thread re-installed
+    # them, and a SIGTERM during the model build meanwhile aborted the process (exit -6, no teardown).
+    # Ray reads its switch (RAY_DISABLE_FAILURE_SIGNAL_HANDLER) from this constant at init: set for this
+    # driver only, not in the environment, so Ray's workers (the actors) keep their handler.
+    from ray._private import ray_constants
+
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    # ray.init (on the main thread) also sets a Python SIGTERM handler (sys.exit): keep the caller's.
     with _keep_signal_handlers():
         try:
             ray.init(

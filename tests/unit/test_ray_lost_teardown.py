@@ -263,14 +263,16 @@ _SERVE = textwrap.dedent(
 )
 
 
-def _serve_then(tmp_path, redis_server, run_name, act) -> tuple[subprocess.Popen, float, str]:
+def _serve_then(
+    tmp_path, redis_server, run_name, act, script: str = ""
+) -> tuple[subprocess.Popen, float, str]:
     """Run `_SERVE` (serve-actors with a bare actor) in a process group of its own, call ``act(pid)`` when
     it says READY; the process, the seconds from ``act`` to its exit and its stderr."""
     rdir = tmp_path / "run"
     rdir.mkdir()
     log = tmp_path / "child.log"
     args = [str(rdir), f"redis.url={redis_server.url}", f"run.dir={tmp_path}", f"run.name={run_name}"]
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE, *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", script or _SERVE, *args], stdout=subprocess.PIPE,
                             stderr=log.open("wb"), text=True, start_new_session=True)  # fmt: skip
     timer = threading.Timer(90, os.killpg, (proc.pid, signal.SIGKILL))  # one waiting on the dead GCS
     timer.start()
@@ -353,6 +355,46 @@ def test_serve_actors_whose_gcs_dies_without_a_signal_ends_at_once_with_one_line
     assert proc.returncode == 1 and "Traceback" not in err, err[-4000:]
     assert took < 30, (took, err[-4000:])
     assert "asyncrl: error: the local Ray's GCS or raylet exited" in err, err[-4000:]
+    from asyncrl.buffer import ReplayBuffer
+
+    assert ReplayBuffer(redis_server.client(), run_name).pool_leases_held([0]) == [False]
+
+
+# _SERVE whose model build (the pool's start, beside Ray's start in a thread) says READY once Ray is up and
+# then takes 8 s: a signal lands while the start still runs, with Ray's GCS and raylet up.
+_SERVE_SLOW_BUILD = _SERVE.replace(
+    'asyncrl.tinymodel.resolve_model_path = lambda cfg, run_dir: Path(run_dir) / "model"',
+    """def slow_build(cfg, run_dir):
+    import time
+    end = time.monotonic() + 30
+    while not ray.is_initialized() and time.monotonic() < end:
+        time.sleep(0.1)
+    node = ray._private.worker._global_node
+    pids = [i.process.pid for kind in ("gcs_server", "raylet") for i in node.all_processes.get(kind, [])]
+    (rdir / "ray.json").write_text(json.dumps({"pids": pids, "timeout": None}))
+    print("READY", flush=True)
+    time.sleep(8)
+    return Path(run_dir) / "model"
+asyncrl.tinymodel.resolve_model_path = slow_build""",
+)
+
+
+def test_serve_actors_stopped_by_a_group_sigterm_during_its_start_ends_with_exit_code_0(
+    tmp_path, redis_server, run_name
+):
+    """A SIGTERM to serve-actors' process group while its pool still starts (the model build) with its
+    Ray already up: the start is given up at the stop, and shutting that Ray down waited on the GCS the
+    signal had killed until Ray's core worker aborted the process (60 s, exit code 1). Now the loss is
+    seen first: Ray's processes killed, exit code 0, the pool lease released."""
+    assert _SERVE_SLOW_BUILD != _SERVE
+    proc, took, err = _serve_then(
+        tmp_path, redis_server, run_name, lambda pid: os.killpg(pid, signal.SIGTERM), _SERVE_SLOW_BUILD
+    )
+    assert proc.returncode == 0 and "Traceback" not in err, err[-4000:]
+    assert took < 30, (took, err[-4000:])
+    for pid in json.loads((tmp_path / "run" / "ray.json").read_text())["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     from asyncrl.buffer import ReplayBuffer
 
     assert ReplayBuffer(redis_server.client(), run_name).pool_leases_held([0]) == [False]
