@@ -116,7 +116,9 @@ def serve_actors(
             # Ray's atexit shutdown would wait on the dead GCS until Ray's core worker aborts the
             # process (exit code 1), or meet the ray.init the start gave up on: end here, with the exit
             # code the command would have had.
-            log.warning("actor pool %d: %s; exiting", lease.n, lost or "the local Ray was lost or its start given up")
+            log.warning(
+                "actor pool %d: %s; exiting", lease.n, lost or "the local Ray was lost or its start given up"
+            )
             exit_now(0, error)
     return results
 
