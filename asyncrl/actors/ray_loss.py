@@ -89,7 +89,8 @@ def _refuses_connections(address: str) -> bool:
 
     host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=1.0).close()
+        # Ray writes an IPv6 address as "[::1]:6379".
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
     except ConnectionRefusedError:
         return True
     except OSError:

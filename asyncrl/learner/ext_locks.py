@@ -43,9 +43,10 @@ def extensions_root() -> Path:
     return Path(get_default_build_root())
 
 
-def _open_anywhere(paths: set[str]) -> set[str]:
-    """Which of ``paths`` some process (whose descriptors this user can read) has open."""
-    held: set[str] = set()
+def _open_anywhere(files: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Which of ``files`` ((st_dev, st_ino) pairs) some process whose descriptors this user can read has
+    open. By inode, not path: a holder that opened the file through a bind mount shows another path."""
+    held: set[tuple[int, int]] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         fd_dir = f"/proc/{pid}/fd"
         try:
@@ -54,12 +55,37 @@ def _open_anywhere(paths: set[str]) -> set[str]:
             continue
         for fd in fds:
             try:
-                target = os.readlink(f"{fd_dir}/{fd}")
+                st = os.stat(f"{fd_dir}/{fd}")
             except OSError:  # closed meanwhile
                 continue
-            if target in paths:
-                held.add(target)
+            if (st.st_dev, st.st_ino) in files:
+                held.add((st.st_dev, st.st_ino))
     return held
+
+
+#: File systems that machines (or containers) share: a lock there may be held by a process this /proc
+#: does not show, so it is removed only at NETWORK_MIN_AGE_S (longer than any op build).
+NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "ceph", "glusterfs", "gpfs", "beegfs",
+                        "fuse.sshfs", "fuse.glusterfs", "fuse.ceph", "9p", "virtiofs"})  # fmt: skip
+NETWORK_MIN_AGE_S = 600.0
+
+
+def _fs_type(path: Path) -> str:
+    """The file-system type of ``path``'s mount (the longest mount point above it, /proc/mounts)."""
+    best, kind = "", ""
+    target = str(path.resolve())
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        return ""
+    return kind
 
 
 def clear_stale_extension_locks(root: Path | None = None, min_age_s: float = MIN_AGE_S) -> list[Path]:
@@ -70,23 +96,31 @@ def clear_stale_extension_locks(root: Path | None = None, min_age_s: float = MIN
     if not sys.platform.startswith("linux"):
         return []
     root = root if root is not None else extensions_root()
+    if root.exists() and _fs_type(root) in NETWORK_FS:
+        min_age_s = max(min_age_s, NETWORK_MIN_AGE_S)
     removed: list[Path] = []
+    waited_logged = False
     while True:
-        locks = [p for p in (*root.glob("*/lock"), *root.glob("*/*/lock")) if p.is_file()]
-        if not locks:
-            return removed
-        held = _open_anywhere({str(p.resolve()) for p in locks})
-        young = 0.0  # the longest an unheld lock still has to age
-        for p in locks:
+        locks: dict[Path, os.stat_result] = {}
+        for p in (*root.glob("*/lock"), *root.glob("*/*/lock")):
             try:
-                st = p.stat()
+                locks[p] = p.stat()
             except FileNotFoundError:  # released meanwhile
                 continue
-            if str(p.resolve()) in held or st.st_uid != os.getuid():
+        if not locks:
+            return removed
+        held = _open_anywhere({(st.st_dev, st.st_ino) for st in locks.values()})
+        young = 0.0  # the longest an unheld lock still has to age
+        for p, st in locks.items():
+            if (st.st_dev, st.st_ino) in held or st.st_uid != os.getuid():
                 continue
             age = time.time() - st.st_mtime
             if age < min_age_s:
                 young = max(young, min_age_s - age)
+                if min_age_s - age > 5.0 and not waited_logged:
+                    waited_logged = True
+                    log.warning("waiting up to %.0f s for the build lock %s: no process here holds it (one on "
+                                "another machine sharing %s may); removed then", min_age_s - age, p, root)  # fmt: skip
                 continue
             try:
                 p.unlink()

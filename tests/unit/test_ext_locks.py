@@ -82,3 +82,33 @@ def test_a_young_unheld_lock_is_waited_for_then_removed(tmp_path) -> None:
     assert 1.0 <= took < 5.0, took
     assert not lock.exists()
     assert clear_stale_extension_locks(tmp_path) == []  # nothing left: returns at once
+
+
+def test_on_a_shared_file_system_an_unheld_lock_gets_the_long_age(tmp_path, monkeypatch) -> None:
+    """On NFS & co. a lock may be held by a process on another machine (data-parallel ranks sharing a home
+    directory), which this /proc does not show: it is removed only at NETWORK_MIN_AGE_S (600 s; 3 s
+    here), longer than any op build, and the wait is logged. On a local disk the same lock goes at once."""
+    import asyncrl.learner.ext_locks as ext_locks
+
+    lock = tmp_path / "py311_cpu" / "op" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    _age(lock, 1.5)
+    monkeypatch.setattr(ext_locks, "NETWORK_MIN_AGE_S", 3.0)
+    monkeypatch.setattr(ext_locks, "_fs_type", lambda path: "nfs4")
+    t0 = time.monotonic()
+    assert clear_stale_extension_locks(tmp_path, min_age_s=1.0) == [lock]
+    assert time.monotonic() - t0 >= 1.0  # waited until the lock was 3 s old
+    lock.touch()
+    _age(lock, 1.5)
+    monkeypatch.setattr(ext_locks, "_fs_type", lambda path: "ext4")
+    t0 = time.monotonic()
+    assert clear_stale_extension_locks(tmp_path, min_age_s=1.0) == [lock]
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_the_file_system_type_is_that_of_the_longest_mount_above_the_path(tmp_path) -> None:
+    from asyncrl.learner.ext_locks import _fs_type
+
+    assert _fs_type(tmp_path / "does-not-exist-yet") == _fs_type(tmp_path) != ""
+    assert _fs_type(__import__("pathlib").Path("/proc/self")) == "proc"

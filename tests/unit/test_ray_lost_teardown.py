@@ -398,3 +398,22 @@ def test_serve_actors_stopped_by_a_group_sigterm_during_its_start_ends_with_exit
     from asyncrl.buffer import ReplayBuffer
 
     assert ReplayBuffer(redis_server.client(), run_name).pool_leases_held([0]) == [False]
+
+
+def test_the_gcs_port_probe_reads_ipv6_addresses() -> None:
+    """Ray writes an IPv6 GCS address as "[::1]:port"; with the brackets kept the lookup failed and the
+    probe said 'not refused' for ever (the slow detection again)."""
+    import socket
+
+    from asyncrl.actors.ray_loss import _refuses_connections
+
+    try:
+        s = socket.socket(socket.AF_INET6)
+        s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    s.listen()
+    port = s.getsockname()[1]
+    assert _refuses_connections(f"[::1]:{port}") is False  # listening
+    s.close()
+    assert _refuses_connections(f"[::1]:{port}") is True  # closed: refused
