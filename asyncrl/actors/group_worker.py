@@ -59,6 +59,7 @@ class _PoisonPrompts:
         self.known: dict[str, str] = {}  # prompt id -> reason
         self.epoch = -1  # the newest epoch of the prompt order at whose turn the record was read
         self.loading: asyncio.Future | None = None
+        self.merged: asyncio.Future | None = None  # the read whose result is in ``known``
         self.loop: asyncio.AbstractEventLoop | None = None
         self.logged: set[str] = set()  # prompts whose skip was logged
         self.skipped_in_row = 0  # positions passed over since this actor last claimed one to generate
@@ -283,16 +284,16 @@ class GroupProduction:
             p.epoch, p.loop = max(p.epoch, epoch), loop
             limit = int(self.cfg.model.max_model_len)
             fut = p.loading = asyncio.ensure_future(asyncio.to_thread(self.buffer.poison_prompts, limit))
-
-            def merge(f: asyncio.Future) -> None:
-                if not f.cancelled() and f.exception() is None:
-                    p.known.update(f.result())
-
-            fut.add_done_callback(merge)
         if not fut.done():
             await asyncio.shield(fut)  # every worker waits for it: none asks the engine meanwhile
         if fut.exception() is not None:  # Redis gone past the retry budget: the loop fails, as a claim's
             raise fut.exception()
+        # Merged here by the first worker to see it done, not in a done-callback: a callback runs a loop
+        # turn after the future is done, and a worker seeing it done in between asked the engine for a
+        # recorded prompt (a CI failure of test_other_actors_and_a_resumed_run_skip...).
+        if p.merged is not fut:
+            p.known.update(fut.result())
+            p.merged = fut
         return p.known
 
     async def _claim_prompt(self) -> tuple[int, Prompt]:
